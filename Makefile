@@ -1,0 +1,39 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+# Each creates/refreshes the local virtual environment .venv as needed.
+# GPU=1 selects the CUDA stack (fbgemm-gpu, CUDA torch) instead of the CPU one.
+PYTHON ?= python3
+VENV ?= .venv
+GPU ?= 0
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+ifeq ($(GPU),1)
+STAMP := $(VENV)/.installed-gpu
+else
+STAMP := $(VENV)/.installed-cpu
+endif
+
+.PHONY: install demo test clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+ifeq ($(GPU),1)
+	$(PIP) install -e ".[gpu,test]"
+else
+	# fbgemm-gpu-cpu first, then torchrec without its requirements (they name the CUDA fbgemm-gpu).
+	$(PIP) install -e ".[cpu,test]"
+	$(PIP) install --no-deps torchrec==1.8.0
+endif
+	$(PY) -c "import torchrec, fbgemm_gpu, lightning_sparselift"
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/sparselift fit --config configs/dlrm_synthetic.yaml
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,28 @@
+"""SparseLift for PyTorch Lightning: ``Trainer(strategy="sparselift")`` trains TorchRec-sharded
+recommendation models. Importing this package registers the strategy names ``sparselift``,
+``sparselift_spawn`` and ``sparselift_fork``; torchrec itself is imported only when needed."""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_sparselift.strategy import SparseLiftStrategy
+
+SparseLiftStrategy.register_strategies(StrategyRegistry)
+
+_LAZY = {
+    "CriteoDataModule": "lightning_sparselift.data",
+    "EvenDistributedSampler": "lightning_sparselift.data",
+    "RecBatch": "lightning_sparselift.data",
+    "DLRMModule": "lightning_sparselift.model",
+    "EmbeddingOptimizer": "lightning_sparselift.sharding",
+}
+
+__all__ = ["SparseLiftStrategy", *_LAZY]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lightning_sparselift' has no attribute {name!r}")

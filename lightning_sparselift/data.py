@@ -1,0 +1,448 @@
+"""Criteo-like recommendation data: a synthetic generator with a planted signal, a reader for the
+npy files that ``torchrec.datasets.criteo`` writes, and a LightningDataModule over both.
+
+Batches are assembled by slicing memory-mapped arrays (one dataset item is one whole batch), so
+loading is a handful of ``np`` slices per step and never part of the measured model execution.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+# Criteo Kaggle (Display Advertising Challenge) cardinalities of the 26 categorical features.
+CRITEO_KAGGLE_CARDINALITIES: tuple[int, ...] = (
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+)
+# Per-feature pooling factors of MLPerf DLRMv2 (multi-hot Criteo 1TB).
+DLRMV2_POOLING_FACTORS: tuple[int, ...] = (
+    3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1,
+)
+NUM_DENSE = 13
+FEATURE_NAMES: tuple[str, ...] = tuple(f"cat_{i}" for i in range(len(CRITEO_KAGGLE_CARDINALITIES)))
+
+_FORMAT_VERSION = 1
+
+
+def table_sizes(cardinalities: Sequence[int], max_rows: Optional[int]) -> list[int]:
+    """Rows per table: the raw cardinality, capped at ``max_rows`` (ids are taken modulo it)."""
+    return [int(c) if max_rows is None else int(min(c, max_rows)) for c in cardinalities]
+
+
+@dataclass
+class RecBatch:
+    """One batch: dense features, sparse features as a KJT, labels and per-sample weights.
+
+    ``weights`` is 1 for real samples and 0 for the padding that keeps every rank's number of
+    evaluation batches equal (so metrics never count a sample twice).
+    """
+
+    dense: torch.Tensor
+    sparse: KeyedJaggedTensor
+    labels: torch.Tensor
+    weights: torch.Tensor
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "RecBatch":
+        return RecBatch(
+            dense=self.dense.to(device, non_blocking=non_blocking),
+            sparse=self.sparse.to(device, non_blocking=non_blocking),
+            labels=self.labels.to(device, non_blocking=non_blocking),
+            weights=self.weights.to(device, non_blocking=non_blocking),
+        )
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        self.dense.record_stream(stream)
+        self.sparse.record_stream(stream)
+        self.labels.record_stream(stream)
+        self.weights.record_stream(stream)
+
+    def pin_memory(self) -> "RecBatch":
+        return RecBatch(self.dense.pin_memory(), self.sparse.pin_memory(), self.labels.pin_memory(),
+                        self.weights.pin_memory())
+
+    def __len__(self) -> int:
+        return int(self.labels.numel())
+
+
+class RecArrays:
+    """Column store of one split: dense [N, 13], labels [N], per feature (lengths [N], values).
+
+    ``values`` holds all features' ids feature-major in one array; feature ``f``'s ids for
+    samples ``[s, e)`` are the contiguous slice ``values[starts[f] + offsets[f, s] :
+    starts[f] + offsets[f, e]]``, so a batch of consecutive samples costs one slice per feature.
+    """
+
+    def __init__(self, dense: np.ndarray, labels: np.ndarray, lengths: np.ndarray,
+                 values: np.ndarray, feature_names: Sequence[str], id_modulus: Optional[Sequence[int]] = None):
+        if lengths.shape != (len(feature_names), dense.shape[0]):
+            raise ValueError(f"lengths must have shape (features, samples) = {(len(feature_names), dense.shape[0])}, "
+                             f"got {lengths.shape}")
+        self.dense = dense
+        self.labels = labels
+        self.lengths = lengths
+        self.values = values
+        self.feature_names = list(feature_names)
+        self.id_modulus = None if id_modulus is None else torch.tensor(list(id_modulus), dtype=torch.int64)
+        offsets = np.zeros((lengths.shape[0], lengths.shape[1] + 1), dtype=np.int64)
+        np.cumsum(lengths, axis=1, out=offsets[:, 1:])
+        self.offsets = offsets
+        self.starts = np.concatenate([[0], np.cumsum(offsets[:, -1])[:-1]])
+        if int(offsets[:, -1].sum()) != values.shape[0]:
+            raise ValueError(f"lengths sum to {int(offsets[:, -1].sum())} ids but values holds {values.shape[0]}")
+
+    def __len__(self) -> int:
+        return int(self.dense.shape[0])
+
+    def batch(self, start: int, end: int) -> RecBatch:
+        pieces = [self.values[b + o[start]: b + o[end]] for b, o in zip(self.starts, self.offsets)]
+        values = torch.from_numpy(np.concatenate(pieces).astype(np.int64, copy=False))
+        lengths = torch.from_numpy(np.ascontiguousarray(self.lengths[:, start:end]).astype(np.int32).reshape(-1))
+        if self.id_modulus is not None:
+            values = values % self.id_modulus.repeat_interleave(
+                torch.tensor([p.shape[0] for p in pieces], dtype=torch.int64))
+        return RecBatch(
+            dense=torch.from_numpy(np.ascontiguousarray(self.dense[start:end], dtype=np.float32)),
+            sparse=KeyedJaggedTensor.from_lengths_sync(keys=self.feature_names, values=values, lengths=lengths),
+            labels=torch.from_numpy(np.ascontiguousarray(self.labels[start:end], dtype=np.float32)),
+            weights=torch.ones(end - start, dtype=torch.float32),
+        )
+
+
+class BatchedRecDataset(Dataset):
+    """A dataset whose item ``i`` is batch ``i`` (consecutive samples); the last may be short.
+
+    Index ``-1`` yields a padding batch: a full-size batch with all weights 0, used by
+    :class:`EvenDistributedSampler` so every rank runs the same number of forwards.
+    """
+
+    def __init__(self, arrays: RecArrays, batch_size: int, drop_last: bool = False):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.arrays = arrays
+        self.batch_size = batch_size
+        n = len(arrays)
+        self.num_batches = n // batch_size if drop_last else math.ceil(n / batch_size)
+        if self.num_batches == 0:
+            raise ValueError(f"{n} samples make no batch of {batch_size} (drop_last={drop_last})")
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __getitem__(self, index: int) -> RecBatch:
+        if index == -1:
+            padding = self.arrays.batch(0, min(self.batch_size, len(self.arrays)))
+            padding.weights.zero_()
+            return padding
+        if not 0 <= index < self.num_batches:
+            raise IndexError(f"batch {index} out of range [0, {self.num_batches})")
+        start = index * self.batch_size
+        return self.arrays.batch(start, min(start + self.batch_size, len(self.arrays)))
+
+
+class EvenDistributedSampler(DistributedSampler):
+    """Splits indices across ranks without duplicating any, then pads the shorter ranks with
+    index ``-1`` so that all ranks yield the same count.
+
+    Lightning's default ``DistributedSampler`` repeats samples to even out ranks (metrics count
+    them twice) and its predict sampler gives ranks different counts (a sharded model's
+    all-to-all then waits forever on the rank that stopped). Datasets used with this sampler map
+    ``-1`` to a zero-weight padding item.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: Optional[int] = None, rank: Optional[int] = None):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
+        self.num_samples = math.ceil(len(dataset) / self.num_replicas)
+        self.total_size = self.num_samples * self.num_replicas
+
+    def __iter__(self) -> Iterator[int]:
+        own = list(range(self.rank, len(self.dataset), self.num_replicas))
+        return iter(own + [-1] * (self.num_samples - len(own)))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+# ----------------------------------------------------------------------------------------------
+# Synthetic generator
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """Everything that determines the generated data (its hash names the cache folder)."""
+
+    num_samples: int
+    num_embeddings_per_feature: tuple[int, ...]
+    pooling_factors: tuple[float, ...]
+    length_distribution: str = "fixed"  # "fixed": every bag has exactly its pooling factor; "poisson"
+    zipf_exponent: float = 1.05
+    signal_strength: float = 1.0
+    base_rate_logit: float = -1.2
+    seed: int = 0
+    num_dense: int = NUM_DENSE
+    feature_names: tuple[str, ...] = field(default=FEATURE_NAMES)
+
+    def __post_init__(self) -> None:
+        n = len(self.num_embeddings_per_feature)
+        if len(self.pooling_factors) != n or len(self.feature_names) != n:
+            raise ValueError(f"num_embeddings_per_feature ({n}), pooling_factors ({len(self.pooling_factors)}) and "
+                             f"feature_names ({len(self.feature_names)}) must have the same length")
+        if self.length_distribution not in ("fixed", "poisson"):
+            raise ValueError(f"length_distribution must be 'fixed' or 'poisson', got {self.length_distribution!r}")
+        if self.zipf_exponent <= 0:
+            raise ValueError(f"zipf_exponent must be > 0, got {self.zipf_exponent}")
+        if any(r < 1 for r in self.num_embeddings_per_feature):
+            raise ValueError("every table needs at least one row")
+
+    def digest(self) -> str:
+        blob = json.dumps({"v": _FORMAT_VERSION, **asdict(self)}, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _id_effect(feature: int, ids: np.ndarray) -> np.ndarray:
+    """A fixed pseudo-random effect per (feature, id) with mean 0 and variance 1 (a hash, so it
+    needs no table as large as the feature's cardinality)."""
+    h = (ids.astype(np.uint64) * np.uint64(2654435761) + np.uint64(feature * 40503 + 1)) & np.uint64(0xFFFFFFFF)
+    h ^= h >> np.uint64(15)
+    h = (h * np.uint64(2246822519)) & np.uint64(0xFFFFFFFF)
+    return (h.astype(np.float64) / 2.0**32 - 0.5) * math.sqrt(12.0)
+
+
+def _zipf_ids(rng: np.random.Generator, count: int, rows: int, exponent: float, feature: int) -> np.ndarray:
+    """Ids in [0, rows) with P(rank k) ~ 1/k^exponent, hot ids scattered over the table."""
+    if rows == 1:
+        return np.zeros(count, dtype=np.int64)
+    k = np.arange(1, rows + 1, dtype=np.float64)
+    cdf = np.cumsum(k ** -exponent)
+    cdf /= cdf[-1]
+    ranks = np.minimum(np.searchsorted(cdf, rng.random(count)), rows - 1).astype(np.int64)
+    # An affine map with a multiplier coprime to rows is a bijection: hot ranks land on spread-out rows.
+    mult = 1 + 2 * (7919 + feature)
+    while math.gcd(mult, rows) != 1:
+        mult += 2
+    return (ranks * mult + 17 * feature) % rows
+
+
+def generate_synthetic(spec: SyntheticSpec) -> dict[str, np.ndarray]:
+    """Generate one split. Labels are Bernoulli(sigmoid(z)) with
+    ``z = base + s * (w . dense + sum_f mean(effect_f(ids in bag f))) / sqrt(13 + F)``; the true
+    probability is returned as ``probability`` so the Bayes-optimal AUC can be computed."""
+    rng = np.random.default_rng(spec.seed)
+    n, num_features = spec.num_samples, len(spec.num_embeddings_per_feature)
+    dense = rng.lognormal(mean=0.0, sigma=1.0, size=(n, spec.num_dense)).astype(np.float32)
+    dense = np.log1p(dense)  # the usual Criteo preprocessing: log(1 + x)
+    w = rng.standard_normal(spec.num_dense)
+    standardized = (dense - dense.mean(axis=0)) / (dense.std(axis=0) + 1e-6)
+    z = standardized @ w
+    lengths = np.empty((num_features, n), dtype=np.int32)
+    values = []
+    for f, (rows, pf) in enumerate(zip(spec.num_embeddings_per_feature, spec.pooling_factors)):
+        if spec.length_distribution == "fixed":
+            lengths[f] = max(int(round(pf)), 0)
+        else:
+            lengths[f] = rng.poisson(pf, size=n)
+        ids = _zipf_ids(rng, int(lengths[f].sum()), rows, spec.zipf_exponent, f)
+        values.append(ids)
+        bag_sum = np.add.reduceat(_id_effect(f, ids), np.concatenate([[0], np.cumsum(lengths[f])[:-1]])) \
+            if ids.size else np.zeros(n)
+        bag_sum = np.where(lengths[f] > 0, bag_sum, 0.0)  # reduceat repeats a value for empty bags
+        z += bag_sum / np.maximum(lengths[f], 1)
+    logit = spec.base_rate_logit + spec.signal_strength * z / math.sqrt(spec.num_dense + num_features) * 3.0
+    probability = 1.0 / (1.0 + np.exp(-logit))
+    labels = (rng.random(n) < probability).astype(np.float32)
+    return {"dense": dense, "labels": labels, "lengths": lengths,
+            "values": np.concatenate(values).astype(np.int64), "probability": probability.astype(np.float32)}
+
+
+def load_or_generate(spec: SyntheticSpec, cache_dir: Path) -> tuple[RecArrays, np.ndarray]:
+    """Generate ``spec`` once into ``cache_dir/<digest>/`` and memory-map it afterwards."""
+    folder = Path(cache_dir) / spec.digest()
+    done = folder / "spec.json"
+    if not done.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        arrays = generate_synthetic(spec)
+        for name, array in arrays.items():
+            tmp = folder / f".{name}.{os.getpid()}.npy"
+            np.save(tmp, array)
+            os.replace(tmp, folder / f"{name}.npy")
+        tmp = folder / f".spec.{os.getpid()}.json"
+        tmp.write_text(json.dumps(asdict(spec), indent=1))
+        os.replace(tmp, done)  # written last: its presence means the folder is complete
+    load = {name: np.load(folder / f"{name}.npy", mmap_mode="r")
+            for name in ("dense", "labels", "lengths", "values", "probability")}
+    arrays = RecArrays(load["dense"], load["labels"], load["lengths"], load["values"], spec.feature_names)
+    return arrays, load["probability"]
+
+
+def read_criteo_npy(prefix: str | Path, num_embeddings_per_feature: Sequence[int],
+                    feature_names: Sequence[str] = FEATURE_NAMES) -> RecArrays:
+    """Read the ``<prefix>_dense.npy`` / ``_sparse.npy`` / ``_labels.npy`` triple that
+    ``torchrec.datasets.criteo.BinaryCriteoUtils`` writes (dense already log-transformed,
+    one id per feature). Ids are taken modulo the table sizes, as TorchRec's reader does."""
+    prefix = str(prefix)
+    paths = {k: Path(f"{prefix}_{k}.npy") for k in ("dense", "sparse", "labels")}
+    missing = [str(p) for p in paths.values() if not p.exists()]
+    if missing:
+        raise FileNotFoundError(f"Criteo npy files not found: {missing}")
+    dense = np.load(paths["dense"], mmap_mode="r")
+    sparse = np.load(paths["sparse"], mmap_mode="r")
+    labels = np.load(paths["labels"], mmap_mode="r").reshape(-1)
+    n = dense.shape[0]
+    if sparse.shape != (n, len(feature_names)) or labels.shape[0] != n:
+        raise ValueError(f"inconsistent Criteo npy shapes: dense {dense.shape}, sparse {sparse.shape}, "
+                         f"labels {labels.shape}; expected sparse (N, {len(feature_names)})")
+    if len(num_embeddings_per_feature) != len(feature_names):
+        raise ValueError(f"{len(num_embeddings_per_feature)} table sizes for {len(feature_names)} features")
+    # One id per (feature, sample): feature-major values are the transposed id matrix.
+    values = np.ascontiguousarray(np.asarray(sparse).T).reshape(-1)
+    lengths = np.ones((len(feature_names), n), dtype=np.int32)
+    return RecArrays(dense, labels, lengths, values, feature_names, id_modulus=num_embeddings_per_feature)
+
+
+class CriteoDataModule(pl.LightningDataModule):
+    """Criteo-shaped data for DLRM training: synthetic (default) or TorchRec's npy format.
+
+    Args:
+        batch_size: samples per rank per step.
+        num_train / num_val / num_test: synthetic split sizes (ignored for npy data).
+        max_rows: cap on table rows (ids are folded into ``[0, max_rows)``); ``None`` keeps the
+            Criteo Kaggle cardinalities.
+        num_embeddings_per_feature: table sizes to use instead of the capped Criteo ones.
+        multi_hot: use DLRMv2 pooling factors (or ``pooling_factors``) instead of one id per feature.
+        pooling_factors: per-feature mean bag sizes (implies multi-hot).
+        length_distribution: ``"fixed"`` bags of exactly the pooling factor, or ``"poisson"``
+            (gives empty bags for small factors).
+        zipf_exponent: skew of the id distribution.
+        signal_strength: scale of the planted signal (0 gives labels independent of features).
+        seed: determines the whole dataset.
+        criteo_npy_dir: a folder with ``day_*`` / ``train`` / ``val`` / ``test`` npy triples written
+            by ``torchrec.datasets.criteo``; when set, synthetic generation is skipped.
+        cache_dir: where generated data is stored (default ``$SPARSELIFT_CACHE`` or
+            ``~/.cache/lightning_sparselift``).
+    """
+
+    def __init__(
+        self,
+        batch_size: int = 1024,
+        num_train: int = 262_144,
+        num_val: int = 65_536,
+        num_test: int = 65_536,
+        max_rows: Optional[int] = 100_000,
+        num_embeddings_per_feature: Optional[list[int]] = None,
+        multi_hot: bool = False,
+        pooling_factors: Optional[list[float]] = None,
+        length_distribution: str = "fixed",
+        zipf_exponent: float = 1.05,
+        signal_strength: float = 1.0,
+        seed: int = 0,
+        criteo_npy_dir: Optional[str] = None,
+        cache_dir: Optional[str] = None,
+        num_workers: int = 0,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        if num_embeddings_per_feature is not None:
+            sizes = [int(x) for x in num_embeddings_per_feature]
+        else:
+            sizes = table_sizes(CRITEO_KAGGLE_CARDINALITIES, max_rows)
+        if pooling_factors is not None:
+            pooling = [float(p) for p in pooling_factors]
+        elif multi_hot:
+            pooling = [float(p) for p in DLRMV2_POOLING_FACTORS]
+        else:
+            pooling = [1.0] * len(sizes)
+        if len(pooling) != len(sizes):
+            raise ValueError(f"{len(pooling)} pooling factors for {len(sizes)} tables")
+        self.table_sizes = sizes
+        self.pooling_factors = pooling
+        self.feature_names = list(FEATURE_NAMES[: len(sizes)]) if len(sizes) <= len(FEATURE_NAMES) \
+            else [f"cat_{i}" for i in range(len(sizes))]
+        self.num_dense = NUM_DENSE
+        self._splits: dict[str, RecArrays] = {}
+        self._probability: dict[str, np.ndarray] = {}
+
+    @property
+    def cache_dir(self) -> Path:
+        configured = self.hparams.cache_dir or os.environ.get("SPARSELIFT_CACHE")
+        return Path(configured) if configured else Path.home() / ".cache" / "lightning_sparselift"
+
+    def _spec(self, split: str) -> SyntheticSpec:
+        size = {"train": self.hparams.num_train, "val": self.hparams.num_val, "test": self.hparams.num_test}[split]
+        # The same planted model for every split (same hash effects and dense weights come from
+        # `seed`); the samples differ through a per-split seed offset.
+        return SyntheticSpec(
+            num_samples=int(size), num_embeddings_per_feature=tuple(self.table_sizes),
+            pooling_factors=tuple(self.pooling_factors), length_distribution=self.hparams.length_distribution,
+            zipf_exponent=self.hparams.zipf_exponent, signal_strength=self.hparams.signal_strength,
+            seed=self.hparams.seed * 1000 + {"train": 0, "val": 1, "test": 2}[split],
+            feature_names=tuple(self.feature_names),
+        )
+
+    def prepare_data(self) -> None:
+        if self.hparams.criteo_npy_dir is None:
+            for split in ("train", "val", "test"):
+                load_or_generate(self._spec(split), self.cache_dir)
+
+    def split(self, name: str) -> RecArrays:
+        """The column store of split ``train`` / ``val`` / ``test`` (loaded on first use)."""
+        if name not in self._splits:
+            if self.hparams.criteo_npy_dir is not None:
+                self._splits[name] = read_criteo_npy(Path(self.hparams.criteo_npy_dir) / name,
+                                                     self.table_sizes, self.feature_names)
+            else:
+                arrays, probability = load_or_generate(self._spec(name), self.cache_dir)
+                self._splits[name] = arrays
+                self._probability[name] = probability
+        return self._splits[name]
+
+    def bayes_optimal_auc(self, split: str = "val") -> float:
+        """ROC-AUC of the generator's true click probability on ``split``: no model can beat it."""
+        from torchmetrics.functional.classification import binary_auroc
+
+        if self.hparams.criteo_npy_dir is not None:
+            raise ValueError("the Bayes-optimal AUC is only known for synthetic data")
+        labels = torch.from_numpy(np.asarray(self.split(split).labels)).long()
+        return float(binary_auroc(torch.from_numpy(np.asarray(self._probability[split])), labels))
+
+    def setup(self, stage: str) -> None:
+        wanted = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("test",)}[stage]
+        for name in wanted:
+            self.split(name)
+
+    def _loader(self, split: str, train: bool) -> DataLoader:
+        dataset = BatchedRecDataset(self.split(split), self.hparams.batch_size, drop_last=train)
+        sampler = None
+        if not train and self.trainer is not None and self.trainer.world_size > 1:
+            sampler = EvenDistributedSampler(dataset, num_replicas=self.trainer.world_size,
+                                             rank=self.trainer.global_rank)
+        return DataLoader(dataset, batch_size=None, shuffle=train if sampler is None else False, sampler=sampler,
+                          num_workers=self.hparams.num_workers, collate_fn=_identity)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", train=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", train=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader("test", train=False)
+
+
+def _identity(x):
+    return x
+

@@ -1,0 +1,45 @@
+"""A fork/spawn launcher that returns only the dense weights to the main process.
+
+Lightning's multiprocessing launcher pickles rank 0's full ``state_dict`` back to the parent;
+sharded tables (ShardedTensor) cannot travel that way (and rank 0 holds only its shards anyway).
+The parent's tables therefore stay on the meta device after ``fit``: load a checkpoint into a
+new run to use the trained tables.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.trainer.states import TrainerFn
+
+
+def dense_state_dict(module: torch.nn.Module, sparse_prefixes: list[str]) -> dict[str, torch.Tensor]:
+    """Plain-tensor entries of ``module.state_dict()`` outside the embedding modules."""
+    return {k: v for k, v in module.state_dict().items()
+            if type(v) is torch.Tensor and not any(k == p or k.startswith(p + ".") for p in sparse_prefixes)}
+
+
+class DenseOnlyMultiProcessingLauncher(_MultiProcessingLauncher):
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Optional[_WorkerOutput]:
+        checkpoint_callback = trainer.checkpoint_callback
+        best_model_path = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None
+        state_dict = dense_state_dict(trainer.lightning_module, self._strategy.sparse_module_paths)
+        if self._strategy.local_rank != 0:
+            return None
+        weights_path = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            torch.save(state_dict, weights_path)
+        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
+
+    def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: Any) -> None:
+        if worker_output.weights_path is not None:
+            state = torch.load(worker_output.weights_path, weights_only=True)
+            os.remove(worker_output.weights_path)
+            os.rmdir(os.path.dirname(worker_output.weights_path))
+            trainer.lightning_module.load_state_dict(state, strict=False)
+        super()._recover_results_in_main_process(worker_output._replace(weights_path=None), trainer)

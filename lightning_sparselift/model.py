@@ -1,0 +1,145 @@
+"""``DLRMModule``: TorchRec's DLRM (dot interaction) or DLRM-DCN (DCN-v2) as a LightningModule.
+
+Tables are created on the meta device, so a model with large tables is never materialised
+unsharded: the strategy shards them and only each rank's shards are allocated.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from lightning_sparselift.data import RecBatch
+from lightning_sparselift.metrics import RecMetrics
+
+INTERACTIONS = ("dot", "dcn")
+DENSE_OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam,
+                    "adamw": torch.optim.AdamW}
+
+
+def build_embedding_bag_collection(num_embeddings_per_feature: list[int], embedding_dim: int,
+                                   feature_names: Optional[list[str]] = None, device: str = "meta") -> nn.Module:
+    """One table ``t_<feature>`` per feature (feature ``cat_i`` by default)."""
+    from torchrec import EmbeddingBagCollection
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    names = feature_names or [f"cat_{i}" for i in range(len(num_embeddings_per_feature))]
+    if len(names) != len(num_embeddings_per_feature):
+        raise ValueError(f"{len(names)} feature names for {len(num_embeddings_per_feature)} tables")
+    return EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name=f"t_{f}", embedding_dim=embedding_dim, num_embeddings=int(rows),
+                                   feature_names=[f]) for f, rows in zip(names, num_embeddings_per_feature)],
+        device=torch.device(device),
+    )
+
+
+class DLRMModule(pl.LightningModule):
+    """DLRM / DCN-v2 click-through-rate model trained with BCE on logits.
+
+    Args:
+        num_embeddings_per_feature: rows of each feature's table (one table per feature).
+        embedding_dim: embedding width (the bottom MLP's last layer must equal it).
+        dense_in_features: number of dense features.
+        dense_arch_layer_sizes: bottom MLP.
+        over_arch_layer_sizes: top MLP (must end in 1).
+        interaction: ``"dot"`` (DLRM) or ``"dcn"`` (DLRM-DCN, DCN-v2 low-rank cross net).
+        dcn_num_layers / dcn_low_rank_dim: DCN cross-net shape.
+        dense_optimizer: ``sgd`` / ``adagrad`` / ``adam`` / ``adamw`` for the dense part (the
+            tables are updated by the strategy's fused embedding optimizer).
+        dense_lr: its learning rate.
+        lr_scheduler: ``None`` or ``"cosine"`` (cosine decay over the run, per step), applied to
+            the dense optimizer.
+        feature_names: feature keys of the input KJT (``cat_0..`` by default).
+    """
+
+    def __init__(
+        self,
+        num_embeddings_per_feature: list[int],
+        embedding_dim: int = 64,
+        dense_in_features: int = 13,
+        dense_arch_layer_sizes: list[int] = (512, 256, 64),
+        over_arch_layer_sizes: list[int] = (512, 256, 1),
+        interaction: str = "dot",
+        dcn_num_layers: int = 3,
+        dcn_low_rank_dim: int = 512,
+        dense_optimizer: str = "sgd",
+        dense_lr: float = 0.1,
+        lr_scheduler: Optional[str] = None,
+        feature_names: Optional[list[str]] = None,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        if interaction not in INTERACTIONS:
+            raise ValueError(f"interaction must be one of {INTERACTIONS}, got {interaction!r}")
+        if dense_optimizer not in DENSE_OPTIMIZERS:
+            raise ValueError(f"dense_optimizer must be one of {sorted(DENSE_OPTIMIZERS)}, got {dense_optimizer!r}")
+        if lr_scheduler not in (None, "cosine"):
+            raise ValueError(f"lr_scheduler must be None or 'cosine', got {lr_scheduler!r}")
+        if list(dense_arch_layer_sizes)[-1] != embedding_dim:
+            raise ValueError(f"the bottom MLP must end in embedding_dim={embedding_dim}, "
+                             f"got {list(dense_arch_layer_sizes)}")
+        if list(over_arch_layer_sizes)[-1] != 1:
+            raise ValueError(f"the top MLP must end in 1 (one logit), got {list(over_arch_layer_sizes)}")
+        from torchrec.models.dlrm import DLRM, DLRM_DCN
+
+        ebc = build_embedding_bag_collection(list(num_embeddings_per_feature), embedding_dim, feature_names)
+        common = dict(embedding_bag_collection=ebc, dense_in_features=dense_in_features,
+                      dense_arch_layer_sizes=list(dense_arch_layer_sizes),
+                      over_arch_layer_sizes=list(over_arch_layer_sizes), dense_device=torch.device("cpu"))
+        if interaction == "dot":
+            self.model = DLRM(**common)
+        else:
+            self.model = DLRM_DCN(**common, dcn_num_layers=dcn_num_layers, dcn_low_rank_dim=dcn_low_rank_dim)
+        self.loss_fn = nn.BCEWithLogitsLoss(reduction="none")
+        self.val_metrics = RecMetrics(prefix="val/")
+        self.test_metrics = RecMetrics(prefix="test/")
+
+    def forward(self, batch: RecBatch) -> torch.Tensor:
+        return self.model(batch.dense, batch.sparse).squeeze(-1)
+
+    def _loss(self, logits: torch.Tensor, batch: RecBatch) -> torch.Tensor:
+        per_sample = self.loss_fn(logits, batch.labels) * batch.weights
+        return per_sample.sum() / batch.weights.sum().clamp_min(1.0)
+
+    def training_step(self, batch: RecBatch, batch_idx: int) -> torch.Tensor:
+        _warn_if_nan(batch.dense, "training batch")
+        loss = self._loss(self(batch), batch)
+        self.log("train/loss", loss, prog_bar=True, batch_size=len(batch))
+        return loss
+
+    def _evaluate(self, batch: RecBatch, metrics: RecMetrics) -> None:
+        _warn_if_nan(batch.dense, "evaluation batch")
+        logits = self(batch)
+        metrics.update(torch.sigmoid(logits), batch.labels, batch.weights)
+        self.log_dict(metrics, on_step=False, on_epoch=True, prog_bar=True)
+
+    def validation_step(self, batch: RecBatch, batch_idx: int) -> None:
+        self._evaluate(batch, self.val_metrics)
+
+    def test_step(self, batch: RecBatch, batch_idx: int) -> None:
+        self._evaluate(batch, self.test_metrics)
+
+    def predict_step(self, batch: RecBatch, batch_idx: int) -> dict[str, torch.Tensor]:
+        keep = batch.weights > 0
+        return {"probability": torch.sigmoid(self(batch))[keep], "label": batch.labels[keep]}
+
+    def configure_optimizers(self) -> Any:
+        # The strategy removes the embedding tables from this optimizer (they are updated by the
+        # fused embedding optimizer in backward), so asking for all parameters is fine.
+        optimizer = DENSE_OPTIMIZERS[self.hparams.dense_optimizer](self.parameters(), lr=self.hparams.dense_lr)
+        if self.hparams.lr_scheduler is None:
+            return optimizer
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _warn_if_nan(dense: torch.Tensor, where: str) -> None:
+    bad = int(torch.isnan(dense).sum())
+    if bad:
+        warnings.warn(f"{where}: {bad} NaN value(s) in the dense features; the loss and gradients of this step "
+                      f"will be NaN. Clean or impute the inputs.", RuntimeWarning, stacklevel=3)

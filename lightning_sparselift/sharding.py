@@ -1,0 +1,161 @@
+"""Placement of embedding tables: TorchRec's planner where it can, a constructed plan where it
+cannot (row-wise on CPU, which the planner refuses there), and the embedding optimizer that the
+sharded tables run fused into their backward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "data_parallel", "table_row_wise")
+# The planner never proposes these on CPU; we build their plan ourselves.
+_CONSTRUCTED_ON_CPU = ("row_wise",)
+_GPU_ONLY = ("table_row_wise",)
+
+EMBEDDING_OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
+
+
+@dataclass
+class EmbeddingOptimizer:
+    """The optimizer fused into the sharded tables' backward (fbgemm TBE), with its settings.
+
+    ``name``: ``sgd``, ``rowwise_adagrad`` or ``adam``. ``lr`` is its learning rate; ``eps``,
+    ``betas`` and ``weight_decay`` apply where the optimizer has them.
+    """
+
+    name: str = "sgd"
+    lr: float = 0.1
+    eps: float = 1e-8
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.name not in EMBEDDING_OPTIMIZERS:
+            raise ValueError(f"unknown embedding optimizer {self.name!r}; choose one of {EMBEDDING_OPTIMIZERS}")
+        if not self.lr > 0:
+            raise ValueError(f"embedding optimizer lr must be > 0, got {self.lr}")
+        self.betas = tuple(self.betas)
+
+    @classmethod
+    def parse(cls, value: "EmbeddingOptimizer | dict[str, Any] | str") -> "EmbeddingOptimizer":
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            return cls(name=value)
+        if isinstance(value, dict):
+            unknown = set(value) - {"name", "lr", "eps", "betas", "weight_decay"}
+            if unknown:
+                raise ValueError(f"unknown embedding_optimizer option(s) {sorted(unknown)}")
+            return cls(**value)
+        raise TypeError(f"embedding_optimizer must be a name, a dict or EmbeddingOptimizer, got {type(value)}")
+
+    def apply_in_backward(self, params: list[nn.Parameter]) -> None:
+        """Attach the optimizer to ``params`` so TorchRec picks the fused kernel for them."""
+        from torch.distributed.optim import _apply_optimizer_in_backward
+        from torchrec.optim import RowWiseAdagrad
+
+        if self.name == "sgd":
+            cls, kwargs = torch.optim.SGD, {"lr": self.lr, "weight_decay": self.weight_decay}
+        elif self.name == "rowwise_adagrad":
+            cls, kwargs = RowWiseAdagrad, {"lr": self.lr, "eps": self.eps, "weight_decay": self.weight_decay}
+        else:
+            cls, kwargs = torch.optim.Adam, {"lr": self.lr, "eps": self.eps, "betas": self.betas,
+                                             "weight_decay": self.weight_decay}
+        _apply_optimizer_in_backward(cls, params, kwargs)
+
+
+@dataclass
+class TableInfo:
+    module_path: str
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    feature_names: list[str] = field(default_factory=list)
+
+
+def find_embedding_bag_collections(model: nn.Module) -> dict[str, nn.Module]:
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    return {path: m for path, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)}
+
+
+def describe_tables(model: nn.Module) -> dict[str, TableInfo]:
+    """Every table of every EmbeddingBagCollection, by table name (names must be unique)."""
+    tables: dict[str, TableInfo] = {}
+    for path, ebc in find_embedding_bag_collections(model).items():
+        for cfg in ebc.embedding_bag_configs():
+            if cfg.name in tables:
+                raise ValueError(f"table name {cfg.name!r} is used by both {tables[cfg.name].module_path!r} and "
+                                 f"{path!r}; sharding plans address tables by name, so names must be unique")
+            tables[cfg.name] = TableInfo(path, cfg.name, cfg.num_embeddings, cfg.embedding_dim,
+                                         list(cfg.feature_names))
+    return tables
+
+
+def validate_sharding_types(sharding_types: Optional[dict[str, str]], tables: dict[str, TableInfo],
+                            device_type: str) -> dict[str, str]:
+    if not sharding_types:
+        return {}
+    unknown_tables = sorted(set(sharding_types) - set(tables))
+    if unknown_tables:
+        raise ValueError(f"sharding_types names table(s) {unknown_tables} that the model does not have; "
+                         f"its tables are {sorted(tables)}")
+    for table, kind in sharding_types.items():
+        if kind not in SHARDING_TYPES:
+            raise ValueError(f"unknown sharding type {kind!r} for table {table!r}; choose one of {SHARDING_TYPES}")
+        if kind in _GPU_ONLY and device_type != "cuda":
+            raise ValueError(f"sharding type {kind!r} (table {table!r}) needs CUDA devices")
+    return dict(sharding_types)
+
+
+def build_sharding_plan(model: nn.Module, sharder: Any, world_size: int, device_type: str,
+                        sharding_types: dict[str, str], process_group: Any, batch_size: Optional[int] = None) -> Any:
+    """A TorchRec ``ShardingPlan`` for every EmbeddingBagCollection in ``model``.
+
+    Tables listed in ``sharding_types`` get that type; the others are left to TorchRec's
+    planner. On CPU the planner cannot place row-wise tables, so when any is requested the
+    whole plan is constructed: requested types as given, other tables table-wise on the least
+    loaded rank (by rows x dim).
+    """
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.sharding_plan import (
+        column_wise, construct_module_sharding_plan, data_parallel, row_wise, table_wise,
+    )
+    from torchrec.distributed.types import ShardingPlan
+
+    tables = describe_tables(model)
+    constructed = device_type == "cpu" and any(k in _CONSTRUCTED_ON_CPU for k in sharding_types.values())
+    if not constructed:
+        constraints = {t: ParameterConstraints(sharding_types=[k]) for t, k in sharding_types.items()}
+        planner = EmbeddingShardingPlanner(
+            topology=Topology(world_size=world_size, compute_device=device_type),
+            batch_size=batch_size, constraints=constraints, debug=False,
+        )
+        if process_group is not None and world_size > 1:
+            return planner.collective_plan(model, [sharder], process_group)
+        return planner.plan(model, [sharder])
+
+    load = [0] * world_size
+    generators: dict[str, dict[str, Any]] = {}
+    for name, info in sorted(tables.items(), key=lambda kv: (-kv[1].num_embeddings * kv[1].embedding_dim, kv[0])):
+        kind = sharding_types.get(name, "table_wise")
+        if kind == "table_wise":
+            rank = min(range(world_size), key=lambda r: (load[r], r))
+            load[rank] += info.num_embeddings * info.embedding_dim
+            gen = table_wise(rank=rank)
+        elif kind == "column_wise":
+            gen = column_wise(ranks=list(range(world_size)))
+        elif kind == "row_wise":
+            gen = row_wise()
+        else:
+            gen = data_parallel()
+        generators.setdefault(info.module_path, {})[name] = gen
+    ebcs = find_embedding_bag_collections(model)
+    return ShardingPlan(plan={
+        path: construct_module_sharding_plan(ebcs[path], per_param, sharder=sharder, local_size=world_size,
+                                             world_size=world_size, device_type=device_type)
+        for path, per_param in generators.items()
+    })

@@ -1,0 +1,400 @@
+"""``SparseLiftStrategy``: the Lightning glue.
+
+It shards every TorchRec ``EmbeddingBagCollection`` of the LightningModule with
+``DistributedModelParallel`` (tables placed by TorchRec's planner, or by a constructed plan
+where the planner cannot place them), keeps the dense part data-parallel, runs the embedding
+optimizer fused into backward next to the user's dense optimizer, and saves sharded checkpoints.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized, _get_default_process_group_backend_for_device, _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+
+from lightning_sparselift import checkpoint as ckpt
+from lightning_sparselift.launcher import DenseOnlyMultiProcessingLauncher
+from lightning_sparselift.sharding import (
+    EmbeddingOptimizer, describe_tables, find_embedding_bag_collections, validate_sharding_types,
+)
+
+EXECUTORS = ("torchrec", "sparselift")
+# Optimization passes the planner will choose from. Until they exist, naming one is an error
+# rather than a silent no-op.
+KNOWN_OPTIMIZATIONS: tuple[str, ...] = ()
+START_METHODS = ("popen", "spawn", "fork")
+EMBEDDING_LR_SCHEDULES = ("constant", "follow_dense")
+
+
+class SparseLiftStrategy(ParallelStrategy):
+    """Train TorchRec-sharded recommendation models with Lightning, on 1..N CPU processes over
+    gloo or on GPUs over NCCL.
+
+    Args:
+        sharding_types: table name -> TorchRec sharding type (``table_wise``, ``column_wise``,
+            ``row_wise``, ``data_parallel``; ``table_row_wise`` on GPU). Unlisted tables are
+            placed by TorchRec's planner (table-wise on the least loaded rank when the plan has
+            to be constructed, as for row-wise on CPU).
+        embedding_optimizer: the optimizer fused into the tables' backward: a name (``sgd``,
+            ``rowwise_adagrad``, ``adam``), a dict (``{"name": ..., "lr": ...}``) or an
+            :class:`~lightning_sparselift.sharding.EmbeddingOptimizer`.
+        embedding_lr_schedule: ``constant`` keeps the embedding LR fixed; ``follow_dense``
+            scales it by the dense optimizer's current/initial LR ratio every step, so the LR
+            scheduler from ``configure_optimizers`` (which drives the dense optimizer) drives
+            both.
+        executor: ``torchrec`` runs TorchRec's sharded modules as they are. ``sparselift`` (the
+            lifted executor) is not available yet and raises.
+        optimizations: names of the sparse-path optimization passes the planner may use (none
+            exist yet; unknown names raise).
+        warmup_batches: batches used to capture the sparse path before planning.
+        timeout: collective timeout (seconds or ``timedelta``).
+        process_group_backend: ``gloo`` / ``nccl``; defaults from the device.
+        start_method: ``popen`` (re-runs the script, like DDP), ``spawn`` or ``fork`` (notebooks).
+        validate_inputs: check every batch's KJT keys and id ranges before the sharded lookup
+            (fbgemm's CPU kernels would otherwise read out of bounds silently).
+        allow_optimizer_state_reset: when resuming into a different sharding plan, load the
+            weights and restart the fused optimizer state instead of raising.
+    """
+
+    strategy_name = "sparselift"
+
+    def __init__(
+        self,
+        sharding_types: Optional[dict[str, str]] = None,
+        embedding_optimizer: Union[str, dict[str, Any], EmbeddingOptimizer] = "sgd",
+        embedding_lr_schedule: str = "constant",
+        executor: str = "torchrec",
+        optimizations: Optional[list[str]] = None,
+        warmup_batches: int = 3,
+        timeout: Union[float, timedelta] = 1800.0,
+        process_group_backend: Optional[str] = None,
+        start_method: Literal["popen", "spawn", "fork"] = "popen",
+        validate_inputs: bool = True,
+        allow_optimizer_state_reset: bool = False,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        if executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+        if executor == "sparselift":
+            raise NotImplementedError("executor='sparselift' (the lifted sparse path) is not implemented yet; "
+                                      "use executor='torchrec'")
+        unknown = sorted(set(optimizations or []) - set(KNOWN_OPTIMIZATIONS))
+        if unknown:
+            raise ValueError(f"unknown optimization(s) {unknown}; available: {list(KNOWN_OPTIMIZATIONS) or 'none yet'}")
+        if sharding_types is not None and not isinstance(sharding_types, dict):
+            raise TypeError(f"sharding_types must be a dict table -> type, got {type(sharding_types).__name__}")
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+        if embedding_lr_schedule not in EMBEDDING_LR_SCHEDULES:
+            raise ValueError(f"embedding_lr_schedule must be one of {EMBEDDING_LR_SCHEDULES}, "
+                             f"got {embedding_lr_schedule!r}")
+        if int(warmup_batches) < 0:
+            raise ValueError(f"warmup_batches must be >= 0, got {warmup_batches}")
+        self.sharding_types = dict(sharding_types or {})
+        self.embedding_optimizer = EmbeddingOptimizer.parse(embedding_optimizer)
+        self.embedding_lr_schedule = embedding_lr_schedule
+        self.executor = executor
+        self.optimizations = list(optimizations or [])
+        self.warmup_batches = int(warmup_batches)
+        self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        self._process_group_backend = process_group_backend
+        self._start_method = start_method
+        self.validate_inputs = validate_inputs
+        self.allow_optimizer_state_reset = allow_optimizer_state_reset
+        self.num_nodes = 1
+        self._dmp: Optional[torch.nn.Module] = None
+        self._tables: dict[str, Any] = {}
+        self.sparse_module_paths: list[str] = []
+        self._dense_base_lrs: list[float] = []
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="SparseLift (re-runs the script per rank)",
+                                   override=True)
+        for method in ("spawn", "fork"):
+            strategy_registry.register(f"{cls.strategy_name}_{method}", cls, start_method=method,
+                                       description=f"SparseLift with the {method} launcher", override=True)
+
+    # ------------------------------------------------------------------ processes and collectives
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            if not self.cluster_environment.creates_processes_externally:
+                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = DenseOnlyMultiProcessingLauncher(self, start_method=self._start_method)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or \
+            _get_default_process_group_backend_for_device(self.root_device)
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        if _distributed_is_initialized():
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
+               reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def model_to_device(self) -> None:
+        # Tables are created by the sharding on the right device; the dense part moves there in setup.
+        pass
+
+    def tensor_init_context(self, empty_init: Optional[bool] = None):
+        return nullcontext()
+
+    # ------------------------------------------------------------------ sharding
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if trainer.accumulate_grad_batches != 1:
+            raise MisconfigurationException(
+                f"SparseLiftStrategy cannot accumulate gradients (accumulate_grad_batches="
+                f"{trainer.accumulate_grad_batches}): the embedding optimizer is fused into backward and updates "
+                f"the tables at every backward pass. Use a larger batch size instead.")
+        if type(self.precision_plugin) is not Precision:
+            raise MisconfigurationException(f"SparseLiftStrategy supports only precision='32-true', got "
+                                            f"{type(self.precision_plugin).__name__}")
+        if self._dmp is None:
+            self._dmp = self._shard(self.lightning_module, trainer)
+        self.model = self._dmp
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _shard(self, module: torch.nn.Module, trainer: Any) -> torch.nn.Module:
+        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+        from torchrec.distributed.model_parallel import DistributedModelParallel
+        from torchrec.distributed.types import ShardingEnv
+
+        from lightning_sparselift.sharding import build_sharding_plan
+
+        ebcs = find_embedding_bag_collections(module)
+        if not ebcs:
+            raise MisconfigurationException(
+                f"SparseLiftStrategy found no torchrec EmbeddingBagCollection in {type(module).__name__}; it shards "
+                f"recommendation models whose sparse features go through EmbeddingBagCollections")
+        self._tables = describe_tables(module)
+        self.sparse_module_paths = sorted(ebcs)
+        sharding_types = validate_sharding_types(self.sharding_types, self._tables, self.root_device.type)
+        self.embedding_optimizer.apply_in_backward([p for ebc in ebcs.values() for p in ebc.parameters()])
+        sharder = EmbeddingBagCollectionSharder()
+        pg = torch.distributed.group.WORLD
+        plan = build_sharding_plan(module, sharder, self.world_size, self.root_device.type, sharding_types, pg)
+        dmp = DistributedModelParallel(module, env=ShardingEnv.from_process_group(pg), device=self.root_device,
+                                       plan=plan, sharders=[sharder])
+        if self.validate_inputs:
+            from lightning_sparselift.validation import install_input_checks
+
+            install_input_checks(module, self.sparse_module_paths, self._tables)
+        return dmp
+
+    @property
+    def sharding_plan(self) -> Any:
+        """TorchRec's ``ShardingPlan`` in use (after setup)."""
+        if self._dmp is None:
+            raise RuntimeError("the model is not sharded yet (the plan exists after Trainer setup)")
+        return self._dmp.plan
+
+    @property
+    def fused_optimizer(self) -> Any:
+        """TorchRec's ``CombinedOptimizer`` over the sharded tables (after setup)."""
+        if self._dmp is None:
+            raise RuntimeError("the model is not sharded yet")
+        return self._dmp.fused_optimizer
+
+    # ------------------------------------------------------------------ optimizers
+    def setup_optimizers(self, trainer: Any) -> None:
+        from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+        if len(self.optimizers) != 1:
+            raise MisconfigurationException(
+                f"SparseLiftStrategy needs configure_optimizers to return exactly one (dense) optimizer, got "
+                f"{len(self.optimizers)}; the embedding optimizer is configured on the strategy")
+        dense = self.optimizers[0]
+        names = {id(p): n for n, p in self._dmp.named_parameters()}
+        for group in dense.param_groups:
+            # Tables carry their optimizer in backward; a second, dense update would be wrong.
+            group["params"] = [p for p in group["params"] if not hasattr(p, "_in_backward_optimizers")]
+        params = [p for g in dense.param_groups for p in g["params"]]
+        unknown = [p for p in params if id(p) not in names]
+        if unknown:
+            raise MisconfigurationException(f"the dense optimizer holds {len(unknown)} tensor(s) that are not "
+                                            f"parameters of the model")
+        keyed_dense = KeyedOptimizerWrapper({names[id(p)]: p for p in params}, lambda _: dense)
+        self._dense_base_lrs = [g["lr"] for g in dense.param_groups]
+        self._embedding_base_lrs = [g["lr"] for g in self._dmp.fused_optimizer.param_groups]
+        self.optimizers = [CombinedOptimizer([("embedding", self._dmp.fused_optimizer), ("dense", keyed_dense)])]
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self.embedding_lr_schedule == "follow_dense":
+            self._follow_dense_lr()
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    def _follow_dense_lr(self) -> None:
+        dense = dict(self.optimizers[0].optimizers)["dense"]
+        factor = dense.param_groups[0]["lr"] / self._dense_base_lrs[0]
+        for group, base in zip(self._dmp.fused_optimizer.param_groups, self._embedding_base_lrs):
+            group["lr"] = base * factor
+
+    # ------------------------------------------------------------------ uneven data guard
+    def _check_equal_batch_counts(self, stage: str) -> None:
+        """All ranks must run the same number of sharded forwards, else a collective hangs."""
+        trainer = self.lightning_module.trainer
+        loop = {"validate": trainer.validate_loop, "test": trainer.test_loop, "predict": trainer.predict_loop}[stage]
+        counts = [float(c) for c in (loop.max_batches if isinstance(loop.max_batches, list) else [loop.max_batches])]
+        local = torch.tensor(counts, dtype=torch.float64)
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        torch.distributed.all_gather(gathered, local)
+        if any(not torch.equal(g, gathered[0]) for g in gathered):
+            raise RuntimeError(
+                f"ranks have different numbers of {stage} batches ({[g.tolist() for g in gathered]}); sharded "
+                f"embeddings need every rank to run the same number of forwards. Use "
+                f"lightning_sparselift.EvenDistributedSampler (pads with zero-weight batches) for this dataloader.")
+
+    def on_validation_start(self) -> None:
+        self._check_equal_batch_counts("validate")
+
+    def on_test_start(self) -> None:
+        self._check_equal_batch_counts("test")
+
+    def on_predict_start(self) -> None:
+        self._check_equal_batch_counts("predict")
+
+    # ------------------------------------------------------------------ checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # The weights go into the DCP shards in save_checkpoint.
+        return {}
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return {}
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # loaded in load_checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # loaded in load_checkpoint
+
+    def _fingerprint(self) -> dict[str, Any]:
+        return ckpt.model_fingerprint(self._dmp, self._tables, self.sparse_module_paths)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError("SparseLiftStrategy.save_checkpoint does not take storage_options")
+        path = Path(self.broadcast(str(filepath)))
+        if path.is_file():
+            raise FileExistsError(f"{path} is a file; SparseLift checkpoints are folders")
+        lightning_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        optimizer = self.optimizers[0] if self.optimizers else None
+        ckpt.save(path, self._dmp, optimizer, lightning_state, self.global_rank, self._fingerprint(),
+                  ckpt.plan_summary(self._dmp.plan))
+        self.barrier()
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        meta = ckpt.read_meta(path, weights_only=weights_only)
+        optimizer = self.optimizers[0] if self.optimizers else None
+        ckpt.load(path, self._dmp, optimizer, meta, self.global_rank, self._fingerprint(),
+                  ckpt.plan_summary(self._dmp.plan), self.allow_optimizer_state_reset)
+        meta.pop("sparselift")
+        meta["state_dict"] = {}
+        if optimizer is not None and self.embedding_lr_schedule == "follow_dense":
+            self._follow_dense_lr()
+        return meta
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            import shutil
+
+            shutil.rmtree(filepath, ignore_errors=True)
+
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_dmp"] = None  # the spawn launcher pickles the strategy before any sharding happens
+        return state
