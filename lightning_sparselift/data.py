@@ -175,6 +175,22 @@ class EvenDistributedSampler(DistributedSampler):
         return self.num_samples
 
 
+class EpochShuffledSampler(DistributedSampler):
+    """Lightning's ``DistributedSampler`` for training, but its shuffle is drawn when the first
+    index is requested rather than when the iterator is created.
+
+    On resuming from an end-of-epoch checkpoint Lightning creates the dataloader iterator before
+    it calls ``set_epoch``; an eager sampler then replays the previous epoch's order and the
+    resumed run diverges from an uninterrupted one.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=False)
+
+    def __iter__(self) -> Iterator[int]:
+        yield from super().__iter__()
+
+
 # ----------------------------------------------------------------------------------------------
 # Synthetic generator
 # ----------------------------------------------------------------------------------------------
@@ -424,9 +440,10 @@ class CriteoDataModule(pl.LightningDataModule):
     def _loader(self, split: str, train: bool) -> DataLoader:
         dataset = BatchedRecDataset(self.split(split), self.hparams.batch_size, drop_last=train)
         sampler = None
-        if not train and self.trainer is not None and self.trainer.world_size > 1:
-            sampler = EvenDistributedSampler(dataset, num_replicas=self.trainer.world_size,
-                                             rank=self.trainer.global_rank)
+        if self.trainer is not None:
+            world, rank = self.trainer.world_size, self.trainer.global_rank
+            sampler = EpochShuffledSampler(dataset, world, rank, seed=int(os.environ.get("PL_GLOBAL_SEED", 0))) \
+                if train else EvenDistributedSampler(dataset, num_replicas=world, rank=rank)
         return DataLoader(dataset, batch_size=None, shuffle=train if sampler is None else False, sampler=sampler,
                           num_workers=self.hparams.num_workers, collate_fn=_identity)
 

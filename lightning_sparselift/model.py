@@ -51,8 +51,10 @@ class DLRMModule(pl.LightningModule):
         dense_optimizer: ``sgd`` / ``adagrad`` / ``adam`` / ``adamw`` for the dense part (the
             tables are updated by the strategy's fused embedding optimizer).
         dense_lr: its learning rate.
-        lr_scheduler: ``None`` or ``"cosine"`` (cosine decay over the run, per step), applied to
-            the dense optimizer.
+        lr_scheduler: ``None`` or ``"cosine"`` (cosine decay per step), applied to the dense
+            optimizer (the strategy's ``embedding_lr_schedule="follow_dense"`` makes it drive the
+            embedding LR too).
+        lr_scheduler_steps: length of the cosine decay; default: the run's total steps.
         feature_names: feature keys of the input KJT (``cat_0..`` by default).
     """
 
@@ -69,6 +71,7 @@ class DLRMModule(pl.LightningModule):
         dense_optimizer: str = "sgd",
         dense_lr: float = 0.1,
         lr_scheduler: Optional[str] = None,
+        lr_scheduler_steps: Optional[int] = None,
         feature_names: Optional[list[str]] = None,
     ):
         super().__init__()
@@ -133,7 +136,7 @@ class DLRMModule(pl.LightningModule):
         optimizer = DENSE_OPTIMIZERS[self.hparams.dense_optimizer](self.parameters(), lr=self.hparams.dense_lr)
         if self.hparams.lr_scheduler is None:
             return optimizer
-        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        total = self.hparams.lr_scheduler_steps or max(int(self.trainer.estimated_stepping_batches), 1)
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

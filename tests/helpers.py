@@ -1,0 +1,67 @@
+"""Small models, data and trainers for the multi-process CPU tests (fork launcher, gloo)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as L
+import torch
+
+from lightning_sparselift import CriteoDataModule, DLRMModule, SparseLiftStrategy
+
+TINY_TABLES = [40, 40, 300, 300, 1000, 7]
+
+
+def tiny_data(tmp_cache: Path, **kwargs: Any) -> CriteoDataModule:
+    args = dict(batch_size=32, num_train=512, num_val=300, num_test=300, num_embeddings_per_feature=TINY_TABLES,
+                cache_dir=str(tmp_cache), seed=3)
+    args.update(kwargs)
+    return CriteoDataModule(**args)
+
+
+def tiny_model(dm: CriteoDataModule, **kwargs: Any) -> DLRMModule:
+    args = dict(embedding_dim=8, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1],
+                feature_names=dm.feature_names, dense_optimizer="adam", dense_lr=0.01)
+    args.update(kwargs)
+    return DLRMModule(dm.table_sizes, **args)
+
+
+def trainer(devices: int, strategy: Optional[SparseLiftStrategy] = None, **kwargs: Any) -> L.Trainer:
+    args = dict(accelerator="cpu", devices=devices, max_epochs=1, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    args.update(kwargs)
+    return L.Trainer(strategy=strategy or SparseLiftStrategy(start_method="fork"), **args)
+
+
+def local_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's view of the model: local shards of sharded tables, plain tensors as they are."""
+    out = {}
+    for key, value in module.state_dict().items():
+        if hasattr(value, "local_shards"):
+            for i, shard in enumerate(value.local_shards()):
+                out[f"{key}#shard{i}"] = shard.tensor.detach().clone()
+        else:
+            out[key] = value.detach().clone()
+    return out
+
+
+class DumpLocalState(L.Callback):
+    """Saves each rank's local model (and fused optimizer) state at the end of fit."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        state = local_state(trainer.strategy.model)
+        for key, value in trainer.strategy.fused_optimizer.state_dict()["state"].items():
+            for name, tensor in value.items():
+                if hasattr(tensor, "local_shards"):
+                    for i, shard in enumerate(tensor.local_shards()):
+                        state[f"optim/{key}/{name}#shard{i}"] = shard.tensor.detach().clone()
+        torch.save(state, self.folder / f"rank{trainer.global_rank}.pt")
+
+
+def load_dumps(folder: Path, world_size: int) -> list[dict[str, torch.Tensor]]:
+    return [torch.load(Path(folder) / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
