@@ -15,14 +15,17 @@ SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "data_parallel", "tab
 _CONSTRUCTED_ON_CPU = ("row_wise",)
 _GPU_ONLY = ("table_row_wise",)
 
-EMBEDDING_OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
+EMBEDDING_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+# fbgemm's CPU TBE kernels implement only these.
+CPU_EMBEDDING_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 
 
 @dataclass
 class EmbeddingOptimizer:
     """The optimizer fused into the sharded tables' backward (fbgemm TBE), with its settings.
 
-    ``name``: ``sgd``, ``rowwise_adagrad`` or ``adam``. ``lr`` is its learning rate; ``eps``,
+    ``name``: ``sgd``, ``adagrad``, ``rowwise_adagrad`` or ``adam`` (CUDA only: fbgemm's CPU
+    kernels have no Adam). ``lr`` is its learning rate; ``eps``,
     ``betas`` and ``weight_decay`` apply where the optimizer has them.
     """
 
@@ -52,18 +55,26 @@ class EmbeddingOptimizer:
             return cls(**value)
         raise TypeError(f"embedding_optimizer must be a name, a dict or EmbeddingOptimizer, got {type(value)}")
 
-    def apply_in_backward(self, params: list[nn.Parameter]) -> None:
+    def apply_in_backward(self, params: list[nn.Parameter], device_type: str) -> None:
         """Attach the optimizer to ``params`` so TorchRec picks the fused kernel for them."""
+        if device_type == "cpu" and self.name not in CPU_EMBEDDING_OPTIMIZERS:
+            raise ValueError(f"embedding optimizer {self.name!r} needs CUDA: fbgemm's CPU kernels implement only "
+                             f"{CPU_EMBEDDING_OPTIMIZERS}")
         from torch.distributed.optim import _apply_optimizer_in_backward
-        from torchrec.optim import RowWiseAdagrad
+        from torchrec import optim as trec_optim
 
+        # TorchRec's placeholder optimizer classes pass their kwargs straight to fbgemm's TBE,
+        # so they use fbgemm's argument names (beta1/beta2, not betas).
         if self.name == "sgd":
-            cls, kwargs = torch.optim.SGD, {"lr": self.lr, "weight_decay": self.weight_decay}
+            cls, kwargs = trec_optim.SGD, {"lr": self.lr, "weight_decay": self.weight_decay}
+        elif self.name == "adagrad":
+            cls, kwargs = trec_optim.Adagrad, {"lr": self.lr, "eps": self.eps, "weight_decay": self.weight_decay}
         elif self.name == "rowwise_adagrad":
-            cls, kwargs = RowWiseAdagrad, {"lr": self.lr, "eps": self.eps, "weight_decay": self.weight_decay}
+            cls, kwargs = trec_optim.RowWiseAdagrad, {"lr": self.lr, "eps": self.eps,
+                                                      "weight_decay": self.weight_decay}
         else:
-            cls, kwargs = torch.optim.Adam, {"lr": self.lr, "eps": self.eps, "betas": self.betas,
-                                             "weight_decay": self.weight_decay}
+            cls, kwargs = trec_optim.Adam, {"lr": self.lr, "eps": self.eps, "beta1": self.betas[0],
+                                            "beta2": self.betas[1], "weight_decay": self.weight_decay}
         _apply_optimizer_in_backward(cls, params, kwargs)
 
 

@@ -56,9 +56,12 @@ class SparseLiftStrategy(ParallelStrategy):
             ``row_wise``, ``data_parallel``; ``table_row_wise`` on GPU). Unlisted tables are
             placed by TorchRec's planner (table-wise on the least loaded rank when the plan has
             to be constructed, as for row-wise on CPU).
-        embedding_optimizer: the optimizer fused into the tables' backward: a name (``sgd``,
-            ``rowwise_adagrad``, ``adam``), a dict (``{"name": ..., "lr": ...}``) or an
-            :class:`~lightning_sparselift.sharding.EmbeddingOptimizer`.
+        embedding_optimizer: the optimizer fused into the model-parallel tables' backward: a
+            name (``sgd``, ``adagrad``, ``rowwise_adagrad``; ``adam`` on CUDA only), a dict
+            (``{"name": ..., "lr": ...}``) or an
+            :class:`~lightning_sparselift.sharding.EmbeddingOptimizer`. ``data_parallel`` tables
+            are replicated dense parameters: TorchRec all-reduces their gradients and the dense
+            optimizer from ``configure_optimizers`` updates them.
         embedding_lr_schedule: ``constant`` keeps the embedding LR fixed; ``follow_dense``
             scales it by the dense optimizer's current/initial LR ratio every step, so the LR
             scheduler from ``configure_optimizers`` (which drives the dense optimizer) drives
@@ -254,7 +257,8 @@ class SparseLiftStrategy(ParallelStrategy):
         self._tables = describe_tables(module)
         self.sparse_module_paths = sorted(ebcs)
         sharding_types = validate_sharding_types(self.sharding_types, self._tables, self.root_device.type)
-        self.embedding_optimizer.apply_in_backward([p for ebc in ebcs.values() for p in ebc.parameters()])
+        self.embedding_optimizer.apply_in_backward([p for ebc in ebcs.values() for p in ebc.parameters()],
+                                                   self.root_device.type)
         sharder = EmbeddingBagCollectionSharder()
         pg = torch.distributed.group.WORLD
         plan = build_sharding_plan(module, sharder, self.world_size, self.root_device.type, sharding_types, pg)

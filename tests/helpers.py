@@ -47,12 +47,21 @@ def local_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 class DumpLocalState(L.Callback):
-    """Saves each rank's local model (and fused optimizer) state at the end of fit."""
+    """Saves each rank's local model (and fused optimizer) state at the start or end of fit."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, at: str = "end"):
         self.folder = Path(folder)
+        self.at = at
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.at == "start":
+            self.dump(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.at == "end":
+            self.dump(trainer)
+
+    def dump(self, trainer: L.Trainer) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         state = local_state(trainer.strategy.model)
         for key, value in trainer.strategy.fused_optimizer.state_dict()["state"].items():
