@@ -113,10 +113,11 @@ class RecArrays:
         if self.id_modulus is not None:
             values = values % self.id_modulus.repeat_interleave(
                 torch.tensor([p.shape[0] for p in pieces], dtype=torch.int64))
+        # np.array copies: the columns may be read-only memory maps, which a batch must not alias.
         return RecBatch(
-            dense=torch.from_numpy(np.ascontiguousarray(self.dense[start:end], dtype=np.float32)),
+            dense=torch.from_numpy(np.array(self.dense[start:end], dtype=np.float32)),
             sparse=KeyedJaggedTensor.from_lengths_sync(keys=self.feature_names, values=values, lengths=lengths),
-            labels=torch.from_numpy(np.ascontiguousarray(self.labels[start:end], dtype=np.float32)),
+            labels=torch.from_numpy(np.array(self.labels[start:end], dtype=np.float32)),
             weights=torch.ones(end - start, dtype=torch.float32),
         )
 
@@ -335,7 +336,7 @@ class CriteoDataModule(pl.LightningDataModule):
         num_train / num_val / num_test: synthetic split sizes (ignored for npy data).
         max_rows: cap on table rows (ids are folded into ``[0, max_rows)``); ``None`` keeps the
             Criteo Kaggle cardinalities.
-        num_embeddings_per_feature: table sizes to use instead of the capped Criteo ones.
+        rows_per_feature: table sizes to use instead of the capped Criteo ones.
         multi_hot: use DLRMv2 pooling factors (or ``pooling_factors``) instead of one id per feature.
         pooling_factors: per-feature mean bag sizes (implies multi-hot).
         length_distribution: ``"fixed"`` bags of exactly the pooling factor, or ``"poisson"``
@@ -356,7 +357,7 @@ class CriteoDataModule(pl.LightningDataModule):
         num_val: int = 65_536,
         num_test: int = 65_536,
         max_rows: Optional[int] = 100_000,
-        num_embeddings_per_feature: Optional[list[int]] = None,
+        rows_per_feature: Optional[list[int]] = None,
         multi_hot: bool = False,
         pooling_factors: Optional[list[float]] = None,
         length_distribution: str = "fixed",
@@ -369,8 +370,8 @@ class CriteoDataModule(pl.LightningDataModule):
     ):
         super().__init__()
         self.save_hyperparameters()
-        if num_embeddings_per_feature is not None:
-            sizes = [int(x) for x in num_embeddings_per_feature]
+        if rows_per_feature is not None:
+            sizes = [int(x) for x in rows_per_feature]
         else:
             sizes = table_sizes(CRITEO_KAGGLE_CARDINALITIES, max_rows)
         if pooling_factors is not None:
@@ -429,8 +430,8 @@ class CriteoDataModule(pl.LightningDataModule):
 
         if self.hparams.criteo_npy_dir is not None:
             raise ValueError("the Bayes-optimal AUC is only known for synthetic data")
-        labels = torch.from_numpy(np.asarray(self.split(split).labels)).long()
-        return float(binary_auroc(torch.from_numpy(np.asarray(self._probability[split])), labels))
+        labels = torch.from_numpy(np.array(self.split(split).labels)).long()
+        return float(binary_auroc(torch.from_numpy(np.array(self._probability[split])), labels))
 
     def setup(self, stage: str) -> None:
         wanted = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("test",)}[stage]

@@ -24,6 +24,15 @@ def dense_state_dict(module: torch.nn.Module, sparse_prefixes: list[str]) -> dic
 
 
 class DenseOnlyMultiProcessingLauncher(_MultiProcessingLauncher):
+    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+        if self._start_method == "fork":
+            # GNU OpenMP's thread pool does not survive fork: a child whose parent already ran a
+            # parallel region deadlocks in its first multi-threaded op. Forked ranks therefore
+            # run single-threaded ops (use the popen or spawn launcher for more threads per rank).
+            torch.set_num_threads(1)
+            os.environ["OMP_NUM_THREADS"] = "1"  # else Lightning raises the thread count again
+        super()._wrapping_function(process_idx, *args, **kwargs)
+
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Optional[_WorkerOutput]:
         checkpoint_callback = trainer.checkpoint_callback
         best_model_path = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None

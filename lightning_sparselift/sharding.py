@@ -170,3 +170,55 @@ def build_sharding_plan(model: nn.Module, sharder: Any, world_size: int, device_
                                              world_size=world_size, device_type=device_type)
         for path, per_param in generators.items()
     })
+
+
+@dataclass
+class ShardedModel:
+    dmp: nn.Module
+    tables: dict[str, TableInfo]
+    sparse_module_paths: list[str]
+
+
+def shard_model(module: nn.Module, world_size: int, device: torch.device, sharding_types: Optional[dict[str, str]],
+                embedding_optimizer: EmbeddingOptimizer, process_group: Any, validate_inputs: bool) -> ShardedModel:
+    """Shard every EmbeddingBagCollection of ``module`` with TorchRec's DistributedModelParallel
+    (which also wraps the rest in DDP), with ``embedding_optimizer`` fused into the tables."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+
+    ebcs = find_embedding_bag_collections(module)
+    if not ebcs:
+        raise ValueError(f"SparseLiftStrategy found no torchrec EmbeddingBagCollection in {type(module).__name__}; "
+                         f"it shards recommendation models whose sparse features go through EmbeddingBagCollections")
+    tables = describe_tables(module)
+    checked = validate_sharding_types(sharding_types, tables, device.type)
+    embedding_optimizer.apply_in_backward([p for ebc in ebcs.values() for p in ebc.parameters()], device.type)
+    sharder = EmbeddingBagCollectionSharder()
+    plan = build_sharding_plan(module, sharder, world_size, device.type, checked, process_group)
+    dmp = DistributedModelParallel(module, env=ShardingEnv.from_process_group(process_group), device=device,
+                                   plan=plan, sharders=[sharder])
+    if validate_inputs:
+        from lightning_sparselift.validation import install_input_checks
+
+        install_input_checks(module, sorted(ebcs), tables)
+    return ShardedModel(dmp, tables, sorted(ebcs))
+
+
+def combine_optimizers(dmp: nn.Module, dense: torch.optim.Optimizer) -> Any:
+    """TorchRec's CombinedOptimizer over the fused table optimizer and ``dense``, after taking
+    the fused tables out of ``dense`` (they are updated in backward; a second update is wrong)."""
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+
+    names = {id(p): n for n, p in dmp.named_parameters()}
+    for group in dense.param_groups:
+        fused = [p for p in group["params"] if hasattr(p, "_in_backward_optimizers")]
+        group["params"] = [p for p in group["params"] if not hasattr(p, "_in_backward_optimizers")]
+        for p in fused:
+            dense.state.pop(p, None)  # optimizers such as Adagrad create state at construction
+    params = [p for g in dense.param_groups for p in g["params"]]
+    unknown = [p for p in params if id(p) not in names]
+    if unknown:
+        raise ValueError(f"the dense optimizer holds {len(unknown)} tensor(s) that are not parameters of the model")
+    keyed_dense = KeyedOptimizerWrapper({names[id(p)]: p for p in params}, lambda _: dense)
+    return CombinedOptimizer([("embedding", dmp.fused_optimizer), ("dense", keyed_dense)])

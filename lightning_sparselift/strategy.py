@@ -35,9 +35,7 @@ from torch import Tensor
 
 from lightning_sparselift import checkpoint as ckpt
 from lightning_sparselift.launcher import DenseOnlyMultiProcessingLauncher
-from lightning_sparselift.sharding import (
-    EmbeddingOptimizer, describe_tables, find_embedding_bag_collections, validate_sharding_types,
-)
+from lightning_sparselift.sharding import EmbeddingOptimizer, combine_optimizers, shard_model
 
 EXECUTORS = ("torchrec", "sparselift")
 # Optimization passes the planner will choose from. Until they exist, naming one is an error
@@ -236,39 +234,18 @@ class SparseLiftStrategy(ParallelStrategy):
             raise MisconfigurationException(f"SparseLiftStrategy supports only precision='32-true', got "
                                             f"{type(self.precision_plugin).__name__}")
         if self._dmp is None:
-            self._dmp = self._shard(self.lightning_module, trainer)
+            self._dmp = self._shard(self.lightning_module)
         self.model = self._dmp
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
-    def _shard(self, module: torch.nn.Module, trainer: Any) -> torch.nn.Module:
-        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-        from torchrec.distributed.model_parallel import DistributedModelParallel
-        from torchrec.distributed.types import ShardingEnv
-
-        from lightning_sparselift.sharding import build_sharding_plan
-
-        ebcs = find_embedding_bag_collections(module)
-        if not ebcs:
-            raise MisconfigurationException(
-                f"SparseLiftStrategy found no torchrec EmbeddingBagCollection in {type(module).__name__}; it shards "
-                f"recommendation models whose sparse features go through EmbeddingBagCollections")
-        self._tables = describe_tables(module)
-        self.sparse_module_paths = sorted(ebcs)
-        sharding_types = validate_sharding_types(self.sharding_types, self._tables, self.root_device.type)
-        self.embedding_optimizer.apply_in_backward([p for ebc in ebcs.values() for p in ebc.parameters()],
-                                                   self.root_device.type)
-        sharder = EmbeddingBagCollectionSharder()
-        pg = torch.distributed.group.WORLD
-        plan = build_sharding_plan(module, sharder, self.world_size, self.root_device.type, sharding_types, pg)
-        dmp = DistributedModelParallel(module, env=ShardingEnv.from_process_group(pg), device=self.root_device,
-                                       plan=plan, sharders=[sharder])
-        if self.validate_inputs:
-            from lightning_sparselift.validation import install_input_checks
-
-            install_input_checks(module, self.sparse_module_paths, self._tables)
-        return dmp
+    def _shard(self, module: torch.nn.Module) -> torch.nn.Module:
+        sharded = shard_model(module, self.world_size, self.root_device, self.sharding_types,
+                              self.embedding_optimizer, torch.distributed.group.WORLD, self.validate_inputs)
+        self._tables = sharded.tables
+        self.sparse_module_paths = sharded.sparse_module_paths
+        return sharded.dmp
 
     @property
     def sharding_plan(self) -> Any:
@@ -286,8 +263,6 @@ class SparseLiftStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ optimizers
     def setup_optimizers(self, trainer: Any) -> None:
-        from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
         if len(self.optimizers) != 1:
@@ -295,19 +270,9 @@ class SparseLiftStrategy(ParallelStrategy):
                 f"SparseLiftStrategy needs configure_optimizers to return exactly one (dense) optimizer, got "
                 f"{len(self.optimizers)}; the embedding optimizer is configured on the strategy")
         dense = self.optimizers[0]
-        names = {id(p): n for n, p in self._dmp.named_parameters()}
-        for group in dense.param_groups:
-            # Tables carry their optimizer in backward; a second, dense update would be wrong.
-            group["params"] = [p for p in group["params"] if not hasattr(p, "_in_backward_optimizers")]
-        params = [p for g in dense.param_groups for p in g["params"]]
-        unknown = [p for p in params if id(p) not in names]
-        if unknown:
-            raise MisconfigurationException(f"the dense optimizer holds {len(unknown)} tensor(s) that are not "
-                                            f"parameters of the model")
-        keyed_dense = KeyedOptimizerWrapper({names[id(p)]: p for p in params}, lambda _: dense)
         self._dense_base_lrs = [g["lr"] for g in dense.param_groups]
         self._embedding_base_lrs = [g["lr"] for g in self._dmp.fused_optimizer.param_groups]
-        self.optimizers = [CombinedOptimizer([("embedding", self._dmp.fused_optimizer), ("dense", keyed_dense)])]
+        self.optimizers = [combine_optimizers(self._dmp, dense)]
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self.embedding_lr_schedule == "follow_dense":

@@ -14,7 +14,7 @@ TINY_TABLES = [40, 40, 300, 300, 1000, 7]
 
 
 def tiny_data(tmp_cache: Path, **kwargs: Any) -> CriteoDataModule:
-    args = dict(batch_size=32, num_train=512, num_val=300, num_test=300, num_embeddings_per_feature=TINY_TABLES,
+    args = dict(batch_size=32, num_train=512, num_val=300, num_test=300, rows_per_feature=TINY_TABLES,
                 cache_dir=str(tmp_cache), seed=3)
     args.update(kwargs)
     return CriteoDataModule(**args)

@@ -23,8 +23,9 @@ def _first_and_last(losses, n=6):
     return sum(losses[:n]) / n, sum(losses[-n:]) / n
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_training_decreases_loss(world_size, tmp_path, data_cache):
+@pytest.mark.parametrize("world_size, dense_optimizer, dense_lr", [(1, "sgd", 0.5), (2, "adam", 0.01),
+                                                                    (3, "adagrad", 0.05)])
+def test_training_decreases_loss(world_size, dense_optimizer, dense_lr, tmp_path, data_cache):
     dm = tiny_data(data_cache, num_train=2400, batch_size=16)
     L.seed_everything(0)
     dump = tmp_path / "dump"
@@ -35,7 +36,7 @@ def test_training_decreases_loss(world_size, tmp_path, data_cache):
 
     t = trainer(world_size, SparseLiftStrategy(start_method="fork", embedding_optimizer={"name": "sgd", "lr": 0.5}),
                 max_epochs=3, callbacks=[Losses()], limit_val_batches=0)
-    t.fit(tiny_model(dm, dense_optimizer="adam", dense_lr=0.01), dm)
+    t.fit(tiny_model(dm, dense_optimizer=dense_optimizer, dense_lr=dense_lr), dm)
     losses = torch.load(tmp_path / "losses0.pt")
     first, last = _first_and_last(losses)
     assert last < first - 0.02, f"loss did not decrease: {first:.4f} -> {last:.4f}"

@@ -1,0 +1,186 @@
+"""Measuring a training step: wall and CPU time, the stage breakdown, the collectives issued."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+
+STAGES = ("sparse_forward", "other_forward", "sparse_backward", "other_backward", "other")
+
+_DTYPE_BYTES = {"float": 4, "float32": 4, "double": 8, "float64": 8, "long": 8, "long int": 8, "int64": 8,
+                "int": 4, "int32": 4, "c10::Half": 2, "c10::BFloat16": 2, "short": 2, "unsigned char": 1,
+                "signed char": 1, "bool": 1}
+
+
+class StageTimer:
+    """Splits a step into the five stages of the paper's Table 7, by measurement.
+
+    - sparse forward: time inside the sparse module's forward (hooks on it), plus any explicitly
+      timed sparse region (:meth:`sparse_region`, for code that is not one module call);
+    - sparse backward: time spent executing the autograd nodes that produce the sparse output
+      (found by walking its ``grad_fn`` graph each step; timed with node pre/post hooks, so dense
+      backward that runs while a sparse collective is in flight is not counted as sparse);
+    - other forward: the rest of the forward (from :meth:`forward_start` to :meth:`forward_end`);
+    - other backward: the rest of the backward (from the loss node starting to
+      :meth:`backward_end`, which the optimizer step's pre-hook calls);
+    - other: the rest of the step (optimizer, pipeline bookkeeping, data movement).
+    """
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._sparse_fwd = 0.0
+        self._sparse_bwd = 0.0
+        self._marks: dict[str, float] = {}
+        self._fwd_start: Optional[float] = None
+        self.rows: list[dict[str, float]] = []
+
+    def attach(self, sparse_module: torch.nn.Module) -> None:
+        sparse_module.register_forward_pre_hook(lambda *_: self._enter())
+        sparse_module.register_forward_hook(lambda _m, _i, out: self._leave(out))
+
+    def _enter(self) -> None:
+        if self.enabled:
+            self._fwd_start = time.perf_counter()
+
+    def _leave(self, output: Any) -> None:
+        if self.enabled and self._fwd_start is not None:
+            self._sparse_fwd += time.perf_counter() - self._fwd_start
+            self._fwd_start = None
+            self.watch_backward(output)
+
+    @contextmanager
+    def sparse_region(self) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        if self.enabled:
+            self._sparse_fwd += time.perf_counter() - start
+
+    def watch_backward(self, output: Any) -> None:
+        """Time the backward of every autograd node that ``output`` was computed from."""
+        if not self.enabled:
+            return
+        tensor = output.values() if hasattr(output, "values") and callable(output.values) else output
+        if not isinstance(tensor, torch.Tensor) or tensor.grad_fn is None:
+            return
+        seen, stack = set(), [tensor.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen or type(node).__name__ == "AccumulateGrad":
+                continue
+            seen.add(node)
+            starts: list[float] = []
+            node.register_prehook(lambda grads, starts=starts: starts.append(time.perf_counter()))
+            node.register_hook(lambda gi, go, starts=starts: self._node_done(starts))
+            stack.extend(fn for fn, _ in node.next_functions)
+
+    def _node_done(self, starts: list[float]) -> None:
+        if starts:
+            self._sparse_bwd += time.perf_counter() - starts.pop()
+
+    def forward_start(self) -> None:
+        if self.enabled and "forward_start" not in self._marks:
+            self._marks["forward_start"] = time.perf_counter()
+
+    def forward_end(self, loss: torch.Tensor) -> None:
+        """Called with the loss: the forward ends here and the backward starts when the loss's
+        node runs."""
+        if not self.enabled:
+            return
+        self._marks["forward_end"] = time.perf_counter()
+        if loss.grad_fn is not None:
+            loss.grad_fn.register_prehook(lambda grads: self._mark("backward_start"))
+
+    def backward_end(self) -> None:
+        if self.enabled:
+            self._mark("backward_end")
+
+    def _mark(self, name: str) -> None:
+        self._marks.setdefault(name, time.perf_counter())
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        self.enabled = True
+        self._sparse_fwd = self._sparse_bwd = 0.0
+        self._marks: dict[str, float] = {}
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            total = time.perf_counter() - start
+            self.enabled = False
+            m = self._marks
+            fwd = m.get("forward_end", start) - m.get("forward_start", start)
+            bwd = m.get("backward_end", start) - m.get("backward_start", start)
+            self.rows.append({
+                "sparse_forward": self._sparse_fwd * 1e3,
+                "other_forward": max(fwd - self._sparse_fwd, 0.0) * 1e3,
+                "sparse_backward": self._sparse_bwd * 1e3,
+                "other_backward": max(bwd - self._sparse_bwd, 0.0) * 1e3,
+                "other": max(total - fwd - bwd, 0.0) * 1e3,
+                "total": total * 1e3,
+            })
+
+    def summary(self) -> dict[str, float]:
+        if not self.rows:
+            return {}
+        return {k: float(np.median([r[k] for r in self.rows])) for k in (*STAGES, "total")}
+
+
+@dataclass
+class CollectiveLog:
+    """Collectives one step issued on the process group backend (gloo/nccl), from the profiler:
+    this sees C++-issued ones too (DDP's bucket all-reduce)."""
+
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        counts = Counter(c["op"] for c in self.calls)
+        return {"count": len(self.calls), "bytes": int(sum(c["bytes"] for c in self.calls)),
+                "by_op": {op: {"count": n, "bytes": int(sum(c["bytes"] for c in self.calls if c["op"] == op))}
+                          for op, n in sorted(counts.items())}}
+
+
+@contextmanager
+def record_collectives() -> Iterator[CollectiveLog]:
+    from torch.profiler import ProfilerActivity, profile
+
+    log = CollectiveLog()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        yield log
+    for event in prof.events():
+        backend, _, op = event.name.partition(":")
+        if backend not in ("gloo", "nccl") or not op:
+            continue
+        nbytes = 0
+        for shape, dtype in zip(event.input_shapes, event.input_dtypes or []):
+            if shape:
+                nbytes += int(np.prod(shape)) * _DTYPE_BYTES.get(dtype, 4)
+        log.calls.append({"op": op, "bytes": nbytes})
+
+
+def quantiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"median": float("nan"), "p25": float("nan"), "p75": float("nan")}
+    p25, med, p75 = np.percentile(values, [25, 50, 75])
+    return {"median": float(med), "p25": float(p25), "p75": float(p75)}
+
+
+class StepClock:
+    """Wall and process-CPU time of consecutive steps."""
+
+    def __init__(self) -> None:
+        self.wall_ms: list[float] = []
+        self.cpu_ms: list[float] = []
+
+    @contextmanager
+    def time(self) -> Iterator[None]:
+        wall, cpu = time.perf_counter(), time.process_time()
+        yield
+        self.wall_ms.append((time.perf_counter() - wall) * 1e3)
+        self.cpu_ms.append((time.process_time() - cpu) * 1e3)

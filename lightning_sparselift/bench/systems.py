@@ -1,0 +1,361 @@
+"""The systems the benchmark compares, all on the same model shape, data and process group.
+
+Every system trains the same scenario (same dense modules, same batches) and exposes
+``step()`` (one full training step) plus the hook points the stage timer needs. Data is
+prepared before timing: a step never generates or slices data.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_sparselift.bench.measure import StageTimer
+from lightning_sparselift.bench.scenarios import Scenario
+from lightning_sparselift.data import RecArrays, RecBatch
+
+
+@dataclass
+class BenchEnv:
+    scenario: Scenario
+    rank: int
+    world_size: int
+    arrays: RecArrays
+    seed: int = 0
+    pool: int = 32  # distinct batches per rank, cycled
+    _local: list[RecBatch] = field(default_factory=list)
+    _global: list[list[RecBatch]] = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int:
+        return self.scenario.batch_size
+
+    def _batch(self, index: int) -> RecBatch:
+        b = self.batch_size
+        count = len(self.arrays) // b
+        if count < self.world_size:
+            raise ValueError(f"{len(self.arrays)} samples are fewer than one batch per rank")
+        index %= (count // self.world_size) * self.world_size
+        return self.arrays.batch(index * b, (index + 1) * b)
+
+    def local_batch(self, step: int) -> RecBatch:
+        if not self._local:
+            self._local = [self._batch(i * self.world_size + self.rank) for i in range(self.pool)]
+        return self._local[step % self.pool]
+
+    def global_batch(self, step: int) -> list[RecBatch]:
+        """The batches of all ranks at ``step`` (rank order): what DLRM-Baseline's replicated
+        sparse inputs read."""
+        if not self._global:
+            self._global = [[self._batch(i * self.world_size + r) for r in range(self.world_size)]
+                            for i in range(self.pool)]
+        return self._global[step % self.pool]
+
+    def local_iterator(self) -> Iterator[RecBatch]:
+        step = 0
+        while True:
+            yield self.local_batch(step)
+            step += 1
+
+
+def build_rec_model(scenario: Scenario, seed: int) -> nn.Module:
+    """The scenario's recommendation model (tables on meta), seeded so every system starts
+    from the same dense weights."""
+    from lightning_sparselift.model import DLRMModule
+
+    torch.manual_seed(seed)
+    return DLRMModule(**scenario.module_kwargs()).model
+
+
+class WithLoss(nn.Module):
+    """``model(batch) -> (loss, logits)``, the interface TorchRec's train pipelines expect."""
+
+    def __init__(self, rec: nn.Module):
+        super().__init__()
+        self.rec = rec
+
+    def forward(self, batch: RecBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.rec(batch.dense, batch.sparse).squeeze(-1)
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        return loss, logits.detach()
+
+
+def _dense_optimizer(scenario: Scenario, params: Any) -> torch.optim.Optimizer:
+    from lightning_sparselift.model import DENSE_OPTIMIZERS
+
+    return DENSE_OPTIMIZERS[scenario.optimizer.get("dense", "sgd")](params, lr=scenario.optimizer.get("dense_lr", 0.1))
+
+
+class System:
+    name = ""
+
+    def __init__(self, env: BenchEnv):
+        self.env = env
+        self.timer = StageTimer()
+        self.losses: list[float] = []
+
+    def setup(self) -> None:
+        raise NotImplementedError
+
+    def step(self, step: int) -> None:
+        raise NotImplementedError
+
+    def _timed_model(self, model: nn.Module, sparse: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
+        """Hook the stage timer into ``model`` (forward), its loss (backward start), ``sparse``
+        (the sparse path) and ``optimizer`` (backward end)."""
+        self.timer.attach(sparse)
+        model.register_forward_pre_hook(lambda *_: self.timer.forward_start())
+        model.register_forward_hook(lambda _m, _i, out: self.timer.forward_end(out[0]))
+        if optimizer is not None:
+            optimizer.register_step_pre_hook(lambda *_: self.timer.backward_end())
+
+
+class LoopSystem(System):
+    """A plain loop: forward, backward, optimizer step."""
+
+    model: nn.Module
+    optimizer: Any
+
+    def step(self, step: int) -> None:
+        loss, _ = self.model(self.env.local_batch(step))
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.losses.append(float(loss))
+
+
+class ConstantSparse(nn.Module):
+    """Stands in for the sparse path: a fixed tensor of the sparse output's shape."""
+
+    def __init__(self, rec: nn.Module, batch_size: int):
+        super().__init__()
+        from torchrec.sparse.jagged_tensor import KeyedTensor
+
+        configs = rec.sparse_arch.embedding_bag_configs() if hasattr(rec.sparse_arch, "embedding_bag_configs") \
+            else rec.sparse_arch.embedding_bag_collection.embedding_bag_configs()
+        keys = [f for c in configs for f in c.feature_names]
+        dims = [c.embedding_dim for c in configs for _ in c.feature_names]
+        generator = torch.Generator().manual_seed(1)
+        if hasattr(rec.sparse_arch, "embedding_bag_collection"):  # TorchRec SparseArch -> [B, F, D]
+            self.output = torch.randn(batch_size, len(keys), dims[0], generator=generator)
+        else:  # an EmbeddingBagCollection -> KeyedTensor
+            self.output = KeyedTensor(keys=keys, length_per_key=dims,
+                                      values=torch.randn(batch_size, sum(dims), generator=generator))
+
+    def forward(self, features: Any) -> Any:
+        return self.output
+
+
+class DenseOnly(LoopSystem):
+    name = "dense-only"
+
+    def setup(self) -> None:
+        rec = build_rec_model(self.env.scenario, self.env.seed)
+        rec.sparse_arch = ConstantSparse(rec, self.env.batch_size)
+        self.model = nn.parallel.DistributedDataParallel(WithLoss(rec))
+        self.optimizer = _dense_optimizer(self.env.scenario, self.model.parameters())
+        self._timed_model(self.model.module, rec.sparse_arch, self.optimizer)
+
+
+def _shard(env: BenchEnv, validate_inputs: bool, sharding_types: Optional[dict[str, str]] = None,
+           embedding_optimizer: Optional[Any] = None) -> tuple[nn.Module, Any, nn.Module]:
+    from lightning_sparselift.sharding import EmbeddingOptimizer, combine_optimizers, shard_model
+
+    wrapped = WithLoss(build_rec_model(env.scenario, env.seed))
+    sharded = shard_model(wrapped, env.world_size, torch.device("cpu"), sharding_types,
+                          EmbeddingOptimizer.parse(embedding_optimizer or env.scenario.embedding_optimizer()),
+                          dist.group.WORLD, validate_inputs)
+    dense = _dense_optimizer(env.scenario, sharded.dmp.parameters())
+    return sharded.dmp, combine_optimizers(sharded.dmp, dense), wrapped
+
+
+class _TorchRecPipeline(System):
+    """TorchRec DistributedModelParallel (its planner, fused TBE, DDP dense) driven by one of
+    TorchRec's train pipelines."""
+
+    pipeline_class: Callable[..., Any]
+
+    def setup(self) -> None:
+        dmp, optimizer, wrapped = _shard(self.env, validate_inputs=False)
+        self.dmp, self.optimizer = dmp, optimizer
+        self.pipeline = self.pipeline_class(model=dmp, optimizer=optimizer, device=torch.device("cpu"))
+        self.batches = self.env.local_iterator()
+        self._timed_model(wrapped, wrapped.rec.sparse_arch, dict(optimizer.optimizers)["dense"]._optimizer)
+
+    def step(self, step: int) -> None:
+        loss, _ = self.pipeline.progress(self.batches)
+        self.losses.append(float(loss))
+
+
+class TorchRecBase(_TorchRecPipeline):
+    name = "torchrec-base"
+
+    @property
+    def pipeline_class(self):
+        from torchrec.distributed.train_pipeline import TrainPipelineBase
+
+        return TrainPipelineBase
+
+
+class TorchRecSparseDist(_TorchRecPipeline):
+    name = "torchrec"
+
+    @property
+    def pipeline_class(self):
+        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+        return TrainPipelineSparseDist
+
+
+class SparseLift(LoopSystem):
+    """The model as ``SparseLiftStrategy`` installs it, in a bare loop (no Lightning)."""
+
+    name = "sparselift"
+
+    def __init__(self, env: BenchEnv, strategy_kwargs: Optional[dict[str, Any]] = None):
+        super().__init__(env)
+        from lightning_sparselift import SparseLiftStrategy
+
+        # Input validation is a debugging aid outside the sparse path; the benchmark turns it off.
+        self.strategy = SparseLiftStrategy(**{"validate_inputs": False,
+                                              "embedding_optimizer": env.scenario.embedding_optimizer(),
+                                              **(strategy_kwargs or {})})
+
+    def setup(self) -> None:
+        s = self.strategy
+        self.model, self.optimizer, wrapped = _shard(self.env, s.validate_inputs, s.sharding_types,
+                                                     s.embedding_optimizer)
+        self._timed_model(wrapped, wrapped.rec.sparse_arch, dict(self.optimizer.optimizers)["dense"]._optimizer)
+
+
+class _IssuePooledAllToAll(torch.autograd.Function):
+    """Starts the pooled-embedding all-to-all; :class:`_WaitPooledAllToAll` finishes it. In
+    backward the roles swap: the wait's backward starts the gradient all-to-all and this
+    backward waits for it, so autograd runs the bottom MLP's backward in between (DLRM's
+    reference schedule)."""
+
+    @staticmethod
+    def forward(ctx, pooled: torch.Tensor, box: dict, in_splits: list[int], out_splits: list[int]) -> torch.Tensor:
+        ctx.box, ctx.shape = box, pooled.shape
+        out = pooled.new_empty(sum(out_splits))
+        box["work"] = dist.all_to_all_single(out, pooled.reshape(-1), out_splits, in_splits, async_op=True)
+        return out
+
+    @staticmethod
+    def backward(ctx, _unused: torch.Tensor):
+        ctx.box.pop("grad_work").wait()
+        return ctx.box.pop("grad_in").view(ctx.shape), None, None, None
+
+
+class _WaitPooledAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, box: dict, in_splits: list[int], out_splits: list[int]) -> torch.Tensor:
+        ctx.box, ctx.in_splits, ctx.out_splits = box, in_splits, out_splits
+        box.pop("work").wait()
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad_in = grad.new_empty(sum(ctx.in_splits))
+        ctx.box["grad_in"] = grad_in
+        ctx.box["grad_work"] = dist.all_to_all_single(grad_in, grad.contiguous(), ctx.in_splits, ctx.out_splits,
+                                                      async_op=True)
+        return torch.zeros_like(grad), None, None, None
+
+
+class DLRMBaseline(System):
+    """How the public reference DLRM (``dlrm_s_pytorch.py``, distributed mode) trains: one
+    ``nn.EmbeddingBag(mode="sum", sparse=True)`` per table, tables split contiguously across
+    ranks, sparse inputs replicated (each rank reads its tables' ids for the global batch), one
+    asynchronous all-to-all of the pooled embeddings overlapped with the bottom MLP (and the
+    gradient all-to-all with the bottom MLP's backward), the MLPs each in DDP, plain SGD with
+    sparse gradients."""
+
+    name = "dlrm-baseline"
+
+    def setup(self) -> None:
+        env, scenario = self.env, self.env.scenario
+        rec = build_rec_model(scenario, env.seed)
+        features = scenario.feature_names
+        owners = np.array_split(np.arange(len(features)), env.world_size)
+        self.owned = [int(i) for i in owners[env.rank]]
+        self.widths = [sum(scenario.dims[i] for i in part) for part in owners]
+        torch.manual_seed(env.seed + 1 + env.rank)
+        self.bags = nn.ModuleList(nn.EmbeddingBag(scenario.rows[i], scenario.dims[i], mode="sum", sparse=True)
+                                  for i in self.owned)
+        self.bottom = nn.parallel.DistributedDataParallel(rec.dense_arch)
+        is_dlrm = hasattr(rec, "inter_arch")
+        top = nn.ModuleDict({"inter": rec.inter_arch, "over": rec.over_arch}) if is_dlrm \
+            else nn.ModuleDict({"over": rec.over_arch})
+        self.top = nn.parallel.DistributedDataParallel(top)
+        self.is_dlrm = is_dlrm
+        self.dims = scenario.dims
+        self.sparse_optimizer = torch.optim.SGD(self.bags.parameters(), lr=scenario.optimizer.get("embedding_lr", 0.1))
+        self.dense_optimizer = _dense_optimizer(scenario, list(self.bottom.parameters()) + list(self.top.parameters()))
+        self.dense_optimizer.register_step_pre_hook(lambda *_: self.timer.backward_end())
+        self._inputs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def _owned_inputs(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(ids, offsets) over the global batch for each owned table (prepared once per batch)."""
+        key = step % self.env.pool
+        if key not in self._inputs:
+            per_rank = [b.sparse.to_dict() for b in self.env.global_batch(step)]
+            inputs = []
+            for i in self.owned:
+                jts = [d[self.env.scenario.feature_names[i]] for d in per_rank]
+                ids = torch.cat([jt.values() for jt in jts])
+                lengths = torch.cat([jt.lengths() for jt in jts]).long()
+                inputs.append((ids, torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])))
+            self._inputs[key] = inputs
+        return self._inputs[key]
+
+    def step(self, step: int) -> None:
+        env, b, w = self.env, self.env.batch_size, self.env.world_size
+        batch = env.local_batch(step)
+        timer = self.timer
+        timer.forward_start()
+        with timer.sparse_region():
+            local = [bag(ids, offsets) for bag, (ids, offsets) in zip(self.bags, self._owned_inputs(step))]
+            # [W*B, owned width] -> per destination rank: its B rows of every owned table
+            pooled = (torch.cat(local, dim=1) if local else torch.zeros(w * b, 0)).view(w, b, -1)
+            in_splits = [b * self.widths[env.rank]] * w
+            out_splits = [b * width for width in self.widths]
+            box: dict = {}
+            received = _IssuePooledAllToAll.apply(pooled, box, in_splits, out_splits)
+        dense = self.bottom(batch.dense)
+        with timer.sparse_region():
+            received = _WaitPooledAllToAll.apply(received, box, in_splits, out_splits)
+        timer.watch_backward(received)
+        chunks = [c.view(b, width) for c, width in zip(received.split(out_splits), self.widths)]
+        embeddings = torch.cat(chunks, dim=1)  # [B, sum of dims] in table order
+        if self.is_dlrm:
+            logits = self.top.module["over"](self.top.module["inter"](dense, embeddings.view(b, len(self.dims), -1)))
+        else:
+            logits = self.top.module["over"](torch.cat([dense, embeddings], dim=1))
+        loss = nn.functional.binary_cross_entropy_with_logits(logits.squeeze(-1), batch.labels)
+        timer.forward_end(loss)
+        loss.backward()
+        self.dense_optimizer.step()
+        self.sparse_optimizer.step()
+        self.dense_optimizer.zero_grad()
+        self.sparse_optimizer.zero_grad()
+        self.losses.append(float(loss))
+
+
+SYSTEMS: dict[str, type[System]] = {cls.name: cls for cls in (DLRMBaseline, TorchRecBase, TorchRecSparseDist,
+                                                              DenseOnly, SparseLift)}
+LIGHTNING_SYSTEM = "sparselift-lightning"
+ALL_SYSTEMS = [*SYSTEMS, LIGHTNING_SYSTEM]
+
+
+def lightning_env(rank: int, world_size: int) -> None:
+    """Environment that makes Lightning treat the benchmark's processes as externally launched
+    (TorchElastic-style), so ``Trainer.fit`` runs inside them without starting new ones."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), TORCHELASTIC_RUN_ID="sparselift-bench")

@@ -1,0 +1,121 @@
+"""Bad input gets a clear error, before any collective can hang on it."""
+
+import lightning.pytorch as L
+import pytest
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from helpers import tiny_data, tiny_model, trainer
+from lightning_sparselift import RecBatch, SparseLiftStrategy
+from lightning_sparselift.validation import SparseInputError, check_kjt
+
+ROWS = {"a": 10, "b": 5}
+
+
+def _kjt(keys, values, lengths):
+    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.tensor(values),
+                                               lengths=torch.tensor(lengths, dtype=torch.int32))
+
+
+def test_valid_kjt_passes():
+    check_kjt("ebc", _kjt(["a", "b"], [0, 9, 4], [1, 1, 1, 0]), ROWS)
+    check_kjt("ebc", _kjt(["b", "a"], [], [0, 0]), ROWS)
+
+
+@pytest.mark.parametrize("keys, match", [(["a"], r"missing \['b'\]"), (["a", "b", "c"], r"unexpected \['c'\]"),
+                                         (["a", "a"], r"duplicated \['a'\]")])
+def test_wrong_keys(keys, match):
+    with pytest.raises(SparseInputError, match=match):
+        check_kjt("ebc", _kjt(keys, [0] * len(keys), [1] * len(keys)), ROWS)
+
+
+@pytest.mark.parametrize("values, match", [([0, 5], r"id 5 of feature 'b'.*\[0, 5\)"),
+                                           ([-1, 0], r"id -1 of feature 'a'.*\[0, 10\)")])
+def test_ids_out_of_range(values, match):
+    with pytest.raises(SparseInputError, match=match):
+        check_kjt("ebc", _kjt(["a", "b"], values, [1, 1]), ROWS)
+
+
+class CorruptFirstBatch(L.Callback):
+    def __init__(self, corrupt):
+        self.corrupt = corrupt
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.corrupt(batch)
+
+
+def _out_of_range(batch: RecBatch):
+    values = batch.sparse.values()
+    values[0] = 10_000_000
+
+
+def test_out_of_range_ids_fail_in_training(data_cache):
+    dm = tiny_data(data_cache)
+    t = trainer(2, callbacks=[CorruptFirstBatch(_out_of_range)], limit_val_batches=0)
+    with pytest.raises(Exception, match="outside its table's range"):
+        t.fit(tiny_model(dm), dm)
+
+
+def test_kjt_keys_differ_from_model_features(data_cache):
+    dm = tiny_data(data_cache)
+    # the data has features cat_0..cat_5, the model is built for other names
+    model = tiny_model(dm, feature_names=[f"f{i}" for i in range(6)])
+    with pytest.raises(Exception, match="keys do not match the model's features"):
+        trainer(2, limit_val_batches=0).fit(model, dm)
+
+
+def test_nan_dense_features_warn(data_cache):
+    dm = tiny_data(data_cache)
+    dm.setup("fit")
+    model = tiny_model(dm)
+    batch = dm.train_dataloader().dataset[0]
+    batch.dense[0, 0] = float("nan")
+    from torch.nn import Identity
+
+    model.model = Identity()  # the warning is raised before the model runs
+    model.forward = lambda b: torch.zeros(len(b))
+    with pytest.warns(RuntimeWarning, match="NaN value"):
+        model.training_step(batch, 0)
+
+
+def test_unknown_options_and_names():
+    with pytest.raises(TypeError):
+        SparseLiftStrategy(not_an_option=1)
+    with pytest.raises(ValueError, match="executor"):
+        SparseLiftStrategy(executor="fast")
+    with pytest.raises(NotImplementedError, match="not implemented yet"):
+        SparseLiftStrategy(executor="sparselift")
+    with pytest.raises(ValueError, match="unknown optimization"):
+        SparseLiftStrategy(optimizations=["aggregation"])
+    with pytest.raises(ValueError, match="unknown embedding optimizer"):
+        SparseLiftStrategy(embedding_optimizer="lamb")
+    with pytest.raises(ValueError, match="unknown embedding_optimizer option"):
+        SparseLiftStrategy(embedding_optimizer={"name": "sgd", "momentum": 0.9})
+    with pytest.raises(ValueError, match="start_method"):
+        SparseLiftStrategy(start_method="thread")
+
+
+@pytest.mark.parametrize("sharding, match", [({"t_cat_0": "diagonal"}, "unknown sharding type 'diagonal'"),
+                                             ({"t_nope": "table_wise"}, r"table\(s\) \['t_nope'\]"),
+                                             ({"t_cat_0": "table_row_wise"}, "needs CUDA")])
+def test_bad_sharding_types(sharding, match, data_cache):
+    dm = tiny_data(data_cache)
+    t = trainer(1, SparseLiftStrategy(start_method="fork", sharding_types=sharding))
+    with pytest.raises(Exception, match=match):
+        t.fit(tiny_model(dm), dm)
+
+
+def test_model_without_embedding_bags(data_cache):
+    class Dense(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(13, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch.dense).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with pytest.raises(Exception, match="found no torchrec EmbeddingBagCollection"):
+        trainer(1).fit(Dense(), tiny_data(data_cache))
