@@ -2,6 +2,7 @@
 
     sparselift fit --config configs/dlrm_synthetic.yaml
     sparselift validate --config configs/tiny.yaml --ckpt_path path/to/checkpoint.ckpt
+    sparselift bench --scenario dlrm --world-size 2 --json out.json
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ class SparseLiftCLI(LightningCLI):
 
 
 def main(args: Optional[list[str]] = None) -> None:
-    SparseLiftCLI(DLRMModule, CriteoDataModule, args=args if args is not None else sys.argv[1:],
+    args = list(args if args is not None else sys.argv[1:])
+    if args[:1] == ["bench"]:
+        from lightning_sparselift.bench.cli import main as bench
+
+        return bench(args[1:])
+    SparseLiftCLI(DLRMModule, CriteoDataModule, args=args,
                   save_config_kwargs={"overwrite": True})
 
 

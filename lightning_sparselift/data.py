@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.streamable import Pipelineable
 
 # Criteo Kaggle (Display Advertising Challenge) cardinalities of the 26 categorical features.
 CRITEO_KAGGLE_CARDINALITIES: tuple[int, ...] = (
@@ -34,7 +35,7 @@ DLRMV2_POOLING_FACTORS: tuple[int, ...] = (
 NUM_DENSE = 13
 FEATURE_NAMES: tuple[str, ...] = tuple(f"cat_{i}" for i in range(len(CRITEO_KAGGLE_CARDINALITIES)))
 
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
 
 
 def table_sizes(cardinalities: Sequence[int], max_rows: Optional[int]) -> list[int]:
@@ -43,8 +44,9 @@ def table_sizes(cardinalities: Sequence[int], max_rows: Optional[int]) -> list[i
 
 
 @dataclass
-class RecBatch:
+class RecBatch(Pipelineable):
     """One batch: dense features, sparse features as a KJT, labels and per-sample weights.
+    It is ``Pipelineable``, so TorchRec's train pipelines can move and prefetch it.
 
     ``weights`` is 1 for real samples and 0 for the padding that keeps every rank's number of
     evaluation batches equal (so metrics never count a sample twice).
@@ -272,9 +274,7 @@ def generate_synthetic(spec: SyntheticSpec) -> dict[str, np.ndarray]:
             lengths[f] = rng.poisson(pf, size=n)
         ids = _zipf_ids(rng, int(lengths[f].sum()), rows, spec.zipf_exponent, f)
         values.append(ids)
-        bag_sum = np.add.reduceat(_id_effect(f, ids), np.concatenate([[0], np.cumsum(lengths[f])[:-1]])) \
-            if ids.size else np.zeros(n)
-        bag_sum = np.where(lengths[f] > 0, bag_sum, 0.0)  # reduceat repeats a value for empty bags
+        bag_sum = np.bincount(np.repeat(np.arange(n), lengths[f]), weights=_id_effect(f, ids), minlength=n)
         z += bag_sum / np.maximum(lengths[f], 1)
     logit = spec.base_rate_logit + spec.signal_strength * z / math.sqrt(spec.num_dense + num_features) * 3.0
     probability = 1.0 / (1.0 + np.exp(-logit))

@@ -65,7 +65,7 @@ class StageTimer:
         """Time the backward of every autograd node that ``output`` was computed from."""
         if not self.enabled:
             return
-        tensor = output.values() if hasattr(output, "values") and callable(output.values) else output
+        tensor = output if isinstance(output, torch.Tensor) else output.values()  # a tensor or a KeyedTensor
         if not isinstance(tensor, torch.Tensor) or tensor.grad_fn is None:
             return
         seen, stack = set(), [tensor.grad_fn]

@@ -127,7 +127,7 @@ class LoopSystem(System):
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
-        self.losses.append(float(loss))
+        self.losses.append(float(loss.detach()))
 
 
 class ConstantSparse(nn.Module):
@@ -189,8 +189,7 @@ class _TorchRecPipeline(System):
         self._timed_model(wrapped, wrapped.rec.sparse_arch, dict(optimizer.optimizers)["dense"]._optimizer)
 
     def step(self, step: int) -> None:
-        loss, _ = self.pipeline.progress(self.batches)
-        self.losses.append(float(loss))
+        self.pipeline.progress(self.batches)  # returns the logits; the loss stays inside the pipeline
 
 
 class TorchRecBase(_TorchRecPipeline):
@@ -345,7 +344,7 @@ class DLRMBaseline(System):
         self.sparse_optimizer.step()
         self.dense_optimizer.zero_grad()
         self.sparse_optimizer.zero_grad()
-        self.losses.append(float(loss))
+        self.losses.append(float(loss.detach()))
 
 
 SYSTEMS: dict[str, type[System]] = {cls.name: cls for cls in (DLRMBaseline, TorchRecBase, TorchRecSparseDist,

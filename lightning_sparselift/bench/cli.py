@@ -1,0 +1,86 @@
+"""``sparselift bench``: systems side by side in one run (see ``runner``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+from lightning_sparselift.bench import scenarios
+from lightning_sparselift.bench.systems import ALL_SYSTEMS
+
+
+def _writable(path: Optional[str]) -> Optional[Path]:
+    if path is None:
+        return None
+    p = Path(path)
+    if not p.parent.is_dir():
+        raise SystemExit(f"error: cannot write {p}: folder {p.parent} does not exist")
+    existed = p.exists()
+    try:
+        with open(p, "a"):
+            pass
+    except OSError as e:
+        raise SystemExit(f"error: cannot write {p}: {e.strerror}")
+    if not existed:
+        p.unlink()
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    from lightning_sparselift.bench.runner import DEFAULT_SYSTEMS, BenchConfig
+
+    parser = argparse.ArgumentParser(prog="sparselift bench", description=__doc__)
+    parser.add_argument("--scenario", default="dlrm", help=f"one of {scenarios.available()} or a YAML path")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated, from {ALL_SYSTEMS}")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--steps-per-round", type=int, default=5)
+    parser.add_argument("--warmup-steps", type=int, default=5)
+    parser.add_argument("--breakdown-steps", type=int, default=4)
+    parser.add_argument("--threads-per-rank", type=int, default=1)
+    parser.add_argument("--num-samples", type=int, default=None, help="training samples generated (default 64 batches per rank)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--parity", action="store_true", help="quality-parity mode: train torchrec and sparselift "
+                                                              "for one epoch from the same weights and compare")
+    parser.add_argument("--json", default=None, help="write the summary JSON here")
+    parser.add_argument("--markdown", default=None, help="write the Markdown table here")
+    parser.add_argument("--plots", default=None, help="folder for the PNG plots")
+    args = parser.parse_args(argv)
+    json_path, md_path = _writable(args.json), _writable(args.markdown)
+    config = BenchConfig(scenario=args.scenario, world_size=args.world_size,
+                         systems=[s.strip() for s in args.systems.split(",") if s.strip()], rounds=args.rounds,
+                         steps_per_round=args.steps_per_round, warmup_steps=args.warmup_steps,
+                         breakdown_steps=args.breakdown_steps, threads_per_rank=args.threads_per_rank,
+                         num_samples=args.num_samples, seed=args.seed,
+                         cache_dir=os.environ.get("SPARSELIFT_CACHE"))
+    try:
+        config.validate()
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    if args.parity:
+        from lightning_sparselift.bench import parity
+
+        summary = parity.run(config)
+        text = parity.markdown(summary)
+    else:
+        from lightning_sparselift.bench import report, runner
+
+        summary = runner.run(config)
+        text = report.markdown(summary)
+        if args.plots:
+            for path in report.plots(summary, Path(args.plots)):
+                print(f"plot: {path}", file=sys.stderr)
+    print(text)
+    if json_path:
+        import json
+
+        json_path.write_text(json.dumps(summary, indent=1))
+    if md_path:
+        md_path.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The benchmark's outputs: JSON (schema ``sparselift-bench/1``), a Markdown table, PNG plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from lightning_sparselift.bench.measure import STAGES
+
+REFERENCES = ("torchrec", "dlrm-baseline", "torchrec-base", "dense-only")
+
+
+def write_json(summary: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(summary, indent=1))
+
+
+def _fmt(q: dict[str, float], digits: int = 1) -> str:
+    if not q or math.isnan(q.get("median", float("nan"))):
+        return "-"
+    return f"{q['median']:,.{digits}f} [{q['p25']:,.{digits}f}, {q['p75']:,.{digits}f}]"
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    s = summary["scenario"]
+    lines = [f"### {s['name']}: {s['description']}",
+             f"world size {summary['world_size']}, global batch {summary['global_batch']}, "
+             f"{summary['config']['rounds']} rounds x {summary['config']['steps_per_round']} steps, "
+             f"{summary['config']['warmup_steps']} warmup steps per system (excluded)", "",
+             "| system | step ms, median [p25, p75] | samples/s, median [p25, p75] | CPU ms/step | collectives/step (MB) "
+             "| " + " | ".join(x.replace("_", " ") for x in STAGES) + " |",
+             "|---|---|---|---|---|" + "---|" * len(STAGES)]
+    for name, r in summary["systems"].items():
+        if r["status"] != "ok":
+            error = (r.get("error") or "").strip().splitlines()
+            lines.append(f"| {name} | failed: {error[-1] if error else '?'} |")
+            continue
+        c = r.get("collectives_per_step") or {}
+        coll = f"{c['count']} ({c['bytes'] / 1e6:.2f})" if c else "-"
+        stages = r.get("stages_ms") or {}
+        lines.append(f"| {name} | {_fmt(r['step_ms'])} | {_fmt(r['samples_per_s'], 0)} | "
+                     f"{r['cpu_ms']['median']:.1f} | {coll} | " + " | ".join(
+                         f"{stages[k]:.1f}" if k in stages else "-" for k in STAGES) + " |")
+    refs = [x for x in REFERENCES if summary["systems"].get(x, {}).get("status") == "ok"]
+    if refs:
+        lines += ["", "Speedup (median of per-round ratios, [p25, p75]) of each system over:", "",
+                  "| system | " + " | ".join(refs) + " |", "|---|" + "---|" * len(refs)]
+        for name, r in summary["systems"].items():
+            if r["status"] == "ok":
+                cells = ["1.00" if name == ref else _fmt(summary["ratios"].get(f"{name} / {ref}", {}), 3) for ref in refs]
+                lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(summary: dict[str, Any], folder: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = {n: r for n, r in summary["systems"].items() if r["status"] == "ok"}
+    if not ok:
+        return []
+    folder.mkdir(parents=True, exist_ok=True)
+    name = summary["scenario"]["name"]
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    med = [r["samples_per_s"]["median"] for r in ok.values()]
+    err = [[m - r["samples_per_s"]["p25"] for m, r in zip(med, ok.values())],
+           [r["samples_per_s"]["p75"] - m for m, r in zip(med, ok.values())]]
+    ax.bar(list(ok), med, yerr=err, capsize=4, color="tab:blue")
+    ax.set_ylabel("samples/s (median, IQR)")
+    ax.set_title(f"{name}: throughput, world size {summary['world_size']}")
+    ax.tick_params(axis="x", rotation=20)
+    fig.tight_layout()
+    paths.append(folder / f"{name}_throughput.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    staged = {n: r["stages_ms"] for n, r in ok.items() if r.get("stages_ms")}
+    if staged:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        bottom = [0.0] * len(staged)
+        for stage in STAGES:
+            values = [s[stage] for s in staged.values()]
+            ax.bar(list(staged), values, bottom=bottom, label=stage.replace("_", " "))
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ax.set_ylabel("ms per step (median)")
+        ax.set_title(f"{name}: stage breakdown")
+        ax.legend(fontsize=7)
+        ax.tick_params(axis="x", rotation=20)
+        fig.tight_layout()
+        paths.append(folder / f"{name}_stages.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for n, r in ok.items():
+        ax.plot([summary["global_batch"] / (t / 1e3) for t in r["step_times_ms"]], label=n, lw=1)
+    ax.set_xlabel("measured step (interleaved rounds, warmup excluded)")
+    ax.set_ylabel("samples/s")
+    ax.set_title(f"{name}: throughput over steps")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(folder / f"{name}_over_steps.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths

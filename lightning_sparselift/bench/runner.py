@@ -1,0 +1,358 @@
+"""Runs the systems side by side in one set of processes, interleaved round by round.
+
+Each round runs ``steps_per_round`` steps of every system in a fixed order (A, B, C, ...), so
+slow phases of a noisy machine hit all systems alike. Warmup steps are excluded and reported
+separately; the stage breakdown and the collective log come from extra steps after the timed
+rounds (hooks and the profiler never run inside timed steps).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from lightning_sparselift.bench import scenarios
+from lightning_sparselift.bench.measure import StepClock, quantiles, record_collectives
+from lightning_sparselift.bench.systems import ALL_SYSTEMS, LIGHTNING_SYSTEM, SYSTEMS, BenchEnv, System
+
+DEFAULT_SYSTEMS = ["dlrm-baseline", "torchrec-base", "torchrec", "dense-only", "sparselift", LIGHTNING_SYSTEM]
+
+
+@dataclass
+class BenchConfig:
+    scenario: str = "dlrm"
+    world_size: int = 2
+    systems: list[str] = field(default_factory=lambda: list(DEFAULT_SYSTEMS))
+    rounds: int = 8
+    steps_per_round: int = 5
+    warmup_steps: int = 5
+    breakdown_steps: int = 4
+    threads_per_rank: int = 1
+    seed: int = 0
+    num_samples: Optional[int] = None  # default: 64 batches per rank
+    cache_dir: Optional[str] = None
+    timeout_s: float = 600.0
+
+    def validate(self) -> None:
+        if self.scenario not in scenarios.available() and not Path(self.scenario).exists():
+            raise ValueError(f"unknown scenario {self.scenario!r}; available: {scenarios.available()}")
+        unknown = sorted(set(self.systems) - set(ALL_SYSTEMS))
+        if unknown:
+            raise ValueError(f"unknown system(s) {unknown}; available: {ALL_SYSTEMS}")
+        if not self.systems:
+            raise ValueError("no systems selected")
+        cores = os.cpu_count() or 1
+        if not 1 <= self.world_size <= cores:
+            raise ValueError(f"world size {self.world_size} does not fit this machine: it has {cores} core(s), and "
+                             f"oversubscribed ranks would measure the scheduler, not the systems")
+        for name in ("rounds", "steps_per_round"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+
+def _data(config: BenchConfig, scenario: scenarios.Scenario):
+    from lightning_sparselift.data import CriteoDataModule
+
+    samples = config.num_samples or 64 * config.world_size * scenario.batch_size
+    dm = CriteoDataModule(batch_size=scenario.batch_size, num_train=samples, num_val=max(samples // 4, scenario.batch_size),
+                          num_test=scenario.batch_size, rows_per_feature=scenario.rows,
+                          pooling_factors=scenario.pooling, length_distribution=scenario.length_distribution,
+                          zipf_exponent=scenario.zipf_exponent, seed=config.seed, cache_dir=config.cache_dir)
+    dm.prepare_data()
+    return dm
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Worker:
+    """Everything one rank does."""
+
+    def __init__(self, rank: int, config: BenchConfig):
+        self.rank, self.config = rank, config
+        self.scenario = scenarios.load(config.scenario)
+        self.control = dist.new_group(backend="gloo")  # decisions travel apart from the systems' collectives
+        self.env = BenchEnv(self.scenario, rank, config.world_size, _data(config, self.scenario).split("train"),
+                            seed=config.seed)
+        self.systems: dict[str, System] = {}
+        self.result: dict[str, dict[str, Any]] = {name: {"status": "ok", "error": None} for name in config.systems}
+        self.clocks: dict[str, StepClock] = {}
+        self.rounds: dict[str, list[list[float]]] = {}
+        self.warmup: dict[str, StepClock] = {}
+
+    # -- failure handling: every rank must agree, else the next collective hangs
+    def _guard(self, name: str, what: str, fn: Callable[[], Any]) -> None:
+        error = None
+        if self.result[name]["status"] == "ok":
+            try:
+                fn()
+            except Exception:  # a failing system is recorded, the others go on
+                error = f"{what} failed on rank {self.rank}:\n{traceback.format_exc(limit=8)}"
+        errors: list[Optional[str]] = [None] * self.config.world_size
+        dist.all_gather_object(errors, error, group=self.control)
+        first = next((e for e in errors if e), None)
+        if first and self.result[name]["status"] == "ok":
+            self.result[name].update(status="failed", error=first)
+            self.systems.pop(name, None)
+
+    def _active(self) -> list[str]:
+        return [n for n in self.config.systems if n != LIGHTNING_SYSTEM and self.result[n]["status"] == "ok"]
+
+    def setup(self) -> None:
+        for name in self.config.systems:
+            if name == LIGHTNING_SYSTEM:
+                continue
+            start = time.perf_counter()
+
+            def build(name: str = name) -> None:
+                system = SYSTEMS[name](self.env)
+                system.setup()
+                self.systems[name] = system
+
+            self._guard(name, "setup", build)
+            self.result[name]["setup_s"] = time.perf_counter() - start
+
+    def run_block(self, name: str, round_index: int, steps: int, clock: StepClock) -> None:
+        system = self.systems[name]
+        dist.barrier(group=self.control)
+        offset = round_index * steps
+
+        def block() -> None:
+            for i in range(steps):
+                with clock.time():
+                    system.step(offset + i)
+
+        self._guard(name, f"round {round_index}", block)
+
+    def warmup_all(self) -> None:
+        for name in self._active():
+            self.warmup[name] = StepClock()
+            self.run_block(name, 0, self.config.warmup_steps, self.warmup[name])
+
+    def round(self, r: int) -> None:
+        for name in self._active():
+            clock = self.clocks.setdefault(name, StepClock())
+            before = len(clock.wall_ms)
+            self.run_block(name, r + 1, self.config.steps_per_round, clock)
+            self.rounds.setdefault(name, []).append(clock.wall_ms[before:])
+
+    def breakdown_and_collectives(self) -> None:
+        for name in self._active():
+            system = self.systems[name]
+
+            def measure(system: System = system) -> None:
+                base = 10_000
+                for i in range(self.config.breakdown_steps):
+                    with system.timer.step():
+                        system.step(base + i)
+                with record_collectives() as log:
+                    system.step(base + self.config.breakdown_steps)
+                self.result[system.name]["stages_ms"] = system.timer.summary()
+                self.result[system.name]["collectives_per_step"] = log.summary()
+
+            dist.barrier(group=self.control)
+            self._guard(name, "breakdown", measure)
+
+    def gathered(self) -> dict[str, Any]:
+        """Per-step times, max over ranks (a step is as slow as its slowest rank)."""
+        local = {name: {"wall": c.wall_ms, "cpu": c.cpu_ms, "rounds": [len(r) for r in self.rounds.get(name, [])],
+                        "warmup": self.warmup[name].wall_ms if name in self.warmup else []}
+                 for name, c in self.clocks.items()}
+        everyone: list[Any] = [None] * self.config.world_size
+        dist.all_gather_object(everyone, local, group=self.control)
+        merged = {}
+        for name in local:
+            if any(name not in e for e in everyone) or len({len(e[name]["wall"]) for e in everyone}) != 1:
+                continue
+            merged[name] = {
+                "wall": np.max([e[name]["wall"] for e in everyone], axis=0).tolist(),
+                "cpu": np.mean([e[name]["cpu"] for e in everyone], axis=0).tolist(),
+                "warmup": np.max([e[name]["warmup"] for e in everyone], axis=0).tolist() if local[name]["warmup"] else [],
+                "rounds": local[name]["rounds"],
+            }
+        return merged
+
+
+def _lightning_run(worker: _Worker) -> None:
+    """Runs the whole schedule inside one ``Trainer.fit`` of ``sparselift-lightning``: the
+    other systems' rounds run between its blocks, from a callback."""
+    import lightning.pytorch as L
+    from torch.utils.data import DataLoader
+
+    from lightning_sparselift import SparseLiftStrategy
+    from lightning_sparselift.bench.measure import StageTimer
+    from lightning_sparselift.bench.systems import lightning_env
+    from lightning_sparselift.model import DLRMModule
+
+    cfg, env = worker.config, worker.env
+    name = LIGHTNING_SYSTEM
+    k, warm, rounds, bd = cfg.steps_per_round, cfg.warmup_steps, cfg.rounds, cfg.breakdown_steps
+    total = warm + rounds * k + bd + 1
+    timer, clock, warm_clock = StageTimer(), StepClock(), StepClock()
+    worker.clocks[name], worker.warmup[name] = clock, warm_clock
+
+    class Interleave(L.Callback):
+        def __init__(self) -> None:
+            self.start = 0.0
+            self.cpu = 0.0
+            self.profile: Any = None
+            self.step_cm: Any = None
+
+        def on_train_start(self, trainer, module) -> None:
+            timer.attach(module.model.sparse_arch)
+            module.model.register_forward_pre_hook(lambda *_: timer.forward_start())
+            worker.warmup_all()
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+            if batch_idx >= warm + rounds * k:
+                if batch_idx < warm + rounds * k + bd:
+                    self.step_cm = timer.step()
+                    self.step_cm.__enter__()
+                else:
+                    self.profile = record_collectives()
+                    self.log = self.profile.__enter__()
+            self.start, self.cpu = time.perf_counter(), time.process_time()
+
+        def on_before_backward(self, trainer, module, loss) -> None:
+            timer.forward_end(loss)
+
+        def on_after_backward(self, trainer, module) -> None:
+            timer.backward_end()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            wall, cpu = (time.perf_counter() - self.start) * 1e3, (time.process_time() - self.cpu) * 1e3
+            if batch_idx < warm:
+                warm_clock.wall_ms.append(wall)
+                warm_clock.cpu_ms.append(cpu)
+            elif batch_idx < warm + rounds * k:
+                clock.wall_ms.append(wall)
+                clock.cpu_ms.append(cpu)
+            if self.step_cm is not None:
+                self.step_cm.__exit__(None, None, None)
+                self.step_cm = None
+            if self.profile is not None:
+                self.profile.__exit__(None, None, None)
+                worker.result[name]["collectives_per_step"] = self.log.summary()
+                worker.result[name]["stages_ms"] = timer.summary()
+                self.profile = None
+            done = batch_idx + 1 - warm
+            if 0 <= done <= rounds * k and done % k == 0:
+                if done > 0:
+                    worker.rounds.setdefault(name, []).append(clock.wall_ms[-k:])
+                if done < rounds * k:
+                    worker.round(done // k)
+                dist.barrier(group=worker.control)
+
+    lightning_env(worker.rank, cfg.world_size)
+    torch.manual_seed(cfg.seed)
+    module = DLRMModule(**worker.scenario.module_kwargs())
+    batches = [env.local_batch(i) for i in range(total)]
+    strategy = SparseLiftStrategy(validate_inputs=False, embedding_optimizer=worker.scenario.embedding_optimizer())
+    start = time.perf_counter()
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=cfg.world_size, max_steps=total,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                        use_distributed_sampler=False, callbacks=[Interleave()])
+    worker.result[name]["setup_s"] = None
+    trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None, collate_fn=lambda b: b))
+    worker.result[name]["fit_s"] = time.perf_counter() - start
+
+
+def _worker_main(rank: int, config: BenchConfig, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(config.threads_per_rank)
+    dist.init_process_group("gloo", rank=rank, world_size=config.world_size,
+                            timeout=timedelta(seconds=config.timeout_s))
+    worker = _Worker(rank, config)
+    worker.setup()
+    if LIGHTNING_SYSTEM in config.systems:
+        worker._guard(LIGHTNING_SYSTEM, "Trainer.fit", lambda: _lightning_run(worker))
+    # Without Lightning driving the schedule (absent, or failed part way), finish it here.
+    if not worker.warmup:
+        worker.warmup_all()
+    done = min((len(worker.rounds.get(n, [])) for n in worker._active()), default=config.rounds)
+    for r in range(done, config.rounds):
+        worker.round(r)
+    worker.breakdown_and_collectives()
+    merged = worker.gathered()
+    if rank == 0:
+        Path(out).write_text(json.dumps({"result": worker.result, "steps": merged,
+                                         "losses": {n: s.losses[-3:] for n, s in worker.systems.items()}}))
+    dist.destroy_process_group()
+
+
+def summarize(config: BenchConfig, raw: dict[str, Any], scenario: scenarios.Scenario, wall_s: float) -> dict[str, Any]:
+    global_batch = scenario.batch_size * config.world_size
+    systems = {}
+    for name in config.systems:
+        res = dict(raw["result"][name])
+        steps = raw["steps"].get(name)
+        if res["status"] == "ok" and steps:
+            wall = steps["wall"]
+            res.update(
+                step_ms=quantiles(wall), samples_per_s=quantiles([global_batch / (w / 1e3) for w in wall]),
+                cpu_ms=quantiles(steps["cpu"]), step_times_ms=wall, warmup_ms=steps["warmup"],
+                round_median_ms=[float(np.median(r)) for r in _split(wall, steps["rounds"])],
+            )
+        elif res["status"] == "ok":
+            res.update(status="failed", error=res.get("error") or "no timed steps were recorded")
+        res.setdefault("calibration_s", 0.0)  # no optimization pass calibrates yet
+        systems[name] = res
+    ratios = {}
+    ok = [n for n, r in systems.items() if r["status"] == "ok"]
+    for a in ok:
+        for b in ok:
+            if a != b:
+                per_round = np.array(systems[b]["round_median_ms"]) / np.array(systems[a]["round_median_ms"])
+                ratios[f"{a} / {b}"] = quantiles(per_round.tolist())
+    return {
+        "schema": "sparselift-bench/1",
+        "scenario": {"name": scenario.name, "description": scenario.description, "batch_size_per_rank": scenario.batch_size,
+                     "num_features": scenario.num_features},
+        "world_size": config.world_size,
+        "config": asdict(config),
+        "global_batch": global_batch,
+        "wall_s": wall_s,
+        "systems": systems,
+        "ratios": ratios,
+        "ratio_definition": "'A / B' = median over rounds of (B's median step time / A's): A's speedup over B",
+    }
+
+
+def _split(values: list[float], sizes: list[int]) -> list[list[float]]:
+    out, i = [], 0
+    for n in sizes:
+        out.append(values[i:i + n])
+        i += n
+    return out
+
+
+def run(config: BenchConfig) -> dict[str, Any]:
+    """Run the benchmark in ``config.world_size`` fresh processes and return its summary."""
+    import torch.multiprocessing as mp
+
+    config.validate()
+    scenario = scenarios.load(config.scenario)
+    _data(config, scenario)  # generate once here, so ranks only memory-map
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "raw.json")
+        mp.start_processes(_worker_main, args=(config, _free_port(), out), nprocs=config.world_size,
+                           start_method="spawn")
+        raw = json.loads(Path(out).read_text())
+    return summarize(config, raw, scenario, time.perf_counter() - start)
