@@ -98,7 +98,7 @@ class System:
     def __init__(self, env: BenchEnv):
         self.env = env
         self.timer = StageTimer()
-        self.losses: list[float] = []
+        self.losses: list[float] = []  # training loss of every step (this rank's batch)
 
     def setup(self) -> None:
         raise NotImplementedError
@@ -111,9 +111,15 @@ class System:
         (the sparse path) and ``optimizer`` (backward end)."""
         self.timer.attach(sparse)
         model.register_forward_pre_hook(lambda *_: self.timer.forward_start())
-        model.register_forward_hook(lambda _m, _i, out: self.timer.forward_end(out[0]))
+        model.register_forward_hook(lambda _m, _i, out: self._forward_done(out[0]))
         if optimizer is not None:
             optimizer.register_step_pre_hook(lambda *_: self.timer.backward_end())
+
+
+    def _forward_done(self, loss: torch.Tensor) -> None:
+        self.timer.forward_end(loss)
+        if loss.requires_grad:  # training forwards only
+            self.losses.append(float(loss.detach()))
 
 
 class LoopSystem(System):
@@ -127,7 +133,6 @@ class LoopSystem(System):
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
-        self.losses.append(float(loss.detach()))
 
 
 class ConstantSparse(nn.Module):

@@ -1,0 +1,81 @@
+"""`sparselift bench`: all systems side by side on the tiny scenario, parity mode, bad input."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_sparselift.bench.cli import main as bench
+from lightning_sparselift.bench.runner import DEFAULT_SYSTEMS
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["--world-size", "2", "--rounds", "2", "--steps-per-round", "2", "--warmup-steps", "1", "--breakdown-steps", "1"]
+
+
+def _bench(*args, cache):
+    return subprocess.run([str(Path(sys.executable).with_name("sparselift")), "bench", *args],
+                          capture_output=True, text=True, timeout=900, env={**__import__("os").environ,
+                                                                            "SPARSELIFT_CACHE": str(cache)})
+
+
+def test_all_systems_side_by_side(tmp_path, data_cache):
+    out = _bench("--scenario", "tiny", *FAST, "--json", str(tmp_path / "out.json"), "--markdown",
+                 str(tmp_path / "out.md"), "--plots", str(tmp_path / "plots"), cache=data_cache)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "out.json").read_text())
+    assert summary["schema"] == "sparselift-bench/1" and summary["world_size"] == 2
+    assert list(summary["systems"]) == DEFAULT_SYSTEMS
+    for name, r in summary["systems"].items():
+        assert r["status"] == "ok", f"{name}: {r['error']}"
+        for key in ("step_ms", "samples_per_s", "cpu_ms"):
+            assert set(r[key]) == {"median", "p25", "p75"}
+            assert r[key]["p25"] <= r[key]["median"] <= r[key]["p75"]
+        assert len(r["step_times_ms"]) == 2 * 2 and len(r["warmup_ms"]) == 1
+        assert set(r["stages_ms"]) >= {"sparse_forward", "other_forward", "sparse_backward", "other_backward", "other"}
+        assert r["collectives_per_step"]["count"] > 0
+    # the dense-only bound has no sparse path and issues no all-to-all
+    dense = summary["systems"]["dense-only"]
+    assert dense["stages_ms"]["sparse_forward"] < 0.5 and dense["stages_ms"]["sparse_backward"] == 0
+    assert "all_to_all" not in dense["collectives_per_step"]["by_op"]
+    assert summary["systems"]["torchrec"]["stages_ms"]["sparse_forward"] > 0
+    assert "torchrec / dlrm-baseline" in summary["ratios"]
+    assert "| sparselift |" in (tmp_path / "out.md").read_text()
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "tiny_over_steps.png", "tiny_stages.png", "tiny_throughput.png"]
+
+
+def test_a_crashing_system_does_not_take_the_others_down(tmp_path, data_cache):
+    # fbgemm's CPU kernels have no Adam: every TorchRec-based system fails at setup, the others run.
+    scenario = (ROOT / "configs/bench/tiny.yaml").read_text().replace("embedding: sgd", "embedding: adam")
+    (tmp_path / "adam.yaml").write_text(scenario)
+    out = _bench("--scenario", str(tmp_path / "adam.yaml"), *FAST, "--systems", "dlrm-baseline,torchrec,dense-only",
+                 "--json", str(tmp_path / "out.json"), cache=data_cache)
+    assert out.returncode == 0, out.stderr[-3000:]
+    systems = json.loads((tmp_path / "out.json").read_text())["systems"]
+    assert systems["torchrec"]["status"] == "failed" and "needs CUDA" in systems["torchrec"]["error"]
+    assert systems["dlrm-baseline"]["status"] == "ok" and systems["dense-only"]["status"] == "ok"
+
+
+def test_parity_mode_is_identical(tmp_path, data_cache):
+    out = _bench("--scenario", "tiny", "--world-size", "2", "--parity", "--num-samples", "2048",
+                 "--json", str(tmp_path / "parity.json"), cache=data_cache)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "parity.json").read_text())
+    assert summary["epoch_steps"] == 2048 // 128
+    assert summary["identical"] and summary["loss_mae"] == 0.0
+    assert summary["quality"]["torchrec"] == summary["quality"]["sparselift"]
+    assert 0.0 < summary["quality"]["sparselift"]["roc_auc"] < 1.0
+    assert "ROC-AUC" in out.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--scenario", "nope"], "unknown scenario 'nope'"),
+    (["--systems", "torchrec,fastest"], r"unknown system\(s\) \['fastest'\]"),
+    (["--world-size", "4096"], "does not fit this machine"),
+    (["--json", "/nonexistent-dir/out.json"], "cannot write"),
+])
+def test_bad_input(args, message):
+    with pytest.raises(SystemExit, match=message):
+        bench(["--scenario", "tiny", *args] if args[0] != "--scenario" else args)
