@@ -21,10 +21,11 @@ $(STAMP): pyproject.toml Makefile
 ifeq ($(GPU),1)
 	$(PIP) install -e ".[gpu,test]"
 else
-	# fbgemm-gpu-cpu first, then torchrec without its requirements (they name the CUDA fbgemm-gpu).
 	$(PIP) install -e ".[cpu,test]"
-	$(PIP) install --no-deps torchrec==1.8.0
 endif
+	# torchrec without its requirements: they name the CUDA fbgemm-gpu (wrong on the CPU path)
+	# and pin torchmetrics==1.0.3; its real runtime dependencies are ours.
+	$(PIP) install --no-deps torchrec==1.8.0
 	$(PY) -c "import torchrec, fbgemm_gpu, lightning_sparselift"
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)

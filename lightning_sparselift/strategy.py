@@ -8,7 +8,6 @@ optimizer fused into backward next to the user's dense optimizer, and saves shar
 
 from __future__ import annotations
 
-import warnings
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -289,7 +288,8 @@ class SparseLiftStrategy(ParallelStrategy):
     def _check_equal_batch_counts(self, stage: str) -> None:
         """All ranks must run the same number of sharded forwards, else a collective hangs."""
         trainer = self.lightning_module.trainer
-        loop = {"validate": trainer.validate_loop, "test": trainer.test_loop, "predict": trainer.predict_loop}[stage]
+        # during fit, validation runs in the fit loop's own evaluation loop
+        loop = trainer.predict_loop if stage == "predict" else trainer._evaluation_loop
         counts = [float(c) for c in (loop.max_batches if isinstance(loop.max_batches, list) else [loop.max_batches])]
         local = torch.tensor(counts, dtype=torch.float64)
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]

@@ -183,3 +183,22 @@ def test_adam_embedding_optimizer_needs_cuda(data_cache):
     t = trainer(1, SparseLiftStrategy(start_method="fork", embedding_optimizer="adam"))
     with pytest.raises(Exception, match="needs CUDA"):
         t.fit(tiny_model(dm), dm)
+
+
+def test_uneven_user_dataloaders_raise_instead_of_hanging(data_cache):
+    from torch.utils.data import DataLoader
+
+    from lightning_sparselift.data import BatchedRecDataset
+
+    class Uneven(type(tiny_data(data_cache))):
+        def val_dataloader(self):
+            # rank 0 gets 3 batches, rank 1 gets 2: a plain per-rank split without padding
+            dataset = BatchedRecDataset(self.split("val"), 32)
+            keep = list(range(3 - self.trainer.global_rank))
+            return DataLoader(torch.utils.data.Subset(dataset, keep), batch_size=None, collate_fn=lambda b: b)
+
+    dm = tiny_data(data_cache)
+    dm.__class__ = Uneven
+    t = trainer(2, use_distributed_sampler=False, limit_train_batches=2)
+    with pytest.raises(Exception, match="different numbers of validate batches"):
+        t.fit(tiny_model(dm), dm)

@@ -41,6 +41,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--warmup-steps", type=int, default=5)
     parser.add_argument("--breakdown-steps", type=int, default=4)
     parser.add_argument("--threads-per-rank", type=int, default=1)
+    parser.add_argument("--pin-cores", action="store_true", help="pin rank r to CPU core r")
     parser.add_argument("--num-samples", type=int, default=None, help="training samples generated (default 64 batches per rank)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--parity", action="store_true", help="quality-parity mode: train torchrec and sparselift "
@@ -54,6 +55,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                          systems=[s.strip() for s in args.systems.split(",") if s.strip()], rounds=args.rounds,
                          steps_per_round=args.steps_per_round, warmup_steps=args.warmup_steps,
                          breakdown_steps=args.breakdown_steps, threads_per_rank=args.threads_per_rank,
+                         pin_cores=args.pin_cores,
                          num_samples=args.num_samples, seed=args.seed,
                          cache_dir=os.environ.get("SPARSELIFT_CACHE"))
     try:

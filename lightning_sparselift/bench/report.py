@@ -81,7 +81,7 @@ def plots(summary: dict[str, Any], folder: Path) -> list[Path]:
 
     staged = {n: r["stages_ms"] for n, r in ok.items() if r.get("stages_ms")}
     if staged:
-        fig, ax = plt.subplots(figsize=(7, 3.5))
+        fig, ax = plt.subplots(figsize=(8.5, 3.5))
         bottom = [0.0] * len(staged)
         for stage in STAGES:
             values = [s[stage] for s in staged.values()]
@@ -89,7 +89,7 @@ def plots(summary: dict[str, Any], folder: Path) -> list[Path]:
             bottom = [b + v for b, v in zip(bottom, values)]
         ax.set_ylabel("ms per step (median)")
         ax.set_title(f"{name}: stage breakdown")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         ax.tick_params(axis="x", rotation=20)
         fig.tight_layout()
         paths.append(folder / f"{name}_stages.png")

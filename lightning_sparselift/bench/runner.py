@@ -40,6 +40,7 @@ class BenchConfig:
     warmup_steps: int = 5
     breakdown_steps: int = 4
     threads_per_rank: int = 1
+    pin_cores: bool = False  # pin rank r to core r (os.sched_setaffinity)
     seed: int = 0
     num_samples: Optional[int] = None  # default: 64 batches per rank
     cache_dir: Optional[str] = None
@@ -275,6 +276,8 @@ def _lightning_run(worker: _Worker) -> None:
 
 def _worker_main(rank: int, config: BenchConfig, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if config.pin_cores:
+        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
     torch.set_num_threads(config.threads_per_rank)
     dist.init_process_group("gloo", rank=rank, world_size=config.world_size,
                             timeout=timedelta(seconds=config.timeout_s))

@@ -163,7 +163,7 @@ class DenseOnly(LoopSystem):
     def setup(self) -> None:
         rec = build_rec_model(self.env.scenario, self.env.seed)
         rec.sparse_arch = ConstantSparse(rec, self.env.batch_size)
-        self.model = nn.parallel.DistributedDataParallel(WithLoss(rec))
+        self.model = nn.parallel.DistributedDataParallel(WithLoss(rec), broadcast_buffers=False)
         self.optimizer = _dense_optimizer(self.env.scenario, self.model.parameters())
         self._timed_model(self.model.module, rec.sparse_arch, self.optimizer)
 
@@ -273,6 +273,21 @@ class _WaitPooledAllToAll(torch.autograd.Function):
         return torch.zeros_like(grad), None, None, None
 
 
+class _TopArch(nn.Module):
+    """The scenario model's interaction and top MLP over [B, sum of dims] pooled embeddings."""
+
+    def __init__(self, rec: nn.Module, num_features: int):
+        super().__init__()
+        self.inter = getattr(rec, "inter_arch", None)  # DLRM / DCN; the concat model has none
+        self.over = rec.over_arch
+        self.num_features = num_features
+
+    def forward(self, dense: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        if self.inter is not None:
+            return self.over(self.inter(dense, embeddings.view(dense.shape[0], self.num_features, -1)))
+        return self.over(torch.cat([dense, embeddings], dim=1))
+
+
 class DLRMBaseline(System):
     """How the public reference DLRM (``dlrm_s_pytorch.py``, distributed mode) trains: one
     ``nn.EmbeddingBag(mode="sum", sparse=True)`` per table, tables split contiguously across
@@ -293,13 +308,9 @@ class DLRMBaseline(System):
         torch.manual_seed(env.seed + 1 + env.rank)
         self.bags = nn.ModuleList(nn.EmbeddingBag(scenario.rows[i], scenario.dims[i], mode="sum", sparse=True)
                                   for i in self.owned)
-        self.bottom = nn.parallel.DistributedDataParallel(rec.dense_arch)
-        is_dlrm = hasattr(rec, "inter_arch")
-        top = nn.ModuleDict({"inter": rec.inter_arch, "over": rec.over_arch}) if is_dlrm \
-            else nn.ModuleDict({"over": rec.over_arch})
-        self.top = nn.parallel.DistributedDataParallel(top)
-        self.is_dlrm = is_dlrm
-        self.dims = scenario.dims
+        # broadcast_buffers=False as in TorchRec's DDP: no buffer broadcast every forward
+        self.bottom = nn.parallel.DistributedDataParallel(rec.dense_arch, broadcast_buffers=False)
+        self.top = nn.parallel.DistributedDataParallel(_TopArch(rec, len(features)), broadcast_buffers=False)
         self.sparse_optimizer = torch.optim.SGD(self.bags.parameters(), lr=scenario.optimizer.get("embedding_lr", 0.1))
         self.dense_optimizer = _dense_optimizer(scenario, list(self.bottom.parameters()) + list(self.top.parameters()))
         self.dense_optimizer.register_step_pre_hook(lambda *_: self.timer.backward_end())
@@ -337,11 +348,7 @@ class DLRMBaseline(System):
             received = _WaitPooledAllToAll.apply(received, box, in_splits, out_splits)
         timer.watch_backward(received)
         chunks = [c.view(b, width) for c, width in zip(received.split(out_splits), self.widths)]
-        embeddings = torch.cat(chunks, dim=1)  # [B, sum of dims] in table order
-        if self.is_dlrm:
-            logits = self.top.module["over"](self.top.module["inter"](dense, embeddings.view(b, len(self.dims), -1)))
-        else:
-            logits = self.top.module["over"](torch.cat([dense, embeddings], dim=1))
+        logits = self.top(dense, torch.cat(chunks, dim=1))  # embeddings [B, sum of dims] in table order
         loss = nn.functional.binary_cross_entropy_with_logits(logits.squeeze(-1), batch.labels)
         timer.forward_end(loss)
         loss.backward()
