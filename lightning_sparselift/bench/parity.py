@@ -3,13 +3,10 @@ from the same initial weights on the same data, then scored on the same held-out
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import tempfile
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_sparselift.bench import scenarios
-from lightning_sparselift.bench.runner import BenchConfig, _data, _free_port
+from lightning_sparselift.bench.runner import BenchConfig, _data, _write_atomically, spawn_workers
 from lightning_sparselift.bench.systems import BenchEnv, SparseLift, TorchRecSparseDist, _shard
 
 SYSTEMS = ("torchrec", "sparselift")
@@ -78,20 +75,16 @@ def _worker(rank: int, config: BenchConfig, port: int, out: str) -> None:
     val = dm.split("val")
     quality = {"torchrec": _evaluate(env, torchrec.dmp, val), "sparselift": _evaluate(env, sparselift.model, val)}
     if rank == 0:
-        Path(out).write_text(json.dumps({"steps": steps, "curves": curves, "quality": quality, "train_s": wall}))
+        _write_atomically(out, {"steps": steps, "curves": curves, "quality": quality, "train_s": wall})
+    dist.barrier()
     dist.destroy_process_group()
 
 
 def run(config: BenchConfig) -> dict[str, Any]:
-    import torch.multiprocessing as mp
-
     config.validate()
     scenario = scenarios.load(config.scenario)
     _data(config, scenario)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "parity.json")
-        mp.start_processes(_worker, args=(config, _free_port(), out), nprocs=config.world_size, start_method="spawn")
-        raw = json.loads(Path(out).read_text())
+    raw, teardown_error = spawn_workers(_worker, config, "parity.json")
     a, b = np.array(raw["curves"]["torchrec"]), np.array(raw["curves"]["sparselift"])
     diff = a - b
     return {
@@ -103,6 +96,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
         "loss_mae": float(np.abs(diff).mean()), "loss_rmse": float(math.sqrt((diff ** 2).mean())),
         "identical": bool(np.array_equal(a, b)),
         "train_s": raw["train_s"],
+        "teardown_error": teardown_error,
     }
 
 

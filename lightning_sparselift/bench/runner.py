@@ -294,9 +294,15 @@ def _worker_main(rank: int, config: BenchConfig, port: int, out: str) -> None:
     worker.breakdown_and_collectives()
     merged = worker.gathered()
     if rank == 0:
-        Path(out).write_text(json.dumps({"result": worker.result, "steps": merged,
-                                         "losses": {n: s.losses[-3:] for n, s in worker.systems.items()}}))
+        _write_atomically(out, {"result": worker.result, "steps": merged})
+    dist.barrier(group=worker.control)
     dist.destroy_process_group()
+
+
+def _write_atomically(path: str, data: dict[str, Any]) -> None:
+    tmp = f"{path}.partial"
+    Path(tmp).write_text(json.dumps(data))
+    os.replace(tmp, path)  # the file exists only once it is complete
 
 
 def summarize(config: BenchConfig, raw: dict[str, Any], scenario: scenarios.Scenario, wall_s: float) -> dict[str, Any]:
@@ -347,15 +353,31 @@ def _split(values: list[float], sizes: list[int]) -> list[list[float]]:
 
 def run(config: BenchConfig) -> dict[str, Any]:
     """Run the benchmark in ``config.world_size`` fresh processes and return its summary."""
-    import torch.multiprocessing as mp
-
     config.validate()
     scenario = scenarios.load(config.scenario)
     _data(config, scenario)  # generate once here, so ranks only memory-map
     start = time.perf_counter()
+    raw, teardown_error = spawn_workers(_worker_main, config, "raw.json")
+    summary = summarize(config, raw, scenario, time.perf_counter() - start)
+    summary["teardown_error"] = teardown_error
+    return summary
+
+
+def spawn_workers(fn: Callable[..., None], config: BenchConfig, name: str) -> tuple[dict[str, Any], Optional[str]]:
+    """Run ``fn(rank, config, port, out)`` on every rank and read what rank 0 wrote to ``out``.
+
+    A rank that dies after the results were written (seen: an abort in a C++ destructor while
+    the process exits) does not void the results; its error is returned alongside them.
+    """
+    import torch.multiprocessing as mp
+
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "raw.json")
-        mp.start_processes(_worker_main, args=(config, _free_port(), out), nprocs=config.world_size,
-                           start_method="spawn")
-        raw = json.loads(Path(out).read_text())
-    return summarize(config, raw, scenario, time.perf_counter() - start)
+        out = os.path.join(tmp, name)
+        teardown_error = None
+        try:
+            mp.start_processes(fn, args=(config, _free_port(), out), nprocs=config.world_size, start_method="spawn")
+        except mp.ProcessExitedException as e:
+            if not Path(out).exists():
+                raise
+            teardown_error = str(e)
+        return json.loads(Path(out).read_text()), teardown_error
