@@ -133,7 +133,9 @@ class SparseLiftStrategy(ParallelStrategy):
         self._dmp: Optional[torch.nn.Module] = None
         self._tables: dict[str, Any] = {}
         self.sparse_module_paths: list[str] = []
-        self._dense_base_lrs: list[float] = []
+        # initial LRs, the reference of embedding_lr_schedule="follow_dense"
+        self._dense_base_lr = 1.0
+        self._embedding_base_lrs: list[float] = []
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -269,7 +271,7 @@ class SparseLiftStrategy(ParallelStrategy):
                 f"SparseLiftStrategy needs configure_optimizers to return exactly one (dense) optimizer, got "
                 f"{len(self.optimizers)}; the embedding optimizer is configured on the strategy")
         dense = self.optimizers[0]
-        self._dense_base_lrs = [g["lr"] for g in dense.param_groups]
+        self._dense_base_lr = dense.param_groups[0]["lr"]
         self._embedding_base_lrs = [g["lr"] for g in self._dmp.fused_optimizer.param_groups]
         self.optimizers = [combine_optimizers(self._dmp, dense)]
 
@@ -280,7 +282,7 @@ class SparseLiftStrategy(ParallelStrategy):
 
     def _follow_dense_lr(self) -> None:
         dense = dict(self.optimizers[0].optimizers)["dense"]
-        factor = dense.param_groups[0]["lr"] / self._dense_base_lrs[0]
+        factor = dense.param_groups[0]["lr"] / self._dense_base_lr
         for group, base in zip(self._dmp.fused_optimizer.param_groups, self._embedding_base_lrs):
             group["lr"] = base * factor
 
