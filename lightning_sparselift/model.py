@@ -122,16 +122,16 @@ class DLRMModule(pl.LightningModule):
         from torchrec.models.dlrm import DLRM, DLRM_DCN
 
         ebc = build_embedding_bag_collection(list(num_embeddings_per_feature), dims, feature_names)
-        if interaction == "concat":
-            self.model = ConcatInteraction(ebc, dense_in_features, list(dense_arch_layer_sizes),
-                                           list(over_arch_layer_sizes))
         common = dict(embedding_bag_collection=ebc, dense_in_features=dense_in_features,
                       dense_arch_layer_sizes=list(dense_arch_layer_sizes),
-                      over_arch_layer_sizes=list(over_arch_layer_sizes), dense_device=torch.device("cpu"))
-        if interaction == "dot":
-            self.model = DLRM(**common)
-        elif interaction == "dcn":
-            self.model = DLRM_DCN(**common, dcn_num_layers=dcn_num_layers, dcn_low_rank_dim=dcn_low_rank_dim)
+                      over_arch_layer_sizes=list(over_arch_layer_sizes))
+        if interaction == "concat":
+            self.model = ConcatInteraction(**common)
+        elif interaction == "dot":
+            self.model = DLRM(**common, dense_device=torch.device("cpu"))
+        else:
+            self.model = DLRM_DCN(**common, dense_device=torch.device("cpu"), dcn_num_layers=dcn_num_layers,
+                                  dcn_low_rank_dim=dcn_low_rank_dim)
         self.loss_fn = nn.BCEWithLogitsLoss(reduction="none")
         self.val_metrics = RecMetrics(prefix="val/")
         self.test_metrics = RecMetrics(prefix="test/")

@@ -116,6 +116,11 @@ class System:
             optimizer.register_step_pre_hook(lambda *_: self.timer.backward_end())
 
 
+    def _timed_sharded(self, wrapped: "WithLoss", combined: Any) -> None:
+        """:meth:`_timed_model` for a DMP-sharded model and its CombinedOptimizer (the dense
+        optimizer's step marks the end of backward)."""
+        self._timed_model(wrapped, wrapped.rec.sparse_arch, dict(combined.optimizers)["dense"]._optimizer)
+
     def _forward_done(self, loss: torch.Tensor) -> None:
         self.timer.forward_end(loss)
         if loss.requires_grad:  # training forwards only
@@ -191,7 +196,7 @@ class _TorchRecPipeline(System):
         self.dmp, self.optimizer = dmp, optimizer
         self.pipeline = self.pipeline_class(model=dmp, optimizer=optimizer, device=torch.device("cpu"))
         self.batches = self.env.local_iterator()
-        self._timed_model(wrapped, wrapped.rec.sparse_arch, dict(optimizer.optimizers)["dense"]._optimizer)
+        self._timed_sharded(wrapped, optimizer)
 
     def step(self, step: int) -> None:
         self.pipeline.progress(self.batches)  # returns the logits; the loss stays inside the pipeline
@@ -235,7 +240,7 @@ class SparseLift(LoopSystem):
         s = self.strategy
         self.model, self.optimizer, wrapped = _shard(self.env, s.validate_inputs, s.sharding_types,
                                                      s.embedding_optimizer)
-        self._timed_model(wrapped, wrapped.rec.sparse_arch, dict(self.optimizer.optimizers)["dense"]._optimizer)
+        self._timed_sharded(wrapped, self.optimizer)
 
 
 class _IssuePooledAllToAll(torch.autograd.Function):
