@@ -1,0 +1,231 @@
+"""Capture: what the first real batches show about the sparse path.
+
+While TorchRec's own path runs the first ``warmup_batches`` training steps, a forward pre-hook on
+every sharded EmbeddingBagCollection records its input KeyedJaggedTensor (per feature: bag
+lengths, ids, weighted or not; the batch size) and a dispatch mode records every collective the
+step issues (op, bytes each member puts in, dtype, forward under which module or backward).
+The result is plain data; :func:`gather_captures` makes every rank hold every rank's capture, so
+the graph lifted from it is the same everywhere.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# c10d ops as the dispatcher names them -> the collective they implement
+_COLLECTIVE_OPS = {
+    "alltoall_base_": "all_to_all_single",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "_allgather_base_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+}
+_PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class FeatureStats:
+    """One feature's bags on one rank over the captured steps."""
+
+    name: str
+    steps: int
+    bags: int
+    ids: int
+    max_length: int
+    percentiles: dict[str, float]  # bag length percentiles: {"p50": ..., "p90": ..., "p99": ...}
+    empty_fraction: float
+
+    @property
+    def ids_per_step(self) -> float:
+        return self.ids / max(self.steps, 1)
+
+    @property
+    def pooling_factor(self) -> float:
+        return self.ids / max(self.bags, 1)
+
+
+@dataclass
+class ModuleCapture:
+    """One sharded module's input on one rank."""
+
+    path: str
+    keys: list[str]
+    weighted: bool
+    batch_size: int
+    lengths_dtype: str
+    values_dtype: str
+    features: dict[str, FeatureStats]
+
+
+@dataclass
+class CollectiveRecord:
+    op: str  # all_to_all_single | reduce_scatter | all_gather | all_reduce
+    phase: str  # forward | backward
+    module: Optional[str]  # the sharded module whose forward issued it (None in backward)
+    dtype: str
+    bytes: int  # what this member puts into the collective (its input buffer)
+
+
+@dataclass
+class RankCapture:
+    rank: int
+    world_size: int
+    steps: int
+    modules: dict[str, ModuleCapture]
+    collectives: list[list[CollectiveRecord]]  # per captured step, in issue order
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RankCapture":
+        modules = {p: ModuleCapture(**{**m, "features": {f: FeatureStats(**s) for f, s in m["features"].items()}})
+                   for p, m in data["modules"].items()}
+        steps = [[CollectiveRecord(**c) for c in step] for step in data["collectives"]]
+        return cls(data["rank"], data["world_size"], data["steps"], modules, steps)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+class CollectiveRecorder(TorchDispatchMode):
+    """Records the c10d collectives dispatched while active (they all pass the dispatcher, so the
+    ones TorchRec issues from its awaitables and autograd Functions are seen too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[CollectiveRecord] = []
+        self.module: Optional[str] = None  # set while a sharded module's forward runs
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        op = _COLLECTIVE_OPS.get(func.__name__.split(".")[0]) if func.namespace == "c10d" else None
+        if op is not None:
+            self.records.append(self._record(op, func.__name__.split(".")[0], args))
+        return func(*args, **(kwargs or {}))
+
+    def _record(self, op: str, name: str, args: tuple) -> CollectiveRecord:
+        # the member's input: alltoall_base_(output, input, ...); _reduce_scatter_base_(output, input, ...);
+        # _allgather_base_(output, input, ...); allreduce_([tensors], ...); coalesced ops take lists
+        if name in ("alltoall_base_", "_reduce_scatter_base_", "_allgather_base_"):
+            tensors = [args[1]]
+        elif name == "allreduce_" or name == "allreduce_coalesced_":
+            tensors = list(args[0])
+        else:
+            tensors = list(args[1])
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        phase = "forward" if self.module is not None else "backward"
+        return CollectiveRecord(op, phase, self.module, _dtype_name(tensors[0].dtype), nbytes)
+
+
+class _FeatureAccumulator:
+    def __init__(self) -> None:
+        self.lengths: list[torch.Tensor] = []
+
+    def stats(self, name: str, steps: int) -> FeatureStats:
+        lengths = torch.cat(self.lengths) if self.lengths else torch.zeros(0, dtype=torch.long)
+        as_float = lengths.double()
+        percentiles = ({f"p{p}": float(torch.quantile(as_float, p / 100)) for p in _PERCENTILES}
+                       if lengths.numel() else {f"p{p}": 0.0 for p in _PERCENTILES})
+        return FeatureStats(name=name, steps=steps, bags=int(lengths.numel()), ids=int(lengths.sum()),
+                            max_length=int(lengths.max()) if lengths.numel() else 0, percentiles=percentiles,
+                            empty_fraction=float((lengths == 0).double().mean()) if lengths.numel() else 0.0)
+
+
+class SparseCapture:
+    """Hooks on the sharded modules of ``model`` at ``module_paths`` that record their inputs and
+    the collectives of the steps run inside :meth:`step`."""
+
+    def __init__(self, model: nn.Module, module_paths: list[str], rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.steps = 0
+        self._recorder: Optional[CollectiveRecorder] = None
+        self._step_records: list[list[CollectiveRecord]] = []
+        self._inputs: dict[str, dict[str, Any]] = {}
+        self._features: dict[str, dict[str, _FeatureAccumulator]] = defaultdict(lambda: defaultdict(_FeatureAccumulator))
+        self._handles = []
+        for path in module_paths:
+            module = model.get_submodule(path)
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook(path), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post_hook))
+
+    def _pre_hook(self, path: str):
+        def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self._recorder is None:
+                return  # outside a captured training step (e.g. validation)
+            self._recorder.module = path
+            self._observe(path, args[0] if args else kwargs["features"])
+        return hook
+
+    def _post_hook(self, _module: nn.Module, _args: tuple, _output: Any) -> None:
+        if self._recorder is not None:
+            self._recorder.module = None
+
+    def _observe(self, path: str, kjt: Any) -> None:
+        if kjt.variable_stride_per_key():
+            self._inputs[path] = {"error": f"{path}: inputs with a variable batch size per feature (VBE) are not "
+                                           f"supported by the lifted executor"}
+            return
+        batch_size = kjt.stride()
+        keys = list(kjt.keys())
+        previous = self._inputs.get(path)
+        if previous is not None and previous.get("keys") != keys:
+            self._inputs[path] = {"error": f"{path}: the KJT key order changed between batches ({previous.get('keys')} "
+                                           f"then {keys})"}
+            return
+        self._inputs[path] = {"keys": keys, "weighted": kjt.weights_or_none() is not None, "batch_size": batch_size,
+                              "lengths_dtype": _dtype_name(kjt.lengths().dtype),
+                              "values_dtype": _dtype_name(kjt.values().dtype)}
+        lengths = kjt.lengths().detach().view(len(keys), batch_size).cpu() if keys else None
+        for i, key in enumerate(keys):
+            self._features[path][key].lengths.append(lengths[i].long())
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Record the collectives and inputs of one training step (forward and backward)."""
+        self._recorder = CollectiveRecorder()
+        try:
+            with self._recorder:
+                yield
+        finally:
+            self._step_records.append(self._recorder.records)
+            self._recorder = None
+            self.steps += 1
+
+    def errors(self) -> list[str]:
+        return [v["error"] for v in self._inputs.values() if "error" in v]
+
+    def result(self) -> RankCapture:
+        modules = {}
+        for path, info in self._inputs.items():
+            if "error" in info:
+                continue
+            features = {k: self._features[path][k].stats(k, self.steps) for k in info["keys"]}
+            modules[path] = ModuleCapture(path=path, features=features, **info)
+        return RankCapture(self.rank, self.world_size, self.steps, modules, self._step_records)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def gather_captures(capture: RankCapture, group: Any = None) -> list[RankCapture]:
+    """Every rank's capture, on every rank (one all-gather of plain data)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [capture]
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, capture.to_dict(), group=group)
+    return [RankCapture.from_dict(d) for d in gathered]

@@ -1,0 +1,184 @@
+"""Worker of the lifted-executor parity tests: trains the same model from the same weights on the
+same batches twice per case, once on TorchRec's path and once with the lifted executor installed
+after capture, and returns everything that must be bit-identical.
+
+Run in spawned processes (one spawn per world size runs every case, to pay the imports once)."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+WARMUP_STEPS = 2
+LIFTED_STEPS = 3
+BATCH = 8
+
+# table name -> (rows, dim, features); ebc "b" only for the two-module cases
+TABLES_A = {"ta0": (50, 8, ["fa0"]), "ta1": (64, 8, ["fa1", "fa2"]), "ta2": (31, 24, ["fa3"]),
+            "ta3": (100, 16, ["fa4"])}
+TABLES_B = {"tb0": (40, 8, ["fb0"]), "tb1": (70, 24, ["fb1"])}
+
+CASES: dict[str, dict[str, Any]] = {
+    "table_wise": dict(sharding={t: "table_wise" for t in [*TABLES_A, *TABLES_B]}),
+    "column_wise": dict(sharding={t: "column_wise" for t in [*TABLES_A, *TABLES_B]}),
+    "row_wise": dict(sharding={t: "row_wise" for t in [*TABLES_A, *TABLES_B]}),
+    "data_parallel": dict(sharding={t: "data_parallel" for t in [*TABLES_A, *TABLES_B]}),
+    "mixed": dict(sharding={"ta0": "table_wise", "ta1": "row_wise", "ta2": "column_wise", "ta3": "data_parallel",
+                            "tb0": "row_wise", "tb1": "table_wise"}),
+}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "onehot": dict(weighted=False, multi_hot=False, two_modules=False),
+    "multihot_weighted": dict(weighted=True, multi_hot=True, two_modules=False),
+    "two_modules": dict(weighted=False, multi_hot=True, two_modules=True),
+}
+
+
+def _ebc(tables: dict[str, tuple], weighted: bool) -> nn.Module:
+    from torchrec import EmbeddingBagCollection
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    return EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r,
+                                                             feature_names=list(f))
+                                          for n, (r, d, f) in tables.items()],
+                                  is_weighted=weighted, device=torch.device("meta"))
+
+
+class ParityModel(nn.Module):
+    """Dense MLP + one or two EmbeddingBagCollections, pooled outputs read by key."""
+
+    def __init__(self, weighted: bool, two_modules: bool):
+        super().__init__()
+        self.ebc_a = _ebc(TABLES_A, weighted)
+        self.ebc_b = _ebc(TABLES_B, False) if two_modules else None
+        self.keys = [f for _, _, fs in TABLES_A.values() for f in fs]
+        width = sum(d * len(f) for _, d, f in TABLES_A.values())
+        if two_modules:
+            self.keys_b = [f for _, _, fs in TABLES_B.values() for f in fs]
+            width += sum(d * len(f) for _, d, f in TABLES_B.values())
+        self.bottom = nn.Linear(4, 8)
+        self.top = nn.Linear(width + 8, 1)
+
+    def forward(self, dense: torch.Tensor, kjt_a: Any, kjt_b: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        kt = self.ebc_a(kjt_a)
+        pooled = [kt[k] for k in self.keys]
+        if self.ebc_b is not None:
+            kt_b = self.ebc_b(kjt_b)
+            pooled += [kt_b[k] for k in self.keys_b]
+        pooled = torch.cat(pooled, dim=1)
+        return self.top(torch.cat([torch.relu(self.bottom(dense)), pooled], dim=1)).squeeze(1), pooled
+
+
+def _kjt(tables: dict[str, tuple], gen: torch.Generator, weighted: bool, multi_hot: bool) -> Any:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    keys, lengths, values = [], [], []
+    for rows, _, features in tables.values():
+        for f in features:
+            keys.append(f)
+            n = torch.randint(0, 4, (BATCH,), generator=gen) if multi_hot else torch.ones(BATCH, dtype=torch.long)
+            lengths.append(n)
+            values.append(torch.randint(0, rows, (int(n.sum()),), generator=gen))
+    lengths_t, values_t = torch.cat(lengths).int(), torch.cat(values)
+    weights = torch.rand(values_t.numel(), generator=gen) if weighted else None
+    return KeyedJaggedTensor(keys=keys, values=values_t, lengths=lengths_t, weights=weights)
+
+
+def batches(rank: int, variant: dict[str, Any], steps: int) -> list[tuple]:
+    gen = torch.Generator().manual_seed(1000 + rank)
+    out = []
+    for _ in range(steps):
+        dense = torch.randn(BATCH, 4, generator=gen)
+        labels = torch.randint(0, 2, (BATCH,), generator=gen).float()
+        a = _kjt(TABLES_A, gen, variant["weighted"], variant["multi_hot"])
+        b = _kjt(TABLES_B, gen, False, variant["multi_hot"]) if variant["two_modules"] else None
+        out.append((dense, labels, a, b))
+    return out
+
+
+def local_state(model: nn.Module, fused: Any) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, value in model.state_dict().items():
+        shards = value.local_shards() if hasattr(value, "local_shards") else None
+        if shards is None:
+            out[key] = value.detach().clone()
+        for i, shard in enumerate(shards or []):
+            out[f"{key}#{i}"] = shard.tensor.detach().clone()
+    for key, value in fused.state_dict()["state"].items():
+        for name, tensor in value.items():
+            for i, shard in enumerate(tensor.local_shards() if hasattr(tensor, "local_shards") else []):
+                out[f"optim/{key}/{name}#{i}"] = shard.tensor.detach().clone()
+    return out
+
+
+def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: int) -> dict[str, Any]:
+    from lightning_sparselift.capture import CollectiveRecorder, SparseCapture, gather_captures
+    from lightning_sparselift.lift import check_against_runtime, dense_parameter_bytes, lift
+    from lightning_sparselift.runtime import install
+    from lightning_sparselift.sharding import EmbeddingOptimizer, shard_model
+
+    torch.manual_seed(0)
+    model = ParityModel(variant["weighted"], variant["two_modules"])
+    tables = set(TABLES_A) | (set(TABLES_B) if variant["two_modules"] else set())
+    sharding = {t: k for t, k in case["sharding"].items() if t in tables}
+    sharded = shard_model(model, world, torch.device("cpu"), sharding, EmbeddingOptimizer("rowwise_adagrad", lr=0.1),
+                          dist.group.WORLD, validate_inputs=True)
+    dmp = sharded.dmp
+    dense_params = [p for n, p in dmp.named_parameters() if not hasattr(p, "_in_backward_optimizers")]
+    dense_opt = torch.optim.SGD(dense_params, lr=0.05)
+    rank = dist.get_rank()
+    result: dict[str, Any] = {"outputs": [], "grads": [], "initial": local_state(dmp, dmp.fused_optimizer)}
+    capture = SparseCapture(model, sharded.sparse_module_paths, rank, world) if lifted else None
+    for step, (dense, labels, a, b) in enumerate(batches(rank, variant, WARMUP_STEPS + LIFTED_STEPS)):
+        recorder = None
+        if capture is not None and step < WARMUP_STEPS:
+            context = capture.step()
+        elif lifted and step == WARMUP_STEPS + 1:
+            recorder = context = CollectiveRecorder()
+        else:
+            context = nullcontext()
+        with context:
+            logits, pooled = dmp(dense, a, b) if b is not None else dmp(dense, a)
+            loss = nn.functional.binary_cross_entropy_with_logits(logits, labels)
+            loss.backward()
+        result["outputs"].append(pooled.detach().clone())
+        result["grads"].append({n: p.grad.clone() for n, p in dmp.named_parameters() if p.grad is not None})
+        dense_opt.step()
+        dense_opt.zero_grad()
+        if recorder is not None:
+            result["lifted_collectives"] = [(r.op, r.phase, r.module, r.dtype, r.bytes) for r in recorder.records]
+        if capture is not None and step == WARMUP_STEPS - 1:
+            captured = gather_captures(capture.result())
+            capture.remove()
+            result["captured_collectives"] = [(r.op, r.phase, r.module, r.dtype, r.bytes)
+                                              for r in captured[rank].collectives[-1]]
+            graph = lift(model, dmp.plan, sharded.sparse_module_paths, captured, dist.group.WORLD,
+                         torch.device("cpu"), dense_parameter_bytes(dmp, sharded.sparse_module_paths))
+            check_against_runtime(graph, model)
+            install(graph, model, dist.group.WORLD, torch.device("cpu"))
+            result["graph"] = graph.to_dict()
+            result["explain"] = graph.explain()
+    result["final"] = local_state(dmp, dmp.fused_optimizer)
+    return result
+
+
+def worker(rank: int, world: int, port: int, cases: list[tuple[str, str]], out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for case_name, variant_name in cases:
+            try:
+                res = {"reference": train(CASES[case_name], VARIANTS[variant_name], False, world),
+                       "lifted": train(CASES[case_name], VARIANTS[variant_name], True, world)}
+            except Exception:  # reported per case; every rank fails the same way or the test times out
+                res = {"error": traceback.format_exc()}
+            torch.save(res, os.path.join(out_dir, f"{case_name}-{variant_name}-rank{rank}.pt"))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
