@@ -1,4 +1,4 @@
-"""Callbacks that report what a run achieved."""
+"""Callbacks: SparseLift's warmup (capture -> lift -> install) and a run report."""
 
 from __future__ import annotations
 
@@ -6,7 +6,54 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+
+class LiftWarmup(pl.Callback):
+    """Runs the first ``warmup_batches`` training steps on TorchRec's path under capture, then
+    lifts the sparse path and installs the lifted executor (``SparseLiftStrategy`` adds this
+    callback itself when ``executor="sparselift"``). Logs ``sparselift/lift_s`` and
+    ``sparselift/collectives_per_step``."""
+
+    def __init__(self) -> None:
+        self._active: Any = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.strategy.start_warmup()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        warmup = trainer.strategy.warmup
+        if warmup is not None and not warmup.done:
+            self._active = warmup.step()
+            self._active.__enter__()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._leave_step()
+        warmup = trainer.strategy.warmup
+        if warmup is None or not warmup.after_step():
+            return
+        trainer.strategy.finish_warmup()
+        if warmup.installed is None:
+            rank_zero_warn(f"SparseLift could not lift the sparse path, continuing on TorchRec's "
+                           f"(executor='torchrec'): {warmup.fallback_reason}")
+            return
+        graph = warmup.installed.graph
+        rank_zero_info(f"SparseLift: lifted {len(graph.modules)} sparse module(s) after {warmup.warmup_batches} "
+                       f"warmup step(s) in {warmup.lift_seconds:.2f} s; lifted executor installed "
+                       f"({len(graph.collectives())} collectives per step, graph {graph.fingerprint()})")
+        pl_module.log_dict({"sparselift/lift_s": warmup.lift_seconds,
+                            "sparselift/collectives_per_step": float(len(graph.collectives()))},
+                           rank_zero_only=True)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._leave_step()
+
+    def _leave_step(self) -> None:
+        if self._active is not None:
+            active, self._active = self._active, None
+            active.__exit__(None, None, None)
 
 
 class RunReport(pl.Callback):

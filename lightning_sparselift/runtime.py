@@ -12,6 +12,8 @@ TorchRec applies in its backward collectives), so results are bit-identical.
 
 from __future__ import annotations
 
+import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -93,6 +95,9 @@ class LiftedForward:
     def __init__(self, spec: LiftedModule, sharded: nn.Module, world_size: int, rank: int, group: Any,
                  device: torch.device) -> None:
         self.spec = spec
+        # TorchRec's own forward, for the steps where ranks pass different batch sizes
+        self.torchrec_forward = type(sharded).forward.__get__(sharded)
+        self.torchrec_steps = 0
         self.world = world_size
         self.rank = rank
         self.group = group
@@ -120,20 +125,22 @@ class LiftedForward:
             raise ValueError(f"{self.spec.path}: the KJT keys {features.keys()} are not in the order of the captured "
                              f"batches {self.spec.keys}; keep one key order for the whole run")
         with torch.no_grad():
-            if self.order is not None:
-                features = features.permute(self.spec.feature_order, self.order)
-            parts = features.split(self.splits)
-            distributed = self._input_dist(parts)
-        embeddings = []
-        for g, kjt in zip(self.groups, distributed):
-            local = g.lookup(kjt)
-            embeddings.append(self._output_dist(g, local, features.stride()))
+            permuted = features.permute(self.spec.feature_order, self.order) if self.order is not None else features
+            distributed = self._input_dist(permuted.split(self.splits))
+        if distributed is None:
+            # Every rank saw the same batch sizes in the splits exchange, so every rank takes this
+            # branch together: TorchRec's path handles per-rank batch sizes (e.g. a short last batch).
+            self.torchrec_steps += 1
+            return self.torchrec_forward(features)
+        embeddings = [self._output_dist(g, g.lookup(kjt), features.stride())
+                      for g, kjt in zip(self.groups, distributed)]
         values = embeddings[0] if len(embeddings) == 1 else torch.cat(embeddings, dim=1)
         return KeyedTensor(keys=self.spec.embedding_names, length_per_key=self.spec.embedding_dims, values=values,
                            key_dim=1)
 
     # ------------------------------------------------------------------ input dist
-    def _input_dist(self, parts: list[Any]) -> list[Any]:
+    def _input_dist(self, parts: list[Any]) -> Optional[list[Any]]:
+        """The KJT each group's lookup reads; None when ranks passed different batch sizes."""
         bucketized = [self._bucketize(g, p) if g.spec.sharding_type == "row_wise" else p
                       for g, p in zip(self.groups, parts)]
         if self.world == 1:
@@ -145,9 +152,12 @@ class LiftedForward:
                 payloads.append(None)
                 continue
             payloads.append(self._exchange_splits(g, kjt))
+        strides = {tuple(p[4]) for p in payloads if p is not None}
+        if any(len(set(s)) > 1 for s in strides):
+            return None
         out = []
         for g, kjt, splits in zip(self.groups, bucketized, payloads):
-            out.append(kjt if splits is None else self._exchange_payload(g, kjt, *splits))
+            out.append(kjt if splits is None else self._exchange_payload(g, kjt, *splits[:4]))
         return out
 
     def _bucketize(self, g: _GroupRuntime, kjt: Any) -> Any:
@@ -171,7 +181,8 @@ class LiftedForward:
             start += n
         return lengths, values
 
-    def _exchange_splits(self, g: _GroupRuntime, kjt: Any) -> tuple[list[int], list[int], list[int], list[int]]:
+    def _exchange_splits(self, g: _GroupRuntime, kjt: Any) -> tuple[list[int], list[int], list[int], list[int],
+                                                                      list[int]]:
         send_lengths, send_values = self._send_counts(g, kjt)
         rows = [send_lengths, send_values] + ([send_values] if kjt.weights_or_none() is not None else [])
         rows.append([kjt.stride()] * self.world)
@@ -179,12 +190,7 @@ class LiftedForward:
         received = torch.empty_like(send)
         dist.all_to_all_single(received, send, group=self.group)
         table = received.view(self.world, len(rows)).tolist()
-        strides = [row[-1] for row in table]
-        if len(set(strides)) > 1:
-            raise ValueError(f"{self.spec.path}: ranks passed different batch sizes {strides}; the lifted executor "
-                             f"needs the same batch size on every rank in a step (pad the last batch, e.g. with "
-                             f"lightning_sparselift.EvenDistributedSampler, or use executor='torchrec')")
-        return send_lengths, send_values, [row[0] for row in table], [row[1] for row in table]
+        return send_lengths, send_values, [row[0] for row in table], [row[1] for row in table], [r[-1] for r in table]
 
     def _exchange_payload(self, g: _GroupRuntime, kjt: Any, send_lengths: list[int], send_values: list[int],
                           recv_lengths: list[int], recv_values: list[int]) -> Any:
@@ -258,3 +264,82 @@ def install(graph: SparseGraph, model: nn.Module, group: Any, device: torch.devi
         forwards[spec.path] = forward
         restore.append(undo)
     return InstalledExecutor(graph, forwards, restore)
+
+
+class SparsePathWarmup:
+    """Capture the first ``warmup_batches`` training steps on TorchRec's path, then lift the
+    sparse path, check every rank built the same graph, and install the lifted executor.
+
+    Wrap each training step (forward, backward, optimizer step) in :meth:`step`. All ranks take
+    the same decision: if any rank cannot lift (:class:`~lightning_sparselift.lift.LiftError`),
+    every rank keeps TorchRec's path and :attr:`fallback_reason` says why; if ranks lift
+    different graphs, every rank raises.
+    """
+
+    def __init__(self, model: nn.Module, sharding_plan: Any, module_paths: list[str], warmup_batches: int,
+                 group: Any, device: torch.device) -> None:
+        from lightning_sparselift.capture import SparseCapture
+
+        if warmup_batches < 1:
+            raise ValueError("the lifted executor needs warmup_batches >= 1: TorchRec builds its dists on the first "
+                             "forward, and the lift is checked against them")
+        self.model, self.plan, self.paths = model, sharding_plan, module_paths
+        self.warmup_batches, self.group, self.device = warmup_batches, group, device
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.capture: Optional[Any] = SparseCapture(model, module_paths, rank, self.world)
+        self.installed: Optional[InstalledExecutor] = None
+        self.fallback_reason: Optional[str] = None
+        self.lift_seconds = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.capture is None
+
+    def step(self) -> Any:
+        return self.capture.step() if self.capture is not None else nullcontext()
+
+    def after_step(self) -> bool:
+        """Call after each wrapped step; lifts and installs once enough steps were captured.
+        Returns True on the step that finished the warmup."""
+        if self.capture is None or self.capture.steps < self.warmup_batches:
+            return False
+        start = time.perf_counter()
+        self._lift_and_install()
+        self.lift_seconds = time.perf_counter() - start
+        return True
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _lift_and_install(self) -> None:
+        from lightning_sparselift.capture import gather_captures
+        from lightning_sparselift.lift import LiftError, check_against_runtime, dense_parameter_bytes, lift
+
+        capture, self.capture = self.capture, None
+        capture.remove()
+        captures = gather_captures(capture.result(), self.group)
+        errors = [e for errors in self._all_gather(capture.errors()) for e in errors]
+        graph, status = None, None
+        if not errors:
+            try:
+                graph = lift(self.model, self.plan, self.paths, captures, self.group, self.device,
+                             dense_parameter_bytes(self.model, self.paths))
+                check_against_runtime(graph, self.model)
+                status = graph.fingerprint()
+            except LiftError as error:
+                status = f"error: {error}"
+        statuses = self._all_gather(status)
+        errors += sorted({s[len("error: "):] for s in statuses if s and s.startswith("error: ")})
+        if errors:
+            self.fallback_reason = "; ".join(sorted(set(errors)))
+            return
+        if len(set(statuses)) > 1:
+            raise RuntimeError(f"ranks lifted different sparse graphs (fingerprints by rank: {statuses}); they would "
+                               f"issue different collectives. Check that every rank runs the same model and sharding "
+                               f"plan with the same input features.")
+        self.installed = install(graph, self.model, self.group, self.device)

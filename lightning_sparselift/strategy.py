@@ -4,6 +4,9 @@ It shards every TorchRec ``EmbeddingBagCollection`` of the LightningModule with
 ``DistributedModelParallel`` (tables placed by TorchRec's planner, or by a constructed plan
 where the planner cannot place them), keeps the dense part data-parallel, runs the embedding
 optimizer fused into backward next to the user's dense optimizer, and saves sharded checkpoints.
+With ``executor="sparselift"`` (the default) the :class:`~lightning_sparselift.callbacks.LiftWarmup`
+callback captures the first training steps, lifts the sparse path and installs the lifted
+executor for the rest of the run.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 
 from lightning_sparselift import checkpoint as ckpt
+from lightning_sparselift.callbacks import LiftWarmup
 from lightning_sparselift.launcher import DenseOnlyMultiProcessingLauncher
 from lightning_sparselift.sharding import EmbeddingOptimizer, combine_optimizers, shard_model
 
@@ -63,11 +67,15 @@ class SparseLiftStrategy(ParallelStrategy):
             scales it by the dense optimizer's current/initial LR ratio every step, so the LR
             scheduler from ``configure_optimizers`` (which drives the dense optimizer) drives
             both.
-        executor: ``torchrec`` runs TorchRec's sharded modules as they are. ``sparselift`` (the
-            lifted executor) is not available yet and raises.
+        executor: ``sparselift`` (default) captures the first ``warmup_batches`` training steps on
+            TorchRec's path, lifts the sparse path into a graph (:attr:`sparse_graph`) and runs it
+            with SparseLift's executor from then on (bit-identical results); if the model's sparse
+            path cannot be lifted, it warns and keeps TorchRec's path. ``torchrec`` always runs
+            TorchRec's sharded modules as they are.
         optimizations: names of the sparse-path optimization passes the planner may use (none
             exist yet; unknown names raise).
-        warmup_batches: batches used to capture the sparse path before planning.
+        warmup_batches: training steps captured on TorchRec's path before lifting (>= 1 with the
+            lifted executor).
         timeout: collective timeout (seconds or ``timedelta``).
         process_group_backend: ``gloo`` / ``nccl``; defaults from the device.
         start_method: ``popen`` (re-runs the script, like DDP), ``spawn`` or ``fork`` (notebooks).
@@ -84,7 +92,7 @@ class SparseLiftStrategy(ParallelStrategy):
         sharding_types: Optional[dict[str, str]] = None,
         embedding_optimizer: Union[str, dict[str, Any], EmbeddingOptimizer] = "sgd",
         embedding_lr_schedule: str = "constant",
-        executor: str = "torchrec",
+        executor: str = "sparselift",
         optimizations: Optional[list[str]] = None,
         warmup_batches: int = 3,
         timeout: Union[float, timedelta] = 1800.0,
@@ -103,9 +111,6 @@ class SparseLiftStrategy(ParallelStrategy):
                          precision_plugin=precision_plugin)
         if executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
-        if executor == "sparselift":
-            raise NotImplementedError("executor='sparselift' (the lifted sparse path) is not implemented yet; "
-                                      "use executor='torchrec'")
         unknown = sorted(set(optimizations or []) - set(KNOWN_OPTIMIZATIONS))
         if unknown:
             raise ValueError(f"unknown optimization(s) {unknown}; available: {list(KNOWN_OPTIMIZATIONS) or 'none yet'}")
@@ -116,8 +121,9 @@ class SparseLiftStrategy(ParallelStrategy):
         if embedding_lr_schedule not in EMBEDDING_LR_SCHEDULES:
             raise ValueError(f"embedding_lr_schedule must be one of {EMBEDDING_LR_SCHEDULES}, "
                              f"got {embedding_lr_schedule!r}")
-        if int(warmup_batches) < 0:
-            raise ValueError(f"warmup_batches must be >= 0, got {warmup_batches}")
+        if int(warmup_batches) < (1 if executor == "sparselift" else 0):
+            raise ValueError(f"warmup_batches must be >= 1 with executor='sparselift' (TorchRec's path runs the "
+                             f"captured steps and the lift is checked against it), got {warmup_batches}")
         self.sharding_types = dict(sharding_types or {})
         self.embedding_optimizer = EmbeddingOptimizer.parse(embedding_optimizer)
         self.embedding_lr_schedule = embedding_lr_schedule
@@ -136,6 +142,9 @@ class SparseLiftStrategy(ParallelStrategy):
         # initial LRs, the reference of embedding_lr_schedule="follow_dense"
         self._dense_base_lr = 1.0
         self._embedding_base_lrs: list[float] = []
+        self._warmup: Optional[Any] = None
+        self._installed: Optional[Any] = None
+        self.executor_fallback_reason: Optional[str] = None
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -239,6 +248,8 @@ class SparseLiftStrategy(ParallelStrategy):
         self.model = self._dmp
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self.executor == "sparselift" and not any(isinstance(c, LiftWarmup) for c in trainer.callbacks):
+                trainer.callbacks.append(LiftWarmup())
         self.setup_precision_plugin()
 
     def _shard(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -254,6 +265,37 @@ class SparseLiftStrategy(ParallelStrategy):
         if self._dmp is None:
             raise RuntimeError("the model is not sharded yet (the plan exists after Trainer setup)")
         return self._dmp.plan
+
+    @property
+    def sparse_graph(self) -> Optional[Any]:
+        """The lifted :class:`~lightning_sparselift.lift.SparseGraph` the executor runs (None until
+        the warmup finished, or when TorchRec's path is in use)."""
+        return self._installed.graph if self._installed is not None else None
+
+    @property
+    def executor_in_use(self) -> str:
+        """``sparselift`` once the lifted executor is installed, else ``torchrec``."""
+        return "sparselift" if self._installed is not None else "torchrec"
+
+    # ------------------------------------------------------------------ the lifted executor's warmup
+    def start_warmup(self) -> bool:
+        """Begin capturing (fit start); False when there is nothing to do."""
+        if self.executor != "sparselift" or self._installed is not None or self._warmup is not None:
+            return False
+        from lightning_sparselift.runtime import SparsePathWarmup
+
+        self._warmup = SparsePathWarmup(self.lightning_module, self._dmp.plan, self.sparse_module_paths,
+                                        self.warmup_batches, torch.distributed.group.WORLD, self.root_device)
+        return True
+
+    @property
+    def warmup(self) -> Optional[Any]:
+        return self._warmup
+
+    def finish_warmup(self) -> None:
+        warmup, self._warmup = self._warmup, None
+        self._installed = warmup.installed
+        self.executor_fallback_reason = warmup.fallback_reason
 
     @property
     def fused_optimizer(self) -> Any:
