@@ -83,8 +83,9 @@ def test_unknown_options_and_names():
         SparseLiftStrategy(not_an_option=1)
     with pytest.raises(ValueError, match="executor"):
         SparseLiftStrategy(executor="fast")
-    with pytest.raises(NotImplementedError, match="not implemented yet"):
-        SparseLiftStrategy(executor="sparselift")
+    with pytest.raises(ValueError, match="warmup_batches must be >= 1"):
+        SparseLiftStrategy(executor="sparselift", warmup_batches=0)
+    SparseLiftStrategy(executor="torchrec", warmup_batches=0)
     with pytest.raises(ValueError, match="unknown optimization"):
         SparseLiftStrategy(optimizations=["aggregation"])
     with pytest.raises(ValueError, match="unknown embedding optimizer"):

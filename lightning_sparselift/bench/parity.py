@@ -34,7 +34,7 @@ def _evaluate(env: BenchEnv, trained: torch.nn.Module, val) -> dict[str, float]:
     inputs in the trained module's sharded forwards)."""
     from torchmetrics.functional.classification import binary_auroc, binary_average_precision
 
-    model, _, _ = _shard(env, validate_inputs=False)
+    model, _, _, _ = _shard(env, validate_inputs=False)
     model.load_state_dict(trained.state_dict())
     b, w = env.batch_size, env.world_size
     preds, labels = [], []

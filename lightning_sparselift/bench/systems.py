@@ -174,7 +174,7 @@ class DenseOnly(LoopSystem):
 
 
 def _shard(env: BenchEnv, validate_inputs: bool, sharding_types: Optional[dict[str, str]] = None,
-           embedding_optimizer: Optional[Any] = None) -> tuple[nn.Module, Any, nn.Module]:
+           embedding_optimizer: Optional[Any] = None) -> tuple[nn.Module, Any, nn.Module, list[str]]:
     from lightning_sparselift.sharding import EmbeddingOptimizer, combine_optimizers, shard_model
 
     wrapped = WithLoss(build_rec_model(env.scenario, env.seed))
@@ -182,7 +182,7 @@ def _shard(env: BenchEnv, validate_inputs: bool, sharding_types: Optional[dict[s
                           EmbeddingOptimizer.parse(embedding_optimizer or env.scenario.embedding_optimizer()),
                           dist.group.WORLD, validate_inputs)
     dense = _dense_optimizer(env.scenario, sharded.dmp.parameters())
-    return sharded.dmp, combine_optimizers(sharded.dmp, dense), wrapped
+    return sharded.dmp, combine_optimizers(sharded.dmp, dense), wrapped, sharded.sparse_module_paths
 
 
 class _TorchRecPipeline(System):
@@ -192,7 +192,7 @@ class _TorchRecPipeline(System):
     pipeline_class: Callable[..., Any]
 
     def setup(self) -> None:
-        dmp, optimizer, wrapped = _shard(self.env, validate_inputs=False)
+        dmp, optimizer, wrapped, _ = _shard(self.env, validate_inputs=False)
         self.dmp, self.optimizer = dmp, optimizer
         self.pipeline = self.pipeline_class(model=dmp, optimizer=optimizer, device=torch.device("cpu"))
         self.batches = self.env.local_iterator()
@@ -223,7 +223,8 @@ class TorchRecSparseDist(_TorchRecPipeline):
 
 
 class SparseLift(LoopSystem):
-    """The model as ``SparseLiftStrategy`` installs it, in a bare loop (no Lightning)."""
+    """The model as ``SparseLiftStrategy`` installs it, in a bare loop (no Lightning): TorchRec's
+    path for the strategy's ``warmup_batches`` captured steps, then the lifted executor."""
 
     name = "sparselift"
 
@@ -237,10 +238,22 @@ class SparseLift(LoopSystem):
                                               **(strategy_kwargs or {})})
 
     def setup(self) -> None:
+        from lightning_sparselift.runtime import SparsePathWarmup
+
         s = self.strategy
-        self.model, self.optimizer, wrapped = _shard(self.env, s.validate_inputs, s.sharding_types,
-                                                     s.embedding_optimizer)
+        self.model, self.optimizer, wrapped, paths = _shard(self.env, s.validate_inputs, s.sharding_types,
+                                                            s.embedding_optimizer)
+        self.warmup = (SparsePathWarmup(wrapped, self.model.plan, paths, s.warmup_batches, dist.group.WORLD,
+                                        torch.device("cpu")) if s.executor == "sparselift" else None)
         self._timed_sharded(wrapped, self.optimizer)
+
+    def step(self, step: int) -> None:
+        if self.warmup is None or self.warmup.done:
+            return super().step(step)
+        with self.warmup.step():
+            super().step(step)
+        if self.warmup.after_step() and self.warmup.installed is None:
+            raise RuntimeError(f"sparselift: the sparse path could not be lifted: {self.warmup.fallback_reason}")
 
 
 class _IssuePooledAllToAll(torch.autograd.Function):
