@@ -111,3 +111,86 @@ def test_graph_round_trips_and_explains(runs):
     # one splits exchange per all-to-all group: ebc_a table/row/column-wise, ebc_b row/table-wise
     assert text.count("input_splits") == 5
     assert graph.to_dot().startswith("digraph")
+
+
+# ---------------------------------------------------------------------------- through the strategy
+import lightning.pytorch as L  # noqa: E402
+
+from helpers import DumpLocalState, load_dumps, tiny_data, tiny_model, trainer  # noqa: E402
+from lightning_sparselift import SparseLiftStrategy  # noqa: E402
+
+MIXED = dict(zip(["t_cat_0", "t_cat_1", "t_cat_2", "t_cat_3", "t_cat_4", "t_cat_5"],
+                 ["table_wise", "column_wise", "row_wise", "data_parallel", "row_wise", "table_wise"]))
+
+
+class SaveExecutor(L.Callback):
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def on_train_end(self, trainer, pl_module):
+        s = trainer.strategy
+        graph = s.sparse_graph
+        torch.save({"executor": s.executor_in_use, "fallback": s.executor_fallback_reason,
+                    "graph": graph.to_dict() if graph is not None else None,
+                    "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
+                   self.folder / f"executor{trainer.global_rank}.pt")
+
+
+def test_strategy_lifted_executor_matches_torchrec_executor(tmp_path, data_cache):
+    """Trainer.fit with executor='sparselift' (the default) and 'torchrec': the same tables, fused
+    optimizer state and dense weights after an epoch with validation, bit for bit."""
+    dm = tiny_data(data_cache, num_train=640)
+    for executor in ("torchrec", "sparselift"):
+        L.seed_everything(0)
+        folder = tmp_path / executor
+        folder.mkdir()
+        strategy = SparseLiftStrategy(start_method="fork", sharding_types=MIXED, executor=executor,
+                                      embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
+        t = trainer(2, strategy, callbacks=[DumpLocalState(folder), SaveExecutor(folder)])
+        t.fit(tiny_model(dm), dm)
+    for rank in range(2):
+        ours, theirs = load_dumps(tmp_path / "sparselift", 2)[rank], load_dumps(tmp_path / "torchrec", 2)[rank]
+        assert ours.keys() == theirs.keys()
+        assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
+        info = torch.load(tmp_path / "sparselift" / f"executor{rank}.pt", weights_only=False)
+        assert info["executor"] == "sparselift" and info["fallback"] is None
+        assert info["metrics"]["sparselift/collectives_per_step"] == len(SparseGraph.from_dict(info["graph"]).collectives())
+        reference = torch.load(tmp_path / "torchrec" / f"executor{rank}.pt", weights_only=False)
+        assert reference["executor"] == "torchrec"
+        assert info["metrics"]["val/auc"] == reference["metrics"]["val/auc"]
+
+
+def _mean_pooled_model(dm):
+    from torchrec import EmbeddingBagCollection
+    from torchrec.modules.embedding_configs import PoolingType
+
+    model = tiny_model(dm)
+    ebc = model.model.sparse_arch.embedding_bag_collection
+    configs = ebc.embedding_bag_configs()
+    for config in configs:
+        config.pooling = PoolingType.MEAN
+    model.model.sparse_arch.embedding_bag_collection = EmbeddingBagCollection(tables=configs,
+                                                                              device=torch.device("meta"))
+    return model
+
+
+def test_strategy_falls_back_to_torchrec_when_the_path_cannot_be_lifted(tmp_path, data_cache):
+    dm = tiny_data(data_cache, num_train=256)
+    L.seed_everything(0)
+    strategy = SparseLiftStrategy(start_method="fork", sharding_types={"t_cat_2": "row_wise"})
+    t = trainer(2, strategy, callbacks=[SaveExecutor(tmp_path)], limit_val_batches=0)
+    t.fit(_mean_pooled_model(dm), dm)
+    info = torch.load(tmp_path / "executor0.pt", weights_only=False)
+    assert info["executor"] == "torchrec"
+    assert "row-wise with mean pooling" in info["fallback"] and "t_cat_2" in info["fallback"]
+
+
+def test_ranks_with_different_graphs_raise_instead_of_hanging(data_cache, monkeypatch):
+    import torch.distributed as dist
+
+    # forked ranks inherit the patch: each rank claims a different graph
+    monkeypatch.setattr(SparseGraph, "fingerprint", lambda self: f"graph-of-rank-{dist.get_rank()}")
+    dm = tiny_data(data_cache, num_train=256)
+    t = trainer(2, SparseLiftStrategy(start_method="fork"), limit_val_batches=0)
+    with pytest.raises(Exception, match="ranks lifted different sparse graphs"):
+        t.fit(tiny_model(dm), dm)
