@@ -42,6 +42,12 @@ def test_all_systems_side_by_side(tmp_path, data_cache):
     assert summary["systems"]["torchrec"]["stages_ms"]["sparse_forward"] > 0
     assert "torchrec / dlrm-baseline" in summary["ratios"]
     assert "| sparselift |" in (tmp_path / "out.md").read_text()
+    # both sparselift systems ran the lifted executor after their warmup
+    assert summary["systems"]["sparselift"]["executor"] == summary["systems"]["sparselift-lightning"]["executor"] \
+        == "sparselift"
+    assert summary["systems"]["sparselift"]["graph_collectives_per_step"] == \
+        summary["systems"]["sparselift"]["collectives_per_step"]["count"]
+    assert "explain()" in (tmp_path / "out.md").read_text()
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
         "tiny_over_steps.png", "tiny_stages.png", "tiny_throughput.png"]
 

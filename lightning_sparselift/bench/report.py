@@ -50,6 +50,12 @@ def markdown(summary: dict[str, Any]) -> str:
             if r["status"] == "ok":
                 cells = ["1.00" if name == ref else _fmt(summary["ratios"].get(f"{name} / {ref}", {}), 3) for ref in refs]
                 lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    for name, r in summary["systems"].items():
+        if r.get("graph_explain"):
+            lines += ["", f"{name}: sparse path lifted in {r['lift_s']:.3f} s after its warmup steps; the lifted "
+                          f"graph predicts {r['graph_collectives_per_step']} collectives per step "
+                          f"(fingerprint {r['graph_fingerprint']}).", "", "<details><summary>explain()</summary>", "",
+                      "```", r["graph_explain"], "```", "", "</details>"]
     return "\n".join(lines) + "\n"
 
 

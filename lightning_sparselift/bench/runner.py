@@ -25,7 +25,9 @@ import torch.distributed as dist
 
 from lightning_sparselift.bench import scenarios
 from lightning_sparselift.bench.measure import StepClock, quantiles, record_collectives
-from lightning_sparselift.bench.systems import ALL_SYSTEMS, LIGHTNING_SYSTEM, SYSTEMS, BenchEnv, System
+from lightning_sparselift.bench.systems import (
+    ALL_SYSTEMS, LIGHTNING_SYSTEM, SYSTEMS, BenchEnv, System, bench_strategy_kwargs,
+)
 
 DEFAULT_SYSTEMS = ["dlrm-baseline", "torchrec-base", "torchrec", "dense-only", "sparselift", LIGHTNING_SYSTEM]
 
@@ -89,7 +91,7 @@ class _Worker:
         self.scenario = scenarios.load(config.scenario)
         self.control = dist.new_group(backend="gloo")  # decisions travel apart from the systems' collectives
         self.env = BenchEnv(self.scenario, rank, config.world_size, _data(config, self.scenario).split("train"),
-                            seed=config.seed)
+                            seed=config.seed, warmup_steps=config.warmup_steps)
         self.systems: dict[str, System] = {}
         self.result: dict[str, dict[str, Any]] = {name: {"status": "ok", "error": None} for name in config.systems}
         self.clocks: dict[str, StepClock] = {}
@@ -165,6 +167,7 @@ class _Worker:
                     system.step(base + self.config.breakdown_steps)
                 self.result[system.name]["stages_ms"] = system.timer.summary()
                 self.result[system.name]["collectives_per_step"] = log.summary()
+                self.result[system.name].update(system.report())
 
             dist.barrier(group=self.control)
             self._guard(name, "breakdown", measure)
@@ -263,7 +266,7 @@ def _lightning_run(worker: _Worker) -> None:
     torch.manual_seed(cfg.seed)
     module = DLRMModule(**worker.scenario.module_kwargs())
     batches = [env.local_batch(i) for i in range(total)]
-    strategy = SparseLiftStrategy(validate_inputs=False, embedding_optimizer=worker.scenario.embedding_optimizer())
+    strategy = SparseLiftStrategy(**bench_strategy_kwargs(env))
     start = time.perf_counter()
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=cfg.world_size, max_steps=total,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -272,6 +275,7 @@ def _lightning_run(worker: _Worker) -> None:
     worker.result[name]["setup_s"] = None
     trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None, collate_fn=lambda b: b))
     worker.result[name]["fit_s"] = time.perf_counter() - start
+    worker.result[name]["executor"] = strategy.executor_in_use
 
 
 def _worker_main(rank: int, config: BenchConfig, port: int, out: str) -> None:

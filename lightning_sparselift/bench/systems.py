@@ -29,6 +29,7 @@ class BenchEnv:
     arrays: RecArrays
     seed: int = 0
     pool: int = 32  # distinct batches per rank, cycled
+    warmup_steps: int = 5  # untimed steps before measuring
     _local: list[RecBatch] = field(default_factory=list)
     _global: list[list[RecBatch]] = field(default_factory=list)
 
@@ -105,6 +106,10 @@ class System:
 
     def step(self, step: int) -> None:
         raise NotImplementedError
+
+    def report(self) -> dict[str, Any]:
+        """What the system wants in its result beside the timings."""
+        return {}
 
     def _timed_model(self, model: nn.Module, sparse: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
         """Hook the stage timer into ``model`` (forward), its loss (backward start), ``sparse``
@@ -232,10 +237,7 @@ class SparseLift(LoopSystem):
         super().__init__(env)
         from lightning_sparselift import SparseLiftStrategy
 
-        # Input validation is a debugging aid outside the sparse path; the benchmark turns it off.
-        self.strategy = SparseLiftStrategy(**{"validate_inputs": False,
-                                              "embedding_optimizer": env.scenario.embedding_optimizer(),
-                                              **(strategy_kwargs or {})})
+        self.strategy = SparseLiftStrategy(**{**bench_strategy_kwargs(env), **(strategy_kwargs or {})})
 
     def setup(self) -> None:
         from lightning_sparselift.runtime import SparsePathWarmup
@@ -254,6 +256,13 @@ class SparseLift(LoopSystem):
             super().step(step)
         if self.warmup.after_step() and self.warmup.installed is None:
             raise RuntimeError(f"sparselift: the sparse path could not be lifted: {self.warmup.fallback_reason}")
+
+    def report(self) -> dict[str, Any]:
+        if self.warmup is None or self.warmup.installed is None:
+            return {"executor": "torchrec"}
+        graph = self.warmup.installed.graph
+        return {"executor": "sparselift", "lift_s": self.warmup.lift_seconds, "graph_fingerprint": graph.fingerprint(),
+                "graph_collectives_per_step": len(graph.collectives()), "graph_explain": graph.explain()}
 
 
 class _IssuePooledAllToAll(torch.autograd.Function):
@@ -381,6 +390,16 @@ SYSTEMS: dict[str, type[System]] = {cls.name: cls for cls in (DLRMBaseline, Torc
                                                               DenseOnly, SparseLift)}
 LIGHTNING_SYSTEM = "sparselift-lightning"
 ALL_SYSTEMS = [*SYSTEMS, LIGHTNING_SYSTEM]
+
+
+def bench_strategy_kwargs(env: BenchEnv) -> dict[str, Any]:
+    """The strategy options of both sparselift systems."""
+    return {
+        "validate_inputs": False,  # a debugging aid outside the sparse path
+        "embedding_optimizer": env.scenario.embedding_optimizer(),
+        # capture inside the untimed warmup (the strategy's default is 3 steps)
+        "warmup_batches": max(1, min(3, env.warmup_steps)),
+    }
 
 
 def lightning_env(rank: int, world_size: int) -> None:
