@@ -268,7 +268,7 @@ def _sharded_type() -> type:
     return ShardedEmbeddingBagCollection
 
 
-def _table_shards(name: str, ps: Any, pooling: str, world_size: int, rows: int, dim: int) -> list[TableShard]:
+def _table_shards(name: str, ps: Any, pooling: str, rows: int, dim: int) -> list[TableShard]:
     if ps.sharding_type == "data_parallel":
         return [TableShard(name, None, rows, dim, 0, 0, ps.compute_kernel, pooling)]
     shards = []
@@ -317,8 +317,7 @@ def _lift_groups(path: str, sharded: nn.Module, module_plan: Any, env: Any, devi
             if sharding_type == "row_wise" and cfg.pooling == PoolingType.MEAN:
                 raise LiftError(f"{path}: table {cfg.name!r} is row-wise with mean pooling (TorchRec divides after "
                                 f"the reduce-scatter); the lifted executor does not implement that")
-            tables.extend(_table_shards(cfg.name, plan[cfg.name], pooling, world, cfg.num_embeddings,
-                                        cfg.embedding_dim))
+            tables.extend(_table_shards(cfg.name, plan[cfg.name], pooling, cfg.num_embeddings, cfg.embedding_dim))
         features = list(sharding.feature_names())
         features_per_rank: list[int] = []
         block_sizes: list[int] = []
@@ -428,7 +427,7 @@ def _step_nodes(modules: list[LiftedModule], world: int, dense_param_bytes: int)
         B = m.batch_size_per_rank
         lengths_size = _DTYPE_BYTES[m.lengths_dtype]
         values_size = _DTYPE_BYTES[m.values_dtype]
-        head = f"{m.path}"
+        head = m.path
         prev = []
         if m.feature_order:
             ids = [sum(stats.values()) for stats in m.ids_per_step]

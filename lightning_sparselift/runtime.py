@@ -24,37 +24,55 @@ from torch import Tensor, nn
 from lightning_sparselift.lift import LiftedModule, ShardingGroup, SparseGraph
 
 
-class PooledAllToAll(torch.autograd.Function):
-    """Table/column-wise output dist: every rank's pooled [world*B, D_local] block goes back to
-    the ranks that own the samples; the gradient takes the reverse path divided by world size."""
+class MergedPooledAllToAll(torch.autograd.Function):
+    """Table/column-wise output dist of one or several groups in one all-to-all: every rank's
+    pooled [world*B, D_local] blocks go back to the ranks that own the samples (per destination:
+    its B rows of every group, group after group); the gradients take the reverse path and are
+    divided by world size, as TorchRec's backward all-to-all does."""
 
     @staticmethod
-    def forward(ctx: Any, local: Tensor, dim_sum_per_rank: list[int], batch_size: int, group: Any,
-                column_index: Optional[Tensor]) -> Tensor:
-        world = len(dim_sum_per_rank)
-        local_dim = local.size(1)
-        received = local.new_empty(batch_size * sum(dim_sum_per_rank))
-        dist.all_to_all_single(received, local.contiguous().view(-1),
-                               [batch_size * d for d in dim_sum_per_rank], [batch_size * local_dim] * world,
+    def forward(ctx: Any, dims: list[list[int]], batch_size: int, group: Any, column_index: list[Optional[Tensor]],
+                *locals_: Tensor) -> tuple[Tensor, ...]:
+        world = len(dims[0])
+        rank = dist.get_rank(group)
+        send = torch.cat([local[r * batch_size:(r + 1) * batch_size].reshape(-1)
+                          for r in range(world) for local in locals_])
+        recv_sizes = [batch_size * sum(d[s] for d in dims) for s in range(world)]
+        received = send.new_empty(sum(recv_sizes))
+        dist.all_to_all_single(received, send, recv_sizes, [batch_size * sum(d[rank] for d in dims)] * world,
                                group=group)
-        chunks = received.split([batch_size * d for d in dim_sum_per_rank])
-        out = torch.cat([c.view(batch_size, d) for c, d in zip(chunks, dim_sum_per_rank)], dim=1)
-        ctx.dims, ctx.batch_size, ctx.group, ctx.local_dim = dim_sum_per_rank, batch_size, group, local_dim
-        ctx.column_index = column_index
-        return out if column_index is None else out.index_select(1, column_index)
+        per_group: list[list[Tensor]] = [[] for _ in dims]
+        for s, chunk in enumerate(received.split(recv_sizes)):
+            for g, piece in enumerate(chunk.split([batch_size * d[s] for d in dims])):
+                per_group[g].append(piece.view(batch_size, dims[g][s]))
+        outs = []
+        for pieces, index in zip(per_group, column_index):
+            out = torch.cat(pieces, dim=1)
+            outs.append(out if index is None else out.index_select(1, index))
+        ctx.dims, ctx.batch_size, ctx.group, ctx.column_index, ctx.rank = dims, batch_size, group, column_index, rank
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
-        if ctx.column_index is not None:
-            unpermuted = torch.empty_like(grad)
-            unpermuted[:, ctx.column_index] = grad
-            grad = unpermuted
-        world = len(ctx.dims)
-        send = torch.cat([g.contiguous().view(-1) for g in grad.split(ctx.dims, dim=1)])
-        received = grad.new_empty(world * ctx.batch_size * ctx.local_dim)
-        dist.all_to_all_single(received, send, [ctx.batch_size * ctx.local_dim] * world,
-                               [ctx.batch_size * d for d in ctx.dims], group=ctx.group)
-        return received.view(world * ctx.batch_size, ctx.local_dim).div_(world), None, None, None, None
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Optional[Tensor], ...]:
+        dims, batch, world = ctx.dims, ctx.batch_size, len(ctx.dims[0])
+        by_source = []
+        for grad, index, d in zip(grads, ctx.column_index, dims):
+            if index is not None:
+                unpermuted = torch.empty_like(grad)
+                unpermuted[:, index] = grad
+                grad = unpermuted
+            by_source.append(grad.split(d, dim=1))
+        send = torch.cat([by_source[g][s].contiguous().view(-1) for s in range(world) for g in range(len(dims))])
+        local_sizes = [batch * d[ctx.rank] for d in dims]
+        received = send.new_empty(world * sum(local_sizes))
+        dist.all_to_all_single(received, send, [sum(local_sizes)] * world,
+                               [batch * sum(d[s] for d in dims) for s in range(world)], group=ctx.group)
+        per_group: list[list[Tensor]] = [[] for _ in dims]
+        for chunk in received.split([sum(local_sizes)] * world):
+            for g, piece in enumerate(chunk.split(local_sizes)):
+                per_group[g].append(piece.view(batch, dims[g][ctx.rank]))
+        local_grads = [torch.cat(p).div_(world) for p in per_group]
+        return (None, None, None, None, *local_grads)
 
 
 class PooledReduceScatter(torch.autograd.Function):
@@ -98,6 +116,9 @@ class LiftedForward:
         # TorchRec's own forward, for the steps where ranks pass different batch sizes
         self.torchrec_forward = type(sharded).forward.__get__(sharded)
         self.torchrec_steps = 0
+        # what the execution plan switches on (communication aggregation)
+        self.aggregate_input = False
+        self.aggregate_output = False
         self.world = world_size
         self.rank = rank
         self.group = group
@@ -132,8 +153,8 @@ class LiftedForward:
             # branch together: TorchRec's path handles per-rank batch sizes (e.g. a short last batch).
             self.torchrec_steps += 1
             return self.torchrec_forward(features)
-        embeddings = [self._output_dist(g, g.lookup(kjt), features.stride())
-                      for g, kjt in zip(self.groups, distributed)]
+        embeddings = self._output_dist([g.lookup(kjt) for g, kjt in zip(self.groups, distributed)],
+                                       features.stride())
         values = embeddings[0] if len(embeddings) == 1 else torch.cat(embeddings, dim=1)
         return KeyedTensor(keys=self.spec.embedding_names, length_per_key=self.spec.embedding_dims, values=values,
                            key_dim=1)
@@ -143,21 +164,23 @@ class LiftedForward:
         """The KJT each group's lookup reads; None when ranks passed different batch sizes."""
         bucketized = [self._bucketize(g, p) if g.spec.sharding_type == "row_wise" else p
                       for g, p in zip(self.groups, parts)]
-        if self.world == 1:
+        exchanged = [i for i, g in enumerate(self.groups) if g.spec.sharding_type != "data_parallel"]
+        if self.world == 1 or not exchanged:
             return bucketized
-        # splits of every group first (as TorchRec issues them), then each group's payload
-        payloads = []
-        for g, kjt in zip(self.groups, bucketized):
-            if g.spec.sharding_type == "data_parallel":
-                payloads.append(None)
-                continue
-            payloads.append(self._exchange_splits(g, kjt))
-        strides = {tuple(p[4]) for p in payloads if p is not None}
-        if any(len(set(s)) > 1 for s in strides):
+        kjts = [bucketized[i] for i in exchanged]
+        groups = [self.groups[i] for i in exchanged]
+        counts = [self._send_counts(g, kjt) for g, kjt in zip(groups, kjts)]
+        received = self._exchange_splits(kjts, counts)
+        if len({row[-1] for table in received for row in table}) > 1:
             return None
-        out = []
-        for g, kjt, splits in zip(self.groups, bucketized, payloads):
-            out.append(kjt if splits is None else self._exchange_payload(g, kjt, *splits[:4]))
+        recv = [([row[0] for row in table], [row[1] for row in table]) for table in received]
+        if self.aggregate_input:
+            tensors = self._exchange_packed(kjts, counts, recv)
+        else:
+            tensors = [self._exchange_tensors(kjt, send, got) for kjt, send, got in zip(kjts, counts, recv)]
+        out = list(bucketized)
+        for i, g, kjt, (lengths, values, weights) in zip(exchanged, groups, kjts, tensors):
+            out[i] = self._received_kjt(g, lengths, values, weights, kjt.stride())
         return out
 
     def _bucketize(self, g: _GroupRuntime, kjt: Any) -> Any:
@@ -181,35 +204,73 @@ class LiftedForward:
             start += n
         return lengths, values
 
-    def _exchange_splits(self, g: _GroupRuntime, kjt: Any) -> tuple[list[int], list[int], list[int], list[int],
-                                                                      list[int]]:
-        send_lengths, send_values = self._send_counts(g, kjt)
-        rows = [send_lengths, send_values] + ([send_values] if kjt.weights_or_none() is not None else [])
-        rows.append([kjt.stride()] * self.world)
-        send = torch.tensor(rows, dtype=torch.int64).t().contiguous().view(-1)
-        received = torch.empty_like(send)
-        dist.all_to_all_single(received, send, group=self.group)
-        table = received.view(self.world, len(rows)).tolist()
-        return send_lengths, send_values, [row[0] for row in table], [row[1] for row in table], [r[-1] for r in table]
+    def _exchange_splits(self, kjts: list[Any], counts: list[tuple[list[int], list[int]]]) -> list[list[list[int]]]:
+        """Per group, per source rank: [lengths, values, (weights,) batch size] it sends here. One
+        all-to-all per group (TorchRec's layout), or one for all groups when aggregated."""
+        rows = []
+        for kjt, (lengths, values) in zip(kjts, counts):
+            group_rows = [lengths, values] + ([values] if kjt.weights_or_none() is not None else [])
+            rows.append(torch.tensor(group_rows + [[kjt.stride()] * self.world], dtype=torch.int64).t())
+        if self.aggregate_input:
+            send = torch.cat(rows, dim=1).contiguous()  # [dst, all groups' columns]
+            received = torch.empty_like(send)
+            dist.all_to_all_single(received, send, group=self.group)
+            tables = received.split([r.size(1) for r in rows], dim=1)
+        else:
+            tables = []
+            for send in rows:
+                received = torch.empty_like(send.contiguous())
+                dist.all_to_all_single(received, send.contiguous(), group=self.group)
+                tables.append(received)
+        return [t.tolist() for t in tables]
 
-    def _exchange_payload(self, g: _GroupRuntime, kjt: Any, send_lengths: list[int], send_values: list[int],
-                          recv_lengths: list[int], recv_values: list[int]) -> Any:
-        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-        batch = kjt.stride()
-        tensors = [(kjt.lengths(), send_lengths, recv_lengths), (kjt.values(), send_values, recv_values)]
-        weights = kjt.weights_or_none()
-        if weights is not None:
-            tensors.append((weights, send_values, recv_values))
+    def _exchange_tensors(self, kjt: Any, send: tuple[list[int], list[int]],
+                          recv: tuple[list[int], list[int]]) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+        """TorchRec's payload exchange: one all-to-all each for lengths, values and weights."""
+        tensors = [(kjt.lengths(), send[0], recv[0]), (kjt.values(), send[1], recv[1])]
+        if kjt.weights_or_none() is not None:
+            tensors.append((kjt.weights(), send[1], recv[1]))
         outputs, works = [], []
-        for tensor, send, recv in tensors:
-            out = tensor.new_empty(sum(recv))
-            works.append(dist.all_to_all_single(out, tensor, recv, send, group=self.group, async_op=True))
+        for tensor, out_splits, in_splits in tensors:
+            out = tensor.new_empty(sum(in_splits))
+            works.append(dist.all_to_all_single(out, tensor, in_splits, out_splits, group=self.group,
+                                                async_op=True))
             outputs.append(out)
         for work in works:
             work.wait()
-        lengths, values = outputs[0], outputs[1]
-        weights = outputs[2] if weights is not None else None
+        return outputs[0], outputs[1], outputs[2] if len(outputs) > 2 else None
+
+    def _exchange_packed(self, kjts: list[Any], counts: list[tuple[list[int], list[int]]],
+                         recv: list[tuple[list[int], list[int]]]) -> list[tuple[Tensor, Tensor, Optional[Tensor]]]:
+        """Every group's lengths, values and weights in one byte-packed all-to-all (see
+        :func:`pack_by_destination`)."""
+        sections = []  # per group: [(tensor, send counts, recv counts)] for values, weights, lengths
+        for kjt, send, got in zip(kjts, counts, recv):
+            group = [(kjt.values(), send[1], got[1])]
+            if kjt.weights_or_none() is not None:
+                group.append((kjt.weights(), send[1], got[1]))
+            group.append((kjt.lengths(), send[0], got[0]))
+            sections.append(group)
+        flat = [sec for group in sections for sec in group]
+        buffer, send_bytes = pack_by_destination([(t, c) for t, c, _ in flat], self.world)
+        recv_layout = [(t.dtype, got) for t, _, got in flat]
+        recv_bytes = packed_sizes(recv_layout, self.world)
+        received = buffer.new_empty(sum(recv_bytes))
+        dist.all_to_all_single(received, buffer, recv_bytes, send_bytes, group=self.group)
+        unpacked = unpack_by_source(received, recv_layout, recv_bytes)
+        out, i = [], 0
+        for group in sections:
+            values = unpacked[i]
+            weights = unpacked[i + 1] if len(group) == 3 else None
+            lengths = unpacked[i + len(group) - 1]
+            out.append((lengths, values, weights))
+            i += len(group)
+        return out
+
+    def _received_kjt(self, g: _GroupRuntime, lengths: Tensor, values: Tensor, weights: Optional[Tensor],
+                      batch: int) -> Any:
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
         if g.recat is not None:
             lengths, values, weights = torch.ops.fbgemm.permute_2D_sparse_data(
                 g.recat, lengths.view(-1, batch), values, weights, values.numel())
@@ -218,13 +279,87 @@ class LiftedForward:
                                  stride=batch * self.world).sync()
 
     # ------------------------------------------------------------------ output dist
-    def _output_dist(self, g: _GroupRuntime, local: Tensor, batch_size: int) -> Tensor:
-        kind = g.spec.sharding_type
-        if self.world == 1 or kind == "data_parallel":
-            return local
-        if kind == "row_wise":
-            return PooledReduceScatter.apply(local, self.group)
-        return PooledAllToAll.apply(local, g.spec.dim_sum_per_rank, batch_size, self.group, g.column_index)
+    def _output_dist(self, locals_: list[Tensor], batch_size: int) -> list[Tensor]:
+        if self.world == 1:
+            return locals_
+        out = list(locals_)
+        pooled = [i for i, g in enumerate(self.groups) if g.spec.sharding_type in ("table_wise", "column_wise")]
+        if self.aggregate_output and len(pooled) > 1:
+            merged = MergedPooledAllToAll.apply(
+                [self.groups[i].spec.dim_sum_per_rank for i in pooled], batch_size, self.group,
+                [self.groups[i].column_index for i in pooled], *[locals_[i] for i in pooled])
+            for i, tensor in zip(pooled, merged):
+                out[i] = tensor
+        else:
+            for i in pooled:
+                g = self.groups[i]
+                out[i] = MergedPooledAllToAll.apply([g.spec.dim_sum_per_rank], batch_size, self.group,
+                                                    [g.column_index], locals_[i])[0]
+        for i, g in enumerate(self.groups):
+            if g.spec.sharding_type == "row_wise":
+                out[i] = PooledReduceScatter.apply(locals_[i], self.group)
+        return out
+
+
+def packed_sizes(layout: list[tuple[torch.dtype, list[int]]], world: int) -> list[int]:
+    """Bytes per rank of a packed buffer holding, per rank, ``counts[rank]`` elements of each
+    section, sections ordered by element size (largest first), each rank's chunk padded to 8."""
+    sizes = []
+    for rank in range(world):
+        nbytes = sum(counts[rank] * _itemsize(dtype) for dtype, counts in layout)
+        sizes.append((nbytes + 7) // 8 * 8)
+    return sizes
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _section_order(dtypes: list[torch.dtype]) -> list[int]:
+    # largest elements first: every section then starts aligned to its element size
+    return sorted(range(len(dtypes)), key=lambda i: -_itemsize(dtypes[i]))
+
+
+def pack_by_destination(sections: list[tuple[Tensor, list[int]]], world: int) -> tuple[Tensor, list[int]]:
+    """One uint8 buffer holding, for each destination rank in turn, its slice of every section
+    (``counts[rank]`` consecutive elements of each 1-D tensor): a lossless byte-level packing of
+    tensors of different dtypes into one all-to-all. Returns the buffer and bytes per destination.
+
+    Example (2 ranks; values int64 counts [2, 1], lengths int32 counts [1, 1])::
+
+        [v0 v1 | l0 pad] [v2 | l1 pad]     each destination chunk 8-byte aligned
+    """
+    order = _section_order([t.dtype for t, _ in sections])
+    pieces = [[] for _ in range(world)]
+    for i in order:
+        tensor, counts = sections[i]
+        for rank, piece in enumerate(tensor.contiguous().view(torch.uint8).split(
+                [c * tensor.element_size() for c in counts])):
+            pieces[rank].append(piece)
+    sizes = packed_sizes([(t.dtype, c) for t, c in sections], world)
+    device = sections[0][0].device
+    chunks = []
+    for rank in range(world):
+        used = sum(p.numel() for p in pieces[rank])
+        chunks.extend(pieces[rank])
+        if sizes[rank] > used:
+            chunks.append(torch.zeros(sizes[rank] - used, dtype=torch.uint8, device=device))
+    return torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8, device=device), sizes
+
+
+def unpack_by_source(buffer: Tensor, layout: list[tuple[torch.dtype, list[int]]], sizes: list[int]) -> list[Tensor]:
+    """Inverse of :func:`pack_by_destination` on the receiving side: per section, the elements
+    every source rank sent, concatenated in source order."""
+    order = _section_order([dtype for dtype, _ in layout])
+    parts: list[list[Tensor]] = [[] for _ in layout]
+    for rank, chunk in enumerate(buffer.split(sizes)):
+        offset = 0
+        for i in order:
+            dtype, counts = layout[i]
+            nbytes = counts[rank] * _itemsize(dtype)
+            parts[i].append(chunk[offset:offset + nbytes].view(dtype))
+            offset += nbytes
+    return [torch.cat(p) if len(p) > 1 else p[0].clone() for p in parts]
 
 
 @dataclass

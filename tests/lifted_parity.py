@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import traceback
 from contextlib import nullcontext
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -123,7 +124,8 @@ def local_state(model: nn.Module, fused: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: int) -> dict[str, Any]:
+def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: int,
+          device: torch.device, aggregate: bool = False) -> dict[str, Any]:
     from lightning_sparselift.capture import CollectiveRecorder, SparseCapture, gather_captures
     from lightning_sparselift.lift import check_against_runtime, dense_parameter_bytes, lift
     from lightning_sparselift.runtime import install
@@ -133,7 +135,7 @@ def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: in
     model = ParityModel(variant["weighted"], variant["two_modules"])
     tables = set(TABLES_A) | (set(TABLES_B) if variant["two_modules"] else set())
     sharding = {t: k for t, k in case["sharding"].items() if t in tables}
-    sharded = shard_model(model, world, torch.device("cpu"), sharding, EmbeddingOptimizer("rowwise_adagrad", lr=0.1),
+    sharded = shard_model(model, world, device, sharding, EmbeddingOptimizer("rowwise_adagrad", lr=0.1),
                           dist.group.WORLD, validate_inputs=True)
     dmp = sharded.dmp
     dense_params = [p for n, p in dmp.named_parameters() if not hasattr(p, "_in_backward_optimizers")]
@@ -142,7 +144,8 @@ def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: in
     result: dict[str, Any] = {"outputs": [], "grads": [], "initial": local_state(dmp, dmp.fused_optimizer)}
     capture = SparseCapture(model, sharded.sparse_module_paths, rank, world) if lifted else None
     installed = None
-    for step, (dense, labels, a, b) in enumerate(batches(rank, variant, WARMUP_STEPS + LIFTED_STEPS)):
+    for step, batch in enumerate(batches(rank, variant, WARMUP_STEPS + LIFTED_STEPS)):
+        dense, labels, a, b = (x.to(device) if x is not None else None for x in batch)
         recorder = None
         if capture is not None and step < WARMUP_STEPS:
             context = capture.step()
@@ -165,10 +168,12 @@ def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: in
             capture.remove()
             result["captured_collectives"] = [(r.op, r.phase, r.module, r.dtype, r.bytes)
                                               for r in captured[rank].collectives[-1]]
-            graph = lift(model, dmp.plan, sharded.sparse_module_paths, captured, dist.group.WORLD,
-                         torch.device("cpu"), dense_parameter_bytes(dmp, sharded.sparse_module_paths))
+            graph = lift(model, dmp.plan, sharded.sparse_module_paths, captured, dist.group.WORLD, device,
+                         dense_parameter_bytes(dmp, sharded.sparse_module_paths))
             check_against_runtime(graph, model)
-            installed = install(graph, model, dist.group.WORLD, torch.device("cpu"))
+            installed = install(graph, model, dist.group.WORLD, device)
+            for forward in installed.forwards.values():
+                forward.aggregate_input = forward.aggregate_output = aggregate
             result["graph"] = graph.to_dict()
             result["explain"] = graph.explain()
     result["final"] = local_state(dmp, dmp.fused_optimizer)
@@ -177,18 +182,33 @@ def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: in
     return result
 
 
-def worker(rank: int, world: int, port: int, cases: list[tuple[str, str]], out_dir: str) -> None:
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
+
+
+def worker(rank: int, world: int, port: int, cases: list[tuple[str, str]], out_dir: str, cuda: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    # a rank failing inside a case leaves the others in a collective: time out instead of hanging
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
         for case_name, variant_name in cases:
             try:
-                res = {"reference": train(CASES[case_name], VARIANTS[variant_name], False, world),
-                       "lifted": train(CASES[case_name], VARIANTS[variant_name], True, world)}
+                res = {"reference": train(CASES[case_name], VARIANTS[variant_name], False, world, device),
+                       "lifted": train(CASES[case_name], VARIANTS[variant_name], True, world, device),
+                       "aggregated": train(CASES[case_name], VARIANTS[variant_name], True, world, device, True)}
             except Exception:  # reported per case; every rank fails the same way or the test times out
                 res = {"error": traceback.format_exc()}
-            torch.save(res, os.path.join(out_dir, f"{case_name}-{variant_name}-rank{rank}.pt"))
+            torch.save(_to_cpu(res), os.path.join(out_dir, f"{case_name}-{variant_name}-rank{rank}.pt"))
             dist.barrier()
     finally:
         dist.destroy_process_group()

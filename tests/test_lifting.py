@@ -27,17 +27,18 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """world size -> (case, variant) -> per-rank results; each world size runs all cases in one spawn."""
-    cache: dict[int, dict] = {}
+    """(world size, cuda) -> (case, variant) -> per-rank results; each world size runs all cases in
+    one spawn."""
+    cache: dict[tuple[int, bool], dict] = {}
 
-    def get(world: int) -> dict:
-        if world not in cache:
+    def get(world: int, cuda: bool = False) -> dict:
+        if (world, cuda) not in cache:
             out = tmp_path_factory.mktemp(f"parity{world}")
-            mp.start_processes(lp.worker, args=(world, _free_port(), ALL, str(out)), nprocs=world,
+            mp.start_processes(lp.worker, args=(world, _free_port(), ALL, str(out), cuda), nprocs=world,
                                start_method="spawn")
-            cache[world] = {(c, v): [torch.load(Path(out) / f"{c}-{v}-rank{r}.pt", weights_only=False)
-                                     for r in range(world)] for c, v in ALL}
-        return cache[world]
+            cache[world, cuda] = {(c, v): [torch.load(Path(out) / f"{c}-{v}-rank{r}.pt", weights_only=False)
+                                           for r in range(world)] for c, v in ALL}
+        return cache[world, cuda]
     return get
 
 
@@ -61,7 +62,11 @@ def _differences(reference: dict, lifted: dict) -> list[str]:
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("case, variant", ALL)
 def test_lifted_executor_is_bit_identical_to_torchrec(runs, world, case, variant):
-    for rank, result in enumerate(runs(world)[(case, variant)]):
+    _assert_identical(runs(world)[(case, variant)], case, variant, world)
+
+
+def _assert_identical(results: list[dict], case: str, variant: str, world: int) -> None:
+    for rank, result in enumerate(results):
         assert "error" not in result, result.get("error")
         bad = _differences(result["reference"], result["lifted"])
         assert not bad, f"rank {rank}: " + "; ".join(bad[:10])
@@ -70,6 +75,18 @@ def test_lifted_executor_is_bit_identical_to_torchrec(runs, world, case, variant
         short = lp.VARIANTS[variant].get("short_step") is not None and world > 1 and case != "data_parallel"
         assert "graph" in result["lifted"]
         assert set(result["lifted"]["torchrec_steps"].values()) == {1 if short else 0}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, variant", ALL)
+def test_lifted_executor_on_one_gpu(runs, case, variant):
+    _assert_identical(runs(1, cuda=True)[(case, variant)], case, variant, 1)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("case, variant", ALL)
+def test_lifted_executor_on_two_gpus_over_nccl(runs, case, variant):
+    _assert_identical(runs(2, cuda=True)[(case, variant)], case, variant, 2)
 
 
 @pytest.mark.parametrize("world", [2, 3])
