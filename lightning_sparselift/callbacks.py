@@ -10,10 +10,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 
 class LiftWarmup(pl.Callback):
-    """Runs the first ``warmup_batches`` training steps on TorchRec's path under capture, then
-    lifts the sparse path and installs the lifted executor (``SparseLiftStrategy`` adds this
-    callback itself when ``executor="sparselift"``). Logs ``sparselift/lift_s`` and
-    ``sparselift/collectives_per_step``."""
+    """Runs SparseLift's loop on the first training steps (:mod:`lightning_sparselift.warmup`):
+    capture on TorchRec's path, lift, calibrate the candidates on real steps, install the plan.
+    ``SparseLiftStrategy`` adds this callback itself when ``executor="sparselift"``. Progress goes
+    to the log (and ``sparselift/calibration_step`` to the progress bar); the decisions go to
+    the Lightning logger (``sparselift/...`` metrics) and, with a logger that has a ``log_dir``,
+    the plan to ``<log_dir>/sparselift_plan.json``."""
 
     def __init__(self) -> None:
         self._active: Any = None
@@ -32,20 +34,47 @@ class LiftWarmup(pl.Callback):
                            batch_idx: int) -> None:
         self._leave_step()
         warmup = trainer.strategy.warmup
-        if warmup is None or not warmup.after_step():
+        if warmup is None:
+            return
+        finished = warmup.after_step()
+        for event in warmup.events:
+            rank_zero_info(f"SparseLift: {event}")
+        warmup.events.clear()
+        progress = warmup.calibration_progress
+        if progress is not None:
+            pl_module.log("sparselift/calibration_step", float(progress[0]), prog_bar=True, rank_zero_only=True)
+        if not finished:
             return
         trainer.strategy.finish_warmup()
         if warmup.installed is None:
             rank_zero_warn(f"SparseLift could not lift the sparse path, continuing on TorchRec's "
                            f"(executor='torchrec'): {warmup.fallback_reason}")
             return
-        graph = warmup.installed.graph
-        rank_zero_info(f"SparseLift: lifted {len(graph.modules)} sparse module(s) after {warmup.warmup_batches} "
-                       f"warmup step(s) in {warmup.lift_seconds:.2f} s; lifted executor installed "
-                       f"({len(graph.collectives())} collectives per step, graph {graph.fingerprint()})")
-        pl_module.log_dict({"sparselift/lift_s": warmup.lift_seconds,
-                            "sparselift/collectives_per_step": float(len(graph.collectives()))},
-                           rank_zero_only=True)
+        plan = warmup.plan
+        rank_zero_info("SparseLift " + plan.explain())
+        metrics = {"sparselift/lift_s": warmup.lift_seconds,
+                   "sparselift/collectives_per_step": float(len(plan.graph.collectives())),
+                   "sparselift/calibration_steps": float(plan.calibration_steps),
+                   "sparselift/calibration_s": plan.calibration_s,
+                   "sparselift/planning_s": plan.planning_s}
+        for decision in plan.decisions:
+            key = f"sparselift/{decision.candidate.replace(':', '/').replace('@', '/')}"
+            metrics[f"{key}/accepted"] = float(decision.accepted)
+            if decision.measured_ms is not None:
+                metrics[f"{key}/measured_ms"] = decision.measured_ms
+        pl_module.log_dict(metrics, rank_zero_only=True)
+        log_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
+        if log_dir and trainer.is_global_zero:
+            plan.save(f"{log_dir}/sparselift_plan.json")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        warmup = trainer.strategy.warmup
+        if warmup is not None and not warmup.done:
+            warmup.abandon(f"training ended after {trainer.global_step} step(s)")
+            for event in warmup.events:
+                rank_zero_info(f"SparseLift: {event}")
+            warmup.events.clear()
+            trainer.strategy.finish_warmup()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._leave_step()

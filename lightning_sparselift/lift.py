@@ -85,6 +85,7 @@ class LiftedModule:
     batch_size_per_rank: list[int]
     ids_per_step: list[dict[str, float]]  # per member rank, per feature: mean ids per step
     length_percentiles: dict[str, dict[str, float]]  # per feature (member 0): p50/p90/p99 bag length
+    aggregated: list[str] = field(default_factory=list)  # collective roles merged across groups (a pass sets it)
 
     @property
     def embedding_names(self) -> list[str]:
@@ -98,6 +99,13 @@ class LiftedModule:
         """Mean ids per step that ``member`` feeds into ``keys`` (default: all of the group's)."""
         stats = self.ids_per_step[member]
         return sum(stats[k] for k in (group.features if keys is None else keys))
+
+    def ids_to_each_rank(self, member: int, group: ShardingGroup, world: int) -> list[float]:
+        """Mean ids ``member`` sends to each rank in ``group``'s input all-to-all (row-wise: an
+        even split across row blocks, the ids' real spread is data-dependent)."""
+        if group.sharding_type == "row_wise":
+            return [self.group_ids(member, group) / world] * world
+        return [self.group_ids(member, group, group.keys_on_rank(r)) for r in range(world)]
 
 
 @dataclass
@@ -147,6 +155,7 @@ class SparseGraph:
     dense_param_bytes: int
     versions: dict[str, str]
     version: int = _GRAPH_VERSION
+    provenance: list[str] = field(default_factory=list)  # the passes applied, in order
 
     def module(self, path: str) -> LiftedModule:
         for m in self.modules:
@@ -171,7 +180,10 @@ class SparseGraph:
         nodes: list[Node] = [CollectiveNode(**n) if n["kind"] == "collective" else ComputeNode(**n)
                              for n in data["nodes"]]
         return cls(data["world_size"], data["backend"], modules, nodes, data["dense_param_bytes"], data["versions"],
-                   data["version"])
+                   data["version"], list(data.get("provenance", [])))
+
+    def copy(self) -> "SparseGraph":
+        return SparseGraph.from_dict(self.to_dict())
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -197,6 +209,7 @@ class SparseGraph:
     def explain(self) -> str:
         lines = [f"SparseGraph (SRSV) v{self.version}: {self.world_size} rank(s), backend {self.backend}, "
                  f"fingerprint {self.fingerprint()}"]
+        lines += [f"pass applied: {p}" for p in self.provenance]
         for m in self.modules:
             batch = ",".join(map(str, sorted(set(m.batch_size_per_rank))))
             lines.append(f"module {m.path}: {len(m.keys)} features, {'weighted' if m.weighted else 'unweighted'}, "

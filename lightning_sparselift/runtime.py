@@ -12,8 +12,6 @@ TorchRec applies in its backward collectives), so results are bit-identical.
 
 from __future__ import annotations
 
-import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -21,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_sparselift.cost.calibration import RegionClock
 from lightning_sparselift.lift import LiftedModule, ShardingGroup, SparseGraph
 
 
@@ -32,7 +31,7 @@ class MergedPooledAllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, dims: list[list[int]], batch_size: int, group: Any, column_index: list[Optional[Tensor]],
-                *locals_: Tensor) -> tuple[Tensor, ...]:
+                clock: RegionClock, *locals_: Tensor) -> tuple[Tensor, ...]:
         world = len(dims[0])
         rank = dist.get_rank(group)
         send = torch.cat([local[r * batch_size:(r + 1) * batch_size].reshape(-1)
@@ -50,10 +49,16 @@ class MergedPooledAllToAll(torch.autograd.Function):
             out = torch.cat(pieces, dim=1)
             outs.append(out if index is None else out.index_select(1, index))
         ctx.dims, ctx.batch_size, ctx.group, ctx.column_index, ctx.rank = dims, batch_size, group, column_index, rank
+        ctx.clock = clock
         return tuple(outs)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Optional[Tensor], ...]:
+        with ctx.clock.region():
+            return (None, None, None, None, None, *MergedPooledAllToAll._local_grads(ctx, grads))
+
+    @staticmethod
+    def _local_grads(ctx: Any, grads: tuple[Tensor, ...]) -> list[Tensor]:
         dims, batch, world = ctx.dims, ctx.batch_size, len(ctx.dims[0])
         by_source = []
         for grad, index, d in zip(grads, ctx.column_index, dims):
@@ -71,8 +76,7 @@ class MergedPooledAllToAll(torch.autograd.Function):
         for chunk in received.split([sum(local_sizes)] * world):
             for g, piece in enumerate(chunk.split(local_sizes)):
                 per_group[g].append(piece.view(batch, dims[g][ctx.rank]))
-        local_grads = [torch.cat(p).div_(world) for p in per_group]
-        return (None, None, None, None, *local_grads)
+        return [torch.cat(p).div_(world) for p in per_group]
 
 
 class PooledReduceScatter(torch.autograd.Function):
@@ -80,18 +84,19 @@ class PooledReduceScatter(torch.autograd.Function):
     block; the gradient is all-gathered and divided by world size."""
 
     @staticmethod
-    def forward(ctx: Any, local: Tensor, group: Any) -> Tensor:
+    def forward(ctx: Any, local: Tensor, group: Any, clock: RegionClock) -> Tensor:
         world = dist.get_world_size(group)
         out = local.new_empty((local.size(0) // world, local.size(1)))
         dist.reduce_scatter_tensor(out, local, group=group)
-        ctx.group, ctx.world, ctx.shape = group, world, local.shape
+        ctx.group, ctx.world, ctx.shape, ctx.clock = group, world, local.shape, clock
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
-        full = grad.new_empty(ctx.shape)
-        dist.all_gather_into_tensor(full, grad.contiguous(), group=ctx.group)
-        return full.div_(ctx.world), None
+        with ctx.clock.region():
+            full = grad.new_empty(ctx.shape)
+            dist.all_gather_into_tensor(full, grad.contiguous(), group=ctx.group)
+            return full.div_(ctx.world), None, None
 
 
 @dataclass
@@ -111,14 +116,15 @@ class LiftedForward:
     issued by us)."""
 
     def __init__(self, spec: LiftedModule, sharded: nn.Module, world_size: int, rank: int, group: Any,
-                 device: torch.device) -> None:
+                 device: torch.device, clock: RegionClock) -> None:
         self.spec = spec
+        self.clock = clock
         # TorchRec's own forward, for the steps where ranks pass different batch sizes
         self.torchrec_forward = type(sharded).forward.__get__(sharded)
         self.torchrec_steps = 0
         # what the execution plan switches on (communication aggregation)
-        self.aggregate_input = False
-        self.aggregate_output = False
+        self.aggregate_input = "input" in spec.aggregated
+        self.aggregate_output = "output" in spec.aggregated
         self.world = world_size
         self.rank = rank
         self.group = group
@@ -145,16 +151,19 @@ class LiftedForward:
         if list(features.keys()) != self.spec.keys:
             raise ValueError(f"{self.spec.path}: the KJT keys {features.keys()} are not in the order of the captured "
                              f"batches {self.spec.keys}; keep one key order for the whole run")
-        with torch.no_grad():
-            permuted = features.permute(self.spec.feature_order, self.order) if self.order is not None else features
-            distributed = self._input_dist(permuted.split(self.splits))
+        with self.clock.region():
+            with torch.no_grad():
+                permuted = features.permute(self.spec.feature_order, self.order) if self.order is not None \
+                    else features
+                distributed = self._input_dist(permuted.split(self.splits))
+            if distributed is not None:
+                embeddings = self._output_dist([g.lookup(kjt) for g, kjt in zip(self.groups, distributed)],
+                                               features.stride())
         if distributed is None:
             # Every rank saw the same batch sizes in the splits exchange, so every rank takes this
             # branch together: TorchRec's path handles per-rank batch sizes (e.g. a short last batch).
             self.torchrec_steps += 1
             return self.torchrec_forward(features)
-        embeddings = self._output_dist([g.lookup(kjt) for g, kjt in zip(self.groups, distributed)],
-                                       features.stride())
         values = embeddings[0] if len(embeddings) == 1 else torch.cat(embeddings, dim=1)
         return KeyedTensor(keys=self.spec.embedding_names, length_per_key=self.spec.embedding_dims, values=values,
                            key_dim=1)
@@ -287,17 +296,17 @@ class LiftedForward:
         if self.aggregate_output and len(pooled) > 1:
             merged = MergedPooledAllToAll.apply(
                 [self.groups[i].spec.dim_sum_per_rank for i in pooled], batch_size, self.group,
-                [self.groups[i].column_index for i in pooled], *[locals_[i] for i in pooled])
+                [self.groups[i].column_index for i in pooled], self.clock, *[locals_[i] for i in pooled])
             for i, tensor in zip(pooled, merged):
                 out[i] = tensor
         else:
             for i in pooled:
                 g = self.groups[i]
                 out[i] = MergedPooledAllToAll.apply([g.spec.dim_sum_per_rank], batch_size, self.group,
-                                                    [g.column_index], locals_[i])[0]
+                                                    [g.column_index], self.clock, locals_[i])[0]
         for i, g in enumerate(self.groups):
             if g.spec.sharding_type == "row_wise":
-                out[i] = PooledReduceScatter.apply(locals_[i], self.group)
+                out[i] = PooledReduceScatter.apply(locals_[i], self.group, self.clock)
         return out
 
 
@@ -364,11 +373,24 @@ def unpack_by_source(buffer: Tensor, layout: list[tuple[torch.dtype, list[int]]]
 
 @dataclass
 class InstalledExecutor:
-    """What :func:`install` changed; :meth:`uninstall` restores TorchRec's path."""
+    """What :func:`install` changed; :meth:`use` switches plans, :meth:`uninstall` restores
+    TorchRec's path."""
 
     graph: SparseGraph
     forwards: dict[str, LiftedForward]
+    clock: RegionClock
     _restore: list[Callable[[], None]]
+
+    def use(self, graph: SparseGraph) -> None:
+        """Run ``graph`` (the installed graph after passes: same modules, other collectives)."""
+        if sorted(m.path for m in graph.modules) != sorted(self.forwards):
+            raise ValueError(f"graph modules {[m.path for m in graph.modules]} are not the installed "
+                             f"{sorted(self.forwards)}")
+        for spec in graph.modules:
+            forward = self.forwards[spec.path]
+            forward.aggregate_input = "input" in spec.aggregated
+            forward.aggregate_output = "output" in spec.aggregated
+        self.graph = graph
 
     def uninstall(self) -> None:
         for restore in self._restore:
@@ -382,10 +404,11 @@ def install(graph: SparseGraph, model: nn.Module, group: Any, device: torch.devi
     if world != graph.world_size:
         raise ValueError(f"the graph was lifted for {graph.world_size} rank(s), the process group has {world}")
     rank = dist.get_rank(group) if world > 1 else 0
+    clock = RegionClock(device)
     forwards, restore = {}, []
     for spec in graph.modules:
         sharded = model.get_submodule(spec.path)
-        forward = LiftedForward(spec, sharded, world, rank, group, device)
+        forward = LiftedForward(spec, sharded, world, rank, group, device, clock)
         had_own = "forward" in sharded.__dict__
         previous = sharded.__dict__.get("forward")
         sharded.forward = forward
@@ -398,83 +421,4 @@ def install(graph: SparseGraph, model: nn.Module, group: Any, device: torch.devi
 
         forwards[spec.path] = forward
         restore.append(undo)
-    return InstalledExecutor(graph, forwards, restore)
-
-
-class SparsePathWarmup:
-    """Capture the first ``warmup_batches`` training steps on TorchRec's path, then lift the
-    sparse path, check every rank built the same graph, and install the lifted executor.
-
-    Wrap each training step (forward, backward, optimizer step) in :meth:`step`. All ranks take
-    the same decision: if any rank cannot lift (:class:`~lightning_sparselift.lift.LiftError`),
-    every rank keeps TorchRec's path and :attr:`fallback_reason` says why; if ranks lift
-    different graphs, every rank raises.
-    """
-
-    def __init__(self, model: nn.Module, sharding_plan: Any, module_paths: list[str], warmup_batches: int,
-                 group: Any, device: torch.device) -> None:
-        from lightning_sparselift.capture import SparseCapture
-
-        if warmup_batches < 1:
-            raise ValueError("the lifted executor needs warmup_batches >= 1: TorchRec builds its dists on the first "
-                             "forward, and the lift is checked against them")
-        self.model, self.plan, self.paths = model, sharding_plan, module_paths
-        self.warmup_batches, self.group, self.device = warmup_batches, group, device
-        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
-        rank = dist.get_rank(group) if dist.is_initialized() else 0
-        self.capture: Optional[Any] = SparseCapture(model, module_paths, rank, self.world)
-        self.installed: Optional[InstalledExecutor] = None
-        self.fallback_reason: Optional[str] = None
-        self.lift_seconds = 0.0
-
-    @property
-    def done(self) -> bool:
-        return self.capture is None
-
-    def step(self) -> Any:
-        return self.capture.step() if self.capture is not None else nullcontext()
-
-    def after_step(self) -> bool:
-        """Call after each wrapped step; lifts and installs once enough steps were captured.
-        Returns True on the step that finished the warmup."""
-        if self.capture is None or self.capture.steps < self.warmup_batches:
-            return False
-        start = time.perf_counter()
-        self._lift_and_install()
-        self.lift_seconds = time.perf_counter() - start
-        return True
-
-    def _all_gather(self, obj: Any) -> list[Any]:
-        if self.world == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-    def _lift_and_install(self) -> None:
-        from lightning_sparselift.capture import gather_captures
-        from lightning_sparselift.lift import LiftError, check_against_runtime, dense_parameter_bytes, lift
-
-        capture, self.capture = self.capture, None
-        capture.remove()
-        captures = gather_captures(capture.result(), self.group)
-        errors = [e for errors in self._all_gather(capture.errors()) for e in errors]
-        graph, status = None, None
-        if not errors:
-            try:
-                graph = lift(self.model, self.plan, self.paths, captures, self.group, self.device,
-                             dense_parameter_bytes(self.model, self.paths))
-                check_against_runtime(graph, self.model)
-                status = graph.fingerprint()
-            except LiftError as error:
-                status = f"error: {error}"
-        statuses = self._all_gather(status)
-        errors += sorted({s[len("error: "):] for s in statuses if s and s.startswith("error: ")})
-        if errors:
-            self.fallback_reason = "; ".join(sorted(set(errors)))
-            return
-        if len(set(statuses)) > 1:
-            raise RuntimeError(f"ranks lifted different sparse graphs (fingerprints by rank: {statuses}); they would "
-                               f"issue different collectives. Check that every rank runs the same model and sharding "
-                               f"plan with the same input features.")
-        self.installed = install(graph, self.model, self.group, self.device)
+    return InstalledExecutor(graph, forwards, clock, restore)

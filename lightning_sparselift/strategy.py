@@ -5,8 +5,8 @@ It shards every TorchRec ``EmbeddingBagCollection`` of the LightningModule with
 where the planner cannot place them), keeps the dense part data-parallel, runs the embedding
 optimizer fused into backward next to the user's dense optimizer, and saves sharded checkpoints.
 With ``executor="sparselift"`` (the default) the :class:`~lightning_sparselift.callbacks.LiftWarmup`
-callback captures the first training steps, lifts the sparse path and installs the lifted
-executor for the rest of the run.
+callback runs SparseLift's loop on the first training steps (capture -> lift -> calibrate -> plan
+-> install) and the lifted executor runs the plan for the rest of the run.
 """
 
 from __future__ import annotations
@@ -41,9 +41,6 @@ from lightning_sparselift.launcher import DenseOnlyMultiProcessingLauncher
 from lightning_sparselift.sharding import EmbeddingOptimizer, combine_optimizers, shard_model
 
 EXECUTORS = ("torchrec", "sparselift")
-# Optimization passes the planner will choose from. Until they exist, naming one is an error
-# rather than a silent no-op.
-KNOWN_OPTIMIZATIONS: tuple[str, ...] = ()
 START_METHODS = ("popen", "spawn", "fork")
 EMBEDDING_LR_SCHEDULES = ("constant", "follow_dense")
 
@@ -72,8 +69,13 @@ class SparseLiftStrategy(ParallelStrategy):
             with SparseLift's executor from then on (bit-identical results); if the model's sparse
             path cannot be lifted, it warns and keeps TorchRec's path. ``torchrec`` always runs
             TorchRec's sharded modules as they are.
-        optimizations: names of the sparse-path optimization passes the planner may use (none
-            exist yet; unknown names raise).
+        optimizations: the sparse-path optimization passes the planner may use (default: all of
+            them, today ``["aggregation"]``); ``[]`` runs the identity plan. Unknown names raise.
+        calibrate: decide every feasible candidate by measuring it on real training steps
+            (default); ``False`` applies every feasible candidate without measuring.
+        plan_path: a JSON file for the execution plan: reused (no calibration) when it was made
+            for the same model, sharding plan, world size, backend and versions; otherwise
+            planned again and (over)written.
         warmup_batches: training steps captured on TorchRec's path before lifting (>= 1 with the
             lifted executor).
         timeout: collective timeout (seconds or ``timedelta``).
@@ -94,6 +96,8 @@ class SparseLiftStrategy(ParallelStrategy):
         embedding_lr_schedule: str = "constant",
         executor: str = "sparselift",
         optimizations: Optional[list[str]] = None,
+        calibrate: bool = True,
+        plan_path: Optional[str] = None,
         warmup_batches: int = 3,
         timeout: Union[float, timedelta] = 1800.0,
         process_group_backend: Optional[str] = None,
@@ -111,9 +115,11 @@ class SparseLiftStrategy(ParallelStrategy):
                          precision_plugin=precision_plugin)
         if executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
-        unknown = sorted(set(optimizations or []) - set(KNOWN_OPTIMIZATIONS))
+        from lightning_sparselift.passes import PASSES
+
+        unknown = sorted(set(optimizations or []) - set(PASSES))
         if unknown:
-            raise ValueError(f"unknown optimization(s) {unknown}; available: {list(KNOWN_OPTIMIZATIONS) or 'none yet'}")
+            raise ValueError(f"unknown optimization(s) {unknown}; available: {sorted(PASSES)}")
         if sharding_types is not None and not isinstance(sharding_types, dict):
             raise TypeError(f"sharding_types must be a dict table -> type, got {type(sharding_types).__name__}")
         if start_method not in START_METHODS:
@@ -128,7 +134,9 @@ class SparseLiftStrategy(ParallelStrategy):
         self.embedding_optimizer = EmbeddingOptimizer.parse(embedding_optimizer)
         self.embedding_lr_schedule = embedding_lr_schedule
         self.executor = executor
-        self.optimizations = list(optimizations or [])
+        self.optimizations = sorted(PASSES) if optimizations is None else list(optimizations)
+        self.calibrate = bool(calibrate)
+        self.plan_path = str(plan_path) if plan_path is not None else None
         self.warmup_batches = int(warmup_batches)
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         self._process_group_backend = process_group_backend
@@ -144,6 +152,7 @@ class SparseLiftStrategy(ParallelStrategy):
         self._embedding_base_lrs: list[float] = []
         self._warmup: Optional[Any] = None
         self._installed: Optional[Any] = None
+        self._plan: Optional[Any] = None
         self.executor_fallback_reason: Optional[str] = None
 
     @classmethod
@@ -268,24 +277,32 @@ class SparseLiftStrategy(ParallelStrategy):
 
     @property
     def sparse_graph(self) -> Optional[Any]:
-        """The lifted :class:`~lightning_sparselift.lift.SparseGraph` the executor runs (None until
-        the warmup finished, or when TorchRec's path is in use)."""
+        """The lifted :class:`~lightning_sparselift.lift.SparseGraph` the executor runs, after the
+        plan's passes (None until the warmup finished, or when TorchRec's path is in use)."""
         return self._installed.graph if self._installed is not None else None
+
+    @property
+    def execution_plan(self) -> Optional[Any]:
+        """The installed :class:`~lightning_sparselift.plan.ExecutionPlan` (None until the warmup
+        finished, or when TorchRec's path is in use)."""
+        return self._plan
 
     @property
     def executor_in_use(self) -> str:
         """``sparselift`` once the lifted executor is installed, else ``torchrec``."""
-        return "sparselift" if self._installed is not None else "torchrec"
+        installed = self._installed if self._warmup is None else self._warmup.installed
+        return "sparselift" if installed is not None else "torchrec"
 
     # ------------------------------------------------------------------ the lifted executor's warmup
     def start_warmup(self) -> bool:
         """Begin capturing (fit start); False when there is nothing to do."""
         if self.executor != "sparselift" or self._installed is not None or self._warmup is not None:
             return False
-        from lightning_sparselift.runtime import SparsePathWarmup
+        from lightning_sparselift.warmup import SparseLiftWarmup
 
-        self._warmup = SparsePathWarmup(self.lightning_module, self._dmp.plan, self.sparse_module_paths,
-                                        self.warmup_batches, torch.distributed.group.WORLD, self.root_device)
+        self._warmup = SparseLiftWarmup(self.lightning_module, self._dmp.plan, self.sparse_module_paths,
+                                        self.warmup_batches, torch.distributed.group.WORLD, self.root_device,
+                                        self.optimizations, self.calibrate, self.plan_path)
         return True
 
     @property
@@ -295,6 +312,7 @@ class SparseLiftStrategy(ParallelStrategy):
     def finish_warmup(self) -> None:
         warmup, self._warmup = self._warmup, None
         self._installed = warmup.installed
+        self._plan = warmup.plan
         self.executor_fallback_reason = warmup.fallback_reason
 
     @property

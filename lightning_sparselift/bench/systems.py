@@ -240,13 +240,14 @@ class SparseLift(LoopSystem):
         self.strategy = SparseLiftStrategy(**{**bench_strategy_kwargs(env), **(strategy_kwargs or {})})
 
     def setup(self) -> None:
-        from lightning_sparselift.runtime import SparsePathWarmup
+        from lightning_sparselift.warmup import SparseLiftWarmup
 
         s = self.strategy
         self.model, self.optimizer, wrapped, paths = _shard(self.env, s.validate_inputs, s.sharding_types,
                                                             s.embedding_optimizer)
-        self.warmup = (SparsePathWarmup(wrapped, self.model.plan, paths, s.warmup_batches, dist.group.WORLD,
-                                        torch.device("cpu")) if s.executor == "sparselift" else None)
+        self.warmup = (SparseLiftWarmup(wrapped, self.model.plan, paths, s.warmup_batches, dist.group.WORLD,
+                                        torch.device("cpu"), s.optimizations, s.calibrate, s.plan_path)
+                       if s.executor == "sparselift" else None)
         self._timed_sharded(wrapped, self.optimizer)
 
     def step(self, step: int) -> None:

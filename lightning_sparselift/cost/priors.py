@@ -1,0 +1,116 @@
+"""Analytical priors: an alpha-beta model of the real collectives and a memory-bound model of
+the lookups, both fitted from short micro-benchmarks at start-up. They order the candidates and
+give each a predicted increment; measurements decide (:mod:`lightning_sparselift.cost.calibration`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# payload sizes of the all-to-all micro-benchmark (bytes per member)
+_PROBE_BYTES = (256, 16 * 1024, 256 * 1024, 2 * 1024 * 1024)
+_PROBE_REPS = 5
+
+
+@dataclass
+class AlphaBeta:
+    """t(bytes) = alpha_ms + bytes * beta_ms_per_byte, for one collective on one process group."""
+
+    op: str
+    process_group: str
+    alpha_ms: float
+    beta_ms_per_byte: float
+    samples: list[tuple[int, float]]  # (bytes per member, slowest rank's median ms)
+
+    def predict_ms(self, nbytes: float) -> float:
+        return self.alpha_ms + nbytes * self.beta_ms_per_byte
+
+
+@dataclass
+class LookupModel:
+    """A lookup is memory-bound: t = bytes touched / bandwidth (rows read, pooled rows written)."""
+
+    bandwidth_bytes_per_ms: float
+
+    def predict_ms(self, ids: float, dim: int, samples: int, element_size: int = 4) -> float:
+        return (ids * dim + samples * dim) * element_size / self.bandwidth_bytes_per_ms
+
+    def copy_ms(self, nbytes: float) -> float:
+        """Packing / unpacking: read and write ``nbytes``."""
+        return 2 * nbytes / self.bandwidth_bytes_per_ms
+
+
+@dataclass
+class Priors:
+    all_to_all: AlphaBeta
+    lookup: LookupModel
+    seconds: float  # time the micro-benchmarks took
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Priors":
+        a2a = dict(data["all_to_all"])
+        a2a["samples"] = [tuple(s) for s in a2a["samples"]]
+        return cls(AlphaBeta(**a2a), LookupModel(**data["lookup"]), data["seconds"])
+
+
+def _fit(samples: list[tuple[int, float]]) -> tuple[float, float]:
+    x = torch.tensor([float(b) for b, _ in samples], dtype=torch.float64)
+    y = torch.tensor([t for _, t in samples], dtype=torch.float64)
+    design = torch.stack([torch.ones_like(x), x], dim=1)
+    alpha, beta = torch.linalg.lstsq(design, y.unsqueeze(1)).solution.squeeze(1).tolist()
+    return max(alpha, 0.0), max(beta, 0.0)
+
+
+def _slowest(values: list[float], group: Any) -> list[float]:
+    """Element-wise maximum over ranks (a collective is as slow as its slowest member), so every
+    rank fits the same model."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def measure_priors(group: Any, device: torch.device) -> Priors:
+    """Fit the priors on this machine: ``_PROBE_REPS`` all-to-alls per size in ``_PROBE_BYTES``
+    (median per rank, max over ranks) and one large copy for the memory bandwidth."""
+    start = time.perf_counter()
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    medians = []
+    for nbytes in _PROBE_BYTES:
+        send = torch.zeros(max(nbytes // 4 // world, 1) * world, dtype=torch.float32, device=device)
+        recv = torch.empty_like(send)
+        times = []
+        for _ in range(_PROBE_REPS + 1):
+            t0 = time.perf_counter()
+            if world > 1:
+                dist.all_to_all_single(recv, send, group=group)
+            else:
+                recv.copy_(send)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append((time.perf_counter() - t0) * 1e3)
+        medians.append(float(torch.tensor(times[1:]).median()))  # the first one warms up
+    medians = _slowest(medians, group)
+    samples = [(send_bytes, t) for send_bytes, t in zip(_PROBE_BYTES, medians)]
+    alpha, beta = _fit(samples)
+    source = torch.ones(8 * 1024 * 1024, dtype=torch.float32, device=device)
+    target = torch.empty_like(source)
+    copies = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        target.copy_(source)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        copies.append((time.perf_counter() - t0) * 1e3)
+    copy_ms = _slowest([min(copies)], group)[0]
+    bandwidth = 2 * source.numel() * 4 / max(copy_ms, 1e-6)
+    return Priors(AlphaBeta("all_to_all_single", f"world[{world}]", alpha, beta, samples), LookupModel(bandwidth),
+                  time.perf_counter() - start)

@@ -1,0 +1,55 @@
+"""The constraint-aware planner: asks each selected pass for its candidates, keeps the feasible
+ones ordered by their predicted gain (the priors), and decides each from its measured increment
+against the incumbent plan (or, without calibration, takes every feasible candidate)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from lightning_sparselift.cost.calibration import Measurement
+from lightning_sparselift.cost.priors import Priors
+from lightning_sparselift.lift import SparseGraph
+from lightning_sparselift.passes import Candidate, OptimizationPass
+from lightning_sparselift.plan.types import Decision
+
+
+class Planner:
+    def __init__(self, passes: list[OptimizationPass], priors: Optional[Priors], calibrate: bool) -> None:
+        self.passes = {p.name: p for p in passes}
+        self.priors = priors
+        self.calibrate = calibrate
+
+    def propose(self, graph: SparseGraph) -> tuple[list[Candidate], list[Decision]]:
+        """Feasible candidates in the order to try them (largest predicted gain first), and the
+        decisions for the infeasible ones."""
+        feasible, rejected = [], []
+        for p in self.passes.values():
+            for candidate in p.candidates(graph):
+                if candidate.feasible:
+                    feasible.append(candidate)
+                else:
+                    rejected.append(Decision(candidate.id, p.name, candidate.module, candidate.role, False,
+                                             candidate.reasons, None, None, None, False,
+                                             "infeasible: " + "; ".join(candidate.reasons)))
+        feasible.sort(key=lambda c: self.predict_ms(c) if self.predict_ms(c) is not None else 0.0)
+        return feasible, rejected
+
+    def predict_ms(self, candidate: Candidate) -> Optional[float]:
+        if self.priors is None:
+            return None
+        return self.passes[candidate.pass_name].predict_ms(candidate, self.priors)
+
+    def decide(self, candidate: Candidate, measurement: Optional[Measurement]) -> Decision:
+        predicted = self.predict_ms(candidate)
+        if measurement is None:
+            accepted, reason = True, "accepted without calibration (calibrate=False)"
+        else:
+            accepted = measurement.increment_ms < 0
+            reason = (f"{'faster' if accepted else 'not faster'}: the slowest rank's best increment is "
+                      f"{measurement.increment_ms:+.3f} ms")
+        return Decision(candidate.id, candidate.pass_name, candidate.module, candidate.role, True, [], predicted,
+                        measurement.observations_ms if measurement else None,
+                        measurement.increment_ms if measurement else None, accepted, reason)
+
+    def apply(self, graph: SparseGraph, candidate: Candidate) -> SparseGraph:
+        return self.passes[candidate.pass_name].apply(graph, candidate)

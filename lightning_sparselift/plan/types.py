@@ -1,0 +1,141 @@
+"""The execution plan: what runs (the lifted graph after the accepted passes), why (every
+candidate with its feasibility, prediction, measurements and decision), and for what (a
+fingerprint of the model structure, sharding plan, world size, backend and library versions).
+Plans are JSON: loading one never unpickles anything."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from lightning_sparselift.lift import SparseGraph
+
+PLAN_SCHEMA = "sparselift-plan/1"
+
+
+class PlanFileError(ValueError):
+    """A plan file that cannot be used (unreadable, other schema, or made for another setup)."""
+
+
+@dataclass
+class PlanFingerprint:
+    graph: str  # the lifted graph before any pass: model structure, layouts, collectives
+    sharding_plan: str  # hash of TorchRec's ShardingPlan (tables, types, shards, ranks)
+    world_size: int
+    backend: str
+    versions: dict[str, str]
+    optimizations: list[str]
+
+    @staticmethod
+    def hash(data: Any) -> str:
+        return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def differences(self, other: "PlanFingerprint") -> list[str]:
+        mine, theirs = asdict(self), asdict(other)
+        return [f"{key}: plan has {mine[key]!r}, this run has {theirs[key]!r}" for key in mine if mine[key] != theirs[key]]
+
+
+@dataclass
+class Decision:
+    candidate: str  # "<pass>:<name>"
+    pass_name: str
+    module: str
+    role: str
+    feasible: bool
+    reasons: list[str]
+    predicted_ms: Optional[float]
+    observations_ms: Optional[list[list[float]]]  # per rank: F(T1) - F(T0) of each measured pair
+    measured_ms: Optional[float]  # max over ranks of each rank's minimum observation
+    accepted: bool
+    reason: str
+
+
+@dataclass
+class ExecutionPlan:
+    fingerprint: PlanFingerprint
+    graph: SparseGraph
+    decisions: list[Decision] = field(default_factory=list)
+    priors: Optional[dict[str, Any]] = None
+    calibration_steps: int = 0
+    calibration_s: float = 0.0
+    planning_s: float = 0.0
+    schema: str = PLAN_SCHEMA
+
+    @property
+    def accepted(self) -> list[Decision]:
+        return [d for d in self.decisions if d.accepted]
+
+    @property
+    def predicted_change_ms(self) -> float:
+        return sum(d.predicted_ms or 0.0 for d in self.accepted)
+
+    @property
+    def measured_change_ms(self) -> float:
+        return sum(d.measured_ms or 0.0 for d in self.accepted)
+
+    # ---------------------------------------------------------------- serialization
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ExecutionPlan":
+        if data.get("schema") != PLAN_SCHEMA:
+            raise PlanFileError(f"not a {PLAN_SCHEMA} plan (schema {data.get('schema')!r})")
+        try:
+            return cls(fingerprint=PlanFingerprint(**data["fingerprint"]), graph=SparseGraph.from_dict(data["graph"]),
+                       decisions=[Decision(**d) for d in data["decisions"]], priors=data.get("priors"),
+                       calibration_steps=data["calibration_steps"], calibration_s=data["calibration_s"],
+                       planning_s=data["planning_s"], schema=data["schema"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise PlanFileError(f"malformed plan: {error}") from error
+
+    def save(self, path: Union[str, Path]) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".partial")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "ExecutionPlan":
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise PlanFileError(f"cannot read plan {path}: {error}") from error
+        return cls.from_dict(data)
+
+    def check(self, fingerprint: PlanFingerprint) -> None:
+        """Raise :class:`PlanFileError` listing what differs when this plan was made for another setup."""
+        differences = self.fingerprint.differences(fingerprint)
+        if differences:
+            raise PlanFileError("the plan was made for a different setup: " + "; ".join(differences))
+
+    # ---------------------------------------------------------------- for humans
+    def explain(self) -> str:
+        lines = [f"ExecutionPlan ({self.schema}) for graph {self.fingerprint.graph}, sharding plan "
+                 f"{self.fingerprint.sharding_plan}, {self.fingerprint.world_size} rank(s) over "
+                 f"{self.fingerprint.backend}; optimizations {self.fingerprint.optimizations or 'none (identity plan)'}"]
+        if self.priors:
+            a2a = self.priors["all_to_all"]
+            lines.append(f"priors: all_to_all_single alpha {a2a['alpha_ms']:.3f} ms + "
+                         f"{a2a['beta_ms_per_byte'] * 1e6:.3f} ms/MB; memory bandwidth "
+                         f"{self.priors['lookup']['bandwidth_bytes_per_ms'] / 1e6:.2f} GB/s "
+                         f"(measured in {self.priors['seconds']:.2f} s)")
+        for d in self.decisions:
+            verdict = "ACCEPT" if d.accepted else ("reject" if d.feasible else "infeasible")
+            predicted = f"predicted {d.predicted_ms:+.3f} ms" if d.predicted_ms is not None else "no prediction"
+            measured = f", measured {d.measured_ms:+.3f} ms" if d.measured_ms is not None else ""
+            lines.append(f"  {verdict:<10s} {d.candidate}: {predicted}{measured}; {d.reason}")
+            if d.observations_ms:
+                per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{x:+.3f}" for x in obs)
+                                     for r, obs in enumerate(d.observations_ms))
+                lines.append(f"             observations (ms) {per_rank}")
+        lines.append(f"calibration: {self.calibration_steps} training steps, {self.calibration_s:.2f} s; planning "
+                     f"{self.planning_s:.3f} s; accepted change predicted {self.predicted_change_ms:+.3f} ms, "
+                     f"measured {self.measured_change_ms:+.3f} ms per step")
+        lines.append(f"collectives per step: {len(self.graph.collectives())}")
+        lines += [f"  {p}" for p in self.graph.provenance]
+        return "\n".join(lines)
