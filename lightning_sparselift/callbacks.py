@@ -56,7 +56,8 @@ class LiftWarmup(pl.Callback):
                    "sparselift/collectives_per_step": float(len(plan.graph.collectives())),
                    "sparselift/calibration_steps": float(plan.calibration_steps),
                    "sparselift/calibration_s": plan.calibration_s,
-                   "sparselift/planning_s": plan.planning_s}
+                   "sparselift/planning_s": plan.planning_s,
+                   "sparselift/plan_reused": float(warmup.plan_reused)}
         for decision in plan.decisions:
             key = f"sparselift/{decision.candidate.replace(':', '/').replace('@', '/')}"
             metrics[f"{key}/accepted"] = float(decision.accepted)

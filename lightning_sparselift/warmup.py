@@ -53,6 +53,7 @@ class SparseLiftWarmup:
         self.plan: Optional[ExecutionPlan] = None
         self.fallback_reason: Optional[str] = None
         self.lift_seconds = 0.0
+        self.plan_reused = False
         self.events: list[str] = []  # what happened, for the caller to report
         self._planner: Any = None
         self._queue: list[Any] = []  # feasible candidates still to calibrate
@@ -188,6 +189,7 @@ class SparseLiftWarmup:
         saved = self._saved_plan(fingerprint)
         if saved is not None:
             self.plan = saved
+            self.plan_reused = True
             self.installed.use(saved.graph)
             self.phase = "done"
             self.events.append(f"reusing the plan at {self.plan_path} (no calibration): "

@@ -128,6 +128,7 @@ def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: in
           device: torch.device, aggregate: bool = False) -> dict[str, Any]:
     from lightning_sparselift.capture import CollectiveRecorder, SparseCapture, gather_captures
     from lightning_sparselift.lift import check_against_runtime, dense_parameter_bytes, lift
+    from lightning_sparselift.passes import get_pass
     from lightning_sparselift.runtime import install
     from lightning_sparselift.sharding import EmbeddingOptimizer, shard_model
 
@@ -172,8 +173,12 @@ def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: in
                          dense_parameter_bytes(dmp, sharded.sparse_module_paths))
             check_against_runtime(graph, model)
             installed = install(graph, model, dist.group.WORLD, device)
-            for forward in installed.forwards.values():
-                forward.aggregate_input = forward.aggregate_output = aggregate
+            if aggregate:  # every feasible aggregation candidate, as calibrate=False would
+                aggregation = get_pass("aggregation")
+                for candidate in aggregation.candidates(graph):
+                    if candidate.feasible:
+                        graph = aggregation.apply(graph, candidate)
+                installed.use(graph)
             result["graph"] = graph.to_dict()
             result["explain"] = graph.explain()
     result["final"] = local_state(dmp, dmp.fused_optimizer)

@@ -87,7 +87,7 @@ def test_unknown_options_and_names():
         SparseLiftStrategy(executor="sparselift", warmup_batches=0)
     SparseLiftStrategy(executor="torchrec", warmup_batches=0)
     with pytest.raises(ValueError, match="unknown optimization"):
-        SparseLiftStrategy(optimizations=["aggregation"])
+        SparseLiftStrategy(optimizations=["aggregation", "teleportation"])
     with pytest.raises(ValueError, match="unknown embedding optimizer"):
         SparseLiftStrategy(embedding_optimizer="lamb")
     with pytest.raises(ValueError, match="unknown embedding_optimizer option"):

@@ -52,10 +52,13 @@ def markdown(summary: dict[str, Any]) -> str:
                 lines.append(f"| {name} | " + " | ".join(cells) + " |")
     for name, r in summary["systems"].items():
         if r.get("graph_explain"):
-            lines += ["", f"{name}: sparse path lifted in {r['lift_s']:.3f} s after its warmup steps; the lifted "
-                          f"graph predicts {r['graph_collectives_per_step']} collectives per step "
-                          f"(fingerprint {r['graph_fingerprint']}).", "", "<details><summary>explain()</summary>", "",
-                      "```", r["graph_explain"], "```", "", "</details>"]
+            lines += ["", f"{name}: sparse path lifted in {r['lift_s']:.3f} s after its capture steps; calibration "
+                          f"{r['calibration_steps']} steps / {r['calibration_s']:.2f} s, planning {r['planning_s']:.3f} s; "
+                          f"the plan's graph predicts {r['graph_collectives_per_step']} collectives per step; accepted "
+                          f"change predicted {r['predicted_change_ms']:+.3f} ms, measured "
+                          f"{r['measured_change_ms']:+.3f} ms per step (sparse regions).", "",
+                      "<details><summary>plan and graph: explain()</summary>", "", "```", r["plan_explain"], "",
+                      r["graph_explain"], "```", "", "</details>"]
     return "\n".join(lines) + "\n"
 
 

@@ -29,7 +29,8 @@ from lightning_sparselift.bench.systems import (
     ALL_SYSTEMS, LIGHTNING_SYSTEM, SYSTEMS, BenchEnv, System, bench_strategy_kwargs,
 )
 
-DEFAULT_SYSTEMS = ["dlrm-baseline", "torchrec-base", "torchrec", "dense-only", "sparselift", LIGHTNING_SYSTEM]
+DEFAULT_SYSTEMS = ["dlrm-baseline", "torchrec-base", "torchrec", "dense-only", "sparselift", "sparselift-identity",
+                   LIGHTNING_SYSTEM]
 
 
 @dataclass
@@ -146,6 +147,16 @@ class _Worker:
         for name in self._active():
             self.warmup[name] = StepClock()
             self.run_block(name, 0, self.config.warmup_steps, self.warmup[name])
+            # SparseLift's own warmup (capture, calibration) must end before timing starts
+            for _ in range(_MAX_EXTRA_WARMUP):
+                if name not in self._active() or self.systems[name].ready:
+                    break
+                self.run_block(name, 0, 1, self.warmup[name])
+            if name in self._active() and not self.systems[name].ready:
+                def not_ready(name: str = name) -> None:
+                    raise RuntimeError(f"{name} was not ready after {_MAX_EXTRA_WARMUP} extra warmup steps")
+
+                self._guard(name, "warmup", not_ready)
 
     def round(self, r: int) -> None:
         for name in self._active():
@@ -206,7 +217,8 @@ def _lightning_run(worker: _Worker) -> None:
     cfg, env = worker.config, worker.env
     name = LIGHTNING_SYSTEM
     k, warm, rounds, bd = cfg.steps_per_round, cfg.warmup_steps, cfg.rounds, cfg.breakdown_steps
-    total = warm + rounds * k + bd + 1
+    # timed steps start once `warm` steps ran and the strategy's own warmup (capture, calibration) ended
+    total = warm + _MAX_EXTRA_WARMUP + rounds * k + bd + 1
     timer, clock, warm_clock = StageTimer(), StepClock(), StepClock()
     worker.clocks[name], worker.warmup[name] = clock, warm_clock
 
@@ -216,6 +228,7 @@ def _lightning_run(worker: _Worker) -> None:
             self.cpu = 0.0
             self.profile: Any = None
             self.step_cm: Any = None
+            self.offset: Optional[int] = None
 
         def on_train_start(self, trainer, module) -> None:
             timer.attach(module.model.sparse_arch)
@@ -223,14 +236,22 @@ def _lightning_run(worker: _Worker) -> None:
             worker.warmup_all()
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-            if batch_idx >= warm + rounds * k:
-                if batch_idx < warm + rounds * k + bd:
+            if self.offset is None and batch_idx >= warm and trainer.strategy.warmup is None:
+                self.offset = batch_idx  # the first timed step: start the other systems' round 0 first
+                worker.round(0)
+                dist.barrier(group=worker.control)
+            i = self.timed_index(batch_idx)
+            if i >= rounds * k:
+                if i < rounds * k + bd:
                     self.step_cm = timer.step()
                     self.step_cm.__enter__()
                 else:
                     self.profile = record_collectives()
                     self.log = self.profile.__enter__()
             self.start, self.cpu = time.perf_counter(), time.process_time()
+
+        def timed_index(self, batch_idx: int) -> int:
+            return -1 if self.offset is None else batch_idx - self.offset
 
         def on_before_backward(self, trainer, module, loss) -> None:
             timer.forward_end(loss)
@@ -240,10 +261,11 @@ def _lightning_run(worker: _Worker) -> None:
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
             wall, cpu = (time.perf_counter() - self.start) * 1e3, (time.process_time() - self.cpu) * 1e3
-            if batch_idx < warm:
+            i = self.timed_index(batch_idx)
+            if i < 0:
                 warm_clock.wall_ms.append(wall)
                 warm_clock.cpu_ms.append(cpu)
-            elif batch_idx < warm + rounds * k:
+            elif i < rounds * k:
                 clock.wall_ms.append(wall)
                 clock.cpu_ms.append(cpu)
             if self.step_cm is not None:
@@ -254,10 +276,10 @@ def _lightning_run(worker: _Worker) -> None:
                 worker.result[name]["collectives_per_step"] = self.log.summary()
                 worker.result[name]["stages_ms"] = timer.summary()
                 self.profile = None
-            done = batch_idx + 1 - warm
-            if 0 <= done <= rounds * k and done % k == 0:
-                if done > 0:
-                    worker.rounds.setdefault(name, []).append(clock.wall_ms[-k:])
+                trainer.should_stop = True
+            done = i + 1
+            if 0 < done <= rounds * k and done % k == 0:
+                worker.rounds.setdefault(name, []).append(clock.wall_ms[-k:])
                 if done < rounds * k:
                     worker.round(done // k)
                 dist.barrier(group=worker.control)
@@ -303,6 +325,10 @@ def _worker_main(rank: int, config: BenchConfig, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+# cap on the untimed steps a system may add to finish its own warmup (SparseLift's calibration)
+_MAX_EXTRA_WARMUP = 200
+
+
 def _write_atomically(path: str, data: dict[str, Any]) -> None:
     tmp = f"{path}.partial"
     Path(tmp).write_text(json.dumps(data))
@@ -324,7 +350,7 @@ def summarize(config: BenchConfig, raw: dict[str, Any], scenario: scenarios.Scen
             )
         elif res["status"] == "ok":
             res.update(status="failed", error=res.get("error") or "no timed steps were recorded")
-        res.setdefault("calibration_s", 0.0)  # no optimization pass calibrates yet
+        res.setdefault("calibration_s", 0.0)  # systems without a planner
         systems[name] = res
     ratios = {}
     ok = [n for n, r in systems.items() if r["status"] == "ok"]

@@ -8,7 +8,7 @@ prepared before timing: a step never generates or slices data.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
@@ -110,6 +110,11 @@ class System:
     def report(self) -> dict[str, Any]:
         """What the system wants in its result beside the timings."""
         return {}
+
+    @property
+    def ready(self) -> bool:
+        """False while the system still runs its own warmup (timing waits for it)."""
+        return True
 
     def _timed_model(self, model: nn.Module, sparse: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
         """Hook the stage timer into ``model`` (forward), its loss (backward start), ``sparse``
@@ -258,12 +263,29 @@ class SparseLift(LoopSystem):
         if self.warmup.after_step() and self.warmup.installed is None:
             raise RuntimeError(f"sparselift: the sparse path could not be lifted: {self.warmup.fallback_reason}")
 
+    @property
+    def ready(self) -> bool:
+        return self.warmup is None or self.warmup.done
+
     def report(self) -> dict[str, Any]:
         if self.warmup is None or self.warmup.installed is None:
             return {"executor": "torchrec"}
-        graph = self.warmup.installed.graph
+        graph, plan = self.warmup.installed.graph, self.warmup.plan
         return {"executor": "sparselift", "lift_s": self.warmup.lift_seconds, "graph_fingerprint": graph.fingerprint(),
-                "graph_collectives_per_step": len(graph.collectives()), "graph_explain": graph.explain()}
+                "graph_collectives_per_step": len(graph.collectives()), "graph_explain": graph.explain(),
+                "calibration_s": plan.calibration_s, "calibration_steps": plan.calibration_steps,
+                "planning_s": plan.planning_s, "plan_explain": plan.explain(),
+                "plan_decisions": [asdict(d) for d in plan.decisions],
+                "predicted_change_ms": plan.predicted_change_ms, "measured_change_ms": plan.measured_change_ms}
+
+
+class SparseLiftIdentity(SparseLift):
+    """SparseLift's executor with the identity plan (no optimization pass)."""
+
+    name = "sparselift-identity"
+
+    def __init__(self, env: BenchEnv):
+        super().__init__(env, {"optimizations": []})
 
 
 class _IssuePooledAllToAll(torch.autograd.Function):
@@ -388,7 +410,7 @@ class DLRMBaseline(System):
 
 
 SYSTEMS: dict[str, type[System]] = {cls.name: cls for cls in (DLRMBaseline, TorchRecBase, TorchRecSparseDist,
-                                                              DenseOnly, SparseLift)}
+                                                              DenseOnly, SparseLift, SparseLiftIdentity)}
 LIGHTNING_SYSTEM = "sparselift-lightning"
 ALL_SYSTEMS = [*SYSTEMS, LIGHTNING_SYSTEM]
 
