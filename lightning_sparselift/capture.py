@@ -64,6 +64,59 @@ class ModuleCapture:
     lengths_dtype: str
     values_dtype: str
     features: dict[str, FeatureStats]
+    # where the module's input KJT already was when the root module's forward began (the same
+    # object in every captured step), e.g. [["arg", 0], ["attr", "sparse"]]; None if not there
+    root_input: Optional[list[list[Any]]] = None
+
+
+def find_kjts(args: tuple, kwargs: dict, depth: int = 2) -> dict[int, list[list[Any]]]:
+    """KeyedJaggedTensors reachable from a forward's arguments (through tuples, lists, dicts and
+    object attributes, ``depth`` levels deep): id -> access path."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    found: dict[int, list[list[Any]]] = {}
+
+    def walk(obj: Any, path: list[list[Any]], left: int) -> None:
+        if isinstance(obj, KeyedJaggedTensor):
+            found.setdefault(id(obj), path)
+            return
+        if left == 0 or isinstance(obj, (torch.Tensor, str, bytes, int, float)):
+            return
+        if isinstance(obj, (tuple, list)):
+            for i, item in enumerate(obj):
+                walk(item, path + [["item", i]], left - 1)
+        elif isinstance(obj, dict):
+            for key, item in obj.items():
+                if isinstance(key, str):
+                    walk(item, path + [["key", key]], left - 1)
+        elif hasattr(obj, "__dict__"):
+            for name, item in vars(obj).items():
+                walk(item, path + [["attr", name]], left - 1)
+
+    for i, arg in enumerate(args):
+        walk(arg, [["arg", i]], depth)
+    for name, arg in kwargs.items():
+        walk(arg, [["kwarg", name]], depth)
+    return found
+
+
+def resolve_path(args: tuple, kwargs: dict, path: list[list[Any]]) -> Any:
+    """The object at ``path`` (from :func:`find_kjts`) in a forward's arguments, or None."""
+    kind, key = path[0]
+    if kind == "arg":
+        obj = args[key] if key < len(args) else None
+    else:
+        obj = kwargs.get(key)
+    for kind, key in path[1:]:
+        if obj is None:
+            return None
+        if kind == "attr":
+            obj = getattr(obj, key, None)
+        elif kind == "key":
+            obj = obj.get(key) if isinstance(obj, dict) else None
+        else:
+            obj = obj[key] if isinstance(obj, (tuple, list)) and key < len(obj) else None
+    return obj
 
 
 @dataclass
@@ -146,6 +199,8 @@ class SparseCapture:
     the collectives of the steps run inside :meth:`step`."""
 
     def __init__(self, model: nn.Module, module_paths: list[str], rank: int, world_size: int) -> None:
+        """``model`` is the root whose forward the training step calls; its arguments are where a
+        sparse module's input can be found before the module runs."""
         self.rank = rank
         self.world_size = world_size
         self.steps = 0
@@ -153,7 +208,9 @@ class SparseCapture:
         self._step_records: list[list[CollectiveRecord]] = []
         self._inputs: dict[str, dict[str, Any]] = {}
         self._features: dict[str, dict[str, _FeatureAccumulator]] = defaultdict(lambda: defaultdict(_FeatureAccumulator))
-        self._handles = []
+        self._handles = [model.register_forward_pre_hook(self._root_hook, with_kwargs=True)]
+        self._root_kjts: dict[int, list[list[Any]]] = {}
+        self._root_inputs: dict[str, list[Any]] = defaultdict(list)
         for path in module_paths:
             module = model.get_submodule(path)
             self._handles.append(module.register_forward_pre_hook(self._pre_hook(path), with_kwargs=True))
@@ -164,8 +221,14 @@ class SparseCapture:
             if self._recorder is None:
                 return  # outside a captured training step (e.g. validation)
             self._recorder.module = path
-            self._observe(path, args[0] if args else kwargs["features"])
+            kjt = args[0] if args else kwargs["features"]
+            self._root_inputs[path].append(self._root_kjts.get(id(kjt)))
+            self._observe(path, kjt)
         return hook
+
+    def _root_hook(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._recorder is not None:
+            self._root_kjts = find_kjts(args, kwargs)
 
     def _post_hook(self, _module: nn.Module, _args: tuple, _output: Any) -> None:
         if self._recorder is not None:
@@ -211,7 +274,9 @@ class SparseCapture:
             if "error" in info:
                 continue
             features = {k: self._features[path][k].stats(k, self.steps) for k in info["keys"]}
-            modules[path] = ModuleCapture(path=path, features=features, **info)
+            sources = self._root_inputs[path]
+            root_input = sources[0] if sources and all(s == sources[0] for s in sources) else None
+            modules[path] = ModuleCapture(path=path, features=features, root_input=root_input, **info)
         return RankCapture(self.rank, self.world_size, self.steps, modules, self._step_records)
 
     def remove(self) -> None:

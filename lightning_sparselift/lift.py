@@ -86,6 +86,9 @@ class LiftedModule:
     ids_per_step: list[dict[str, float]]  # per member rank, per feature: mean ids per step
     length_percentiles: dict[str, dict[str, float]]  # per feature (member 0): p50/p90/p99 bag length
     aggregated: list[str] = field(default_factory=list)  # collective roles merged across groups (a pass sets it)
+    # where the input KJT is when the root forward begins (same on every rank and step), else None
+    root_input: Optional[list[list[Any]]] = None
+    schedules: list[str] = field(default_factory=list)  # latency-hiding schedules in use (a pass sets them)
 
     @property
     def embedding_names(self) -> list[str]:
@@ -215,6 +218,10 @@ class SparseGraph:
             lines.append(f"module {m.path}: {len(m.keys)} features, {'weighted' if m.weighted else 'unweighted'}, "
                          f"batch {batch}/rank, ids {m.lengths_dtype}/{m.values_dtype}"
                          + ("" if not m.feature_order else ", keys permuted into group order"))
+            if m.root_input is not None:
+                from lightning_sparselift.passes.latency_hiding import describe_path
+
+                lines.append(f"  input available when the root forward begins: {describe_path(m.root_input)}")
             for g in m.groups:
                 lines.append(f"  group {g.index} {g.sharding_type}: {len(g.features)} keys, "
                              f"{sum(g.embedding_dims)} output columns")
@@ -403,6 +410,8 @@ def lift(model: nn.Module, sharding_plan: Any, module_paths: list[str], captures
         if getattr(sharded, "qcomm_codecs_registry", None):
             raise LiftError(f"{path}: quantized communication codecs are not supported by the lifted executor")
         keys, weighted, lengths_dtype, values_dtype, batch_sizes = _module_inputs(path, captures)
+        sources = [c.modules[path].root_input for c in captures]
+        root_input = sources[0] if all(s == sources[0] for s in sources) else None
         if weighted != bool(sharded._is_weighted):
             raise LiftError(f"{path}: the module is {'weighted' if sharded._is_weighted else 'unweighted'} but its "
                             f"captured input {'has' if weighted else 'has no'} weights")
@@ -415,7 +424,7 @@ def lift(model: nn.Module, sharding_plan: Any, module_paths: list[str], captures
         ids = [{k: c.modules[path].features[k].ids_per_step for k in keys} for c in captures]
         percentiles = {k: captures[0].modules[path].features[k].percentiles for k in keys}
         modules.append(LiftedModule(path, keys, weighted, lengths_dtype, values_dtype, feature_order, groups,
-                                    batch_sizes, ids, percentiles))
+                                    batch_sizes, ids, percentiles, root_input=root_input))
     nodes = _step_nodes(modules, world, dense_param_bytes)
     versions = {"torch": torch.__version__, "torchrec": getattr(torchrec, "__version__", "?"),
                 "fbgemm_gpu": getattr(fbgemm_gpu, "__version__", "?")}

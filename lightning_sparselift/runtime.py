@@ -19,64 +19,125 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_sparselift.capture import resolve_path
 from lightning_sparselift.cost.calibration import RegionClock
 from lightning_sparselift.lift import LiftedModule, ShardingGroup, SparseGraph
 
 
-class MergedPooledAllToAll(torch.autograd.Function):
-    """Table/column-wise output dist of one or several groups in one all-to-all: every rank's
+@dataclass
+class PooledLayout:
+    """The layout of one (possibly merged) table/column-wise output all-to-all: every rank's
     pooled [world*B, D_local] blocks go back to the ranks that own the samples (per destination:
     its B rows of every group, group after group); the gradients take the reverse path and are
     divided by world size, as TorchRec's backward all-to-all does."""
 
-    @staticmethod
-    def forward(ctx: Any, dims: list[list[int]], batch_size: int, group: Any, column_index: list[Optional[Tensor]],
-                clock: RegionClock, *locals_: Tensor) -> tuple[Tensor, ...]:
-        world = len(dims[0])
-        rank = dist.get_rank(group)
-        send = torch.cat([local[r * batch_size:(r + 1) * batch_size].reshape(-1)
-                          for r in range(world) for local in locals_])
-        recv_sizes = [batch_size * sum(d[s] for d in dims) for s in range(world)]
-        received = send.new_empty(sum(recv_sizes))
-        dist.all_to_all_single(received, send, recv_sizes, [batch_size * sum(d[rank] for d in dims)] * world,
-                               group=group)
-        per_group: list[list[Tensor]] = [[] for _ in dims]
-        for s, chunk in enumerate(received.split(recv_sizes)):
-            for g, piece in enumerate(chunk.split([batch_size * d[s] for d in dims])):
-                per_group[g].append(piece.view(batch_size, dims[g][s]))
+    dims: list[list[int]]  # per group: output columns of each rank
+    batch_size: int
+    group: Any
+    column_index: list[Optional[Tensor]]  # per group: column permutation after the exchange
+    rank: int
+
+    @property
+    def world(self) -> int:
+        return len(self.dims[0])
+
+    def send_outputs(self, locals_: tuple[Tensor, ...]) -> tuple[Tensor, list[int], list[int]]:
+        b = self.batch_size
+        send = torch.cat([local[r * b:(r + 1) * b].reshape(-1) for r in range(self.world) for local in locals_])
+        recv_sizes = [b * sum(d[s] for d in self.dims) for s in range(self.world)]
+        return send, recv_sizes, [b * sum(d[self.rank] for d in self.dims)] * self.world
+
+    def unpack_outputs(self, received: Tensor) -> tuple[Tensor, ...]:
+        b = self.batch_size
+        per_group: list[list[Tensor]] = [[] for _ in self.dims]
+        for s, chunk in enumerate(received.split([b * sum(d[s] for d in self.dims) for s in range(self.world)])):
+            for g, piece in enumerate(chunk.split([b * d[s] for d in self.dims])):
+                per_group[g].append(piece.view(b, self.dims[g][s]))
         outs = []
-        for pieces, index in zip(per_group, column_index):
+        for pieces, index in zip(per_group, self.column_index):
             out = torch.cat(pieces, dim=1)
             outs.append(out if index is None else out.index_select(1, index))
-        ctx.dims, ctx.batch_size, ctx.group, ctx.column_index, ctx.rank = dims, batch_size, group, column_index, rank
-        ctx.clock = clock
         return tuple(outs)
 
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Optional[Tensor], ...]:
-        with ctx.clock.region():
-            return (None, None, None, None, None, *MergedPooledAllToAll._local_grads(ctx, grads))
-
-    @staticmethod
-    def _local_grads(ctx: Any, grads: tuple[Tensor, ...]) -> list[Tensor]:
-        dims, batch, world = ctx.dims, ctx.batch_size, len(ctx.dims[0])
+    def send_grads(self, grads: tuple[Tensor, ...]) -> tuple[Tensor, list[int], list[int]]:
         by_source = []
-        for grad, index, d in zip(grads, ctx.column_index, dims):
+        for grad, index, d in zip(grads, self.column_index, self.dims):
             if index is not None:
                 unpermuted = torch.empty_like(grad)
                 unpermuted[:, index] = grad
                 grad = unpermuted
             by_source.append(grad.split(d, dim=1))
-        send = torch.cat([by_source[g][s].contiguous().view(-1) for s in range(world) for g in range(len(dims))])
-        local_sizes = [batch * d[ctx.rank] for d in dims]
-        received = send.new_empty(world * sum(local_sizes))
-        dist.all_to_all_single(received, send, [sum(local_sizes)] * world,
-                               [batch * sum(d[s] for d in dims) for s in range(world)], group=ctx.group)
-        per_group: list[list[Tensor]] = [[] for _ in dims]
+        send = torch.cat([by_source[g][s].contiguous().view(-1)
+                          for s in range(self.world) for g in range(len(self.dims))])
+        local = sum(self.batch_size * d[self.rank] for d in self.dims)
+        return send, [local] * self.world, [self.batch_size * sum(d[s] for d in self.dims) for s in range(self.world)]
+
+    def unpack_grads(self, received: Tensor) -> list[Tensor]:
+        b, world = self.batch_size, self.world
+        local_sizes = [b * d[self.rank] for d in self.dims]
+        per_group: list[list[Tensor]] = [[] for _ in self.dims]
         for chunk in received.split([sum(local_sizes)] * world):
             for g, piece in enumerate(chunk.split(local_sizes)):
-                per_group[g].append(piece.view(batch, dims[g][ctx.rank]))
+                per_group[g].append(piece.view(b, self.dims[g][self.rank]))
         return [torch.cat(p).div_(world) for p in per_group]
+
+
+def _exchange(send: Tensor, recv_sizes: list[int], send_sizes: list[int], group: Any, async_op: bool = False
+              ) -> tuple[Tensor, Any]:
+    received = send.new_empty(sum(recv_sizes))
+    work = dist.all_to_all_single(received, send, recv_sizes, send_sizes, group=group, async_op=async_op)
+    return received, work
+
+
+class MergedPooledAllToAll(torch.autograd.Function):
+    """The output all-to-all of :class:`PooledLayout`, synchronous in both directions."""
+
+    @staticmethod
+    def forward(ctx: Any, layout: PooledLayout, clock: RegionClock, *locals_: Tensor) -> tuple[Tensor, ...]:
+        received, _ = _exchange(*layout.send_outputs(locals_), layout.group)
+        ctx.layout, ctx.clock = layout, clock
+        return layout.unpack_outputs(received)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Optional[Tensor], ...]:
+        with ctx.clock.region():
+            received, _ = _exchange(*ctx.layout.send_grads(grads), ctx.layout.group)
+            return (None, None, *ctx.layout.unpack_grads(received))
+
+
+class IssuePooledAllToAll(torch.autograd.Function):
+    """Starts the output all-to-all; :class:`WaitPooledAllToAll` finishes it. In backward the
+    roles swap: the wait's backward starts the gradient all-to-all and this backward waits for
+    it, so whatever autograd runs in between (the backward of compute that ran between issue and
+    wait in forward, e.g. the bottom MLP) overlaps the exchange."""
+
+    @staticmethod
+    def forward(ctx: Any, layout: PooledLayout, box: dict, clock: RegionClock, *locals_: Tensor) -> Tensor:
+        received, box["work"] = _exchange(*layout.send_outputs(locals_), layout.group, async_op=True)
+        ctx.layout, ctx.box, ctx.clock = layout, box, clock
+        return received
+
+    @staticmethod
+    def backward(ctx: Any, _unused: Tensor) -> tuple[Optional[Tensor], ...]:
+        with ctx.clock.region():
+            ctx.box.pop("grad_work").wait()
+            return (None, None, None, *ctx.layout.unpack_grads(ctx.box.pop("grad_received")))
+
+
+class WaitPooledAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, received: Tensor, layout: PooledLayout, box: dict, clock: RegionClock) -> tuple[Tensor, ...]:
+        with clock.region():
+            box.pop("work").wait()
+        ctx.layout, ctx.box, ctx.shape = layout, box, received.shape
+        return layout.unpack_outputs(received)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Optional[Tensor], ...]:
+        ctx.box["grad_received"], ctx.box["grad_work"] = _exchange(*ctx.layout.send_grads(grads), ctx.layout.group,
+                                                                   async_op=True)
+        # the issue's backward reads the gradient from the box; this one only orders autograd
+        return grads[0].new_empty(ctx.shape), None, None, None
 
 
 class PooledReduceScatter(torch.autograd.Function):
@@ -118,13 +179,17 @@ class LiftedForward:
     def __init__(self, spec: LiftedModule, sharded: nn.Module, world_size: int, rank: int, group: Any,
                  device: torch.device, clock: RegionClock) -> None:
         self.spec = spec
+        self.module = sharded
         self.clock = clock
+        self._pending: Optional[tuple[Any, tuple[list[Tensor], list[tuple]]]] = None
         # TorchRec's own forward, for the steps where ranks pass different batch sizes
         self.torchrec_forward = type(sharded).forward.__get__(sharded)
         self.torchrec_steps = 0
+        self.early_steps = 0  # calls finished from a latency-hiding early start
         # what the execution plan switches on (communication aggregation)
         self.aggregate_input = "input" in spec.aggregated
         self.aggregate_output = "output" in spec.aggregated
+        self.early_start = "early_start" in spec.schedules
         self.world = world_size
         self.rank = rank
         self.group = group
@@ -142,29 +207,68 @@ class LiftedForward:
             columns = torch.tensor(g.column_order, dtype=torch.long, device=device) if g.column_order else None
             self.groups.append(_GroupRuntime(g, lookup, keys, recat, blocks, columns))
 
-    def __call__(self, features: Any) -> Any:
-        from torchrec.sparse.jagged_tensor import KeyedTensor
-
+    def _check(self, features: Any) -> None:
         if features.variable_stride_per_key():
             raise ValueError(f"{self.spec.path}: inputs with a variable batch size per feature (VBE) are not "
                              f"supported by the lifted executor (use executor='torchrec')")
         if list(features.keys()) != self.spec.keys:
             raise ValueError(f"{self.spec.path}: the KJT keys {features.keys()} are not in the order of the captured "
                              f"batches {self.spec.keys}; keep one key order for the whole run")
+
+    def __call__(self, features: Any) -> Any:
+        self._check(features)
+        if self._pending is not None and self._pending[0] is features:
+            _, (out, pending) = self._pending
+            self._pending = None
+            self.early_steps += 1
+            return self._finish(out, pending)
+        self._discard_pending()
+        result = self._run(features, defer=False)
+        if result is None:
+            # Every rank saw the same batch sizes in the splits exchange, so every rank takes this
+            # branch together: TorchRec's path handles per-rank batch sizes (e.g. a short last batch).
+            self.torchrec_steps += 1
+            return self.torchrec_forward(features)
+        return self._finish(*result)
+
+    def start(self, features: Any) -> None:
+        """Latency hiding: run this step's input dist and lookups now and leave the output
+        all-to-all in flight; the module's call with the same ``features`` object finishes it."""
+        self._discard_pending()
+        for hook_id, hook in self.module._forward_pre_hooks.items():  # e.g. input validation, before any collective
+            if hook_id in self.module._forward_pre_hooks_with_kwargs:
+                hook(self.module, (features,), {})
+            else:
+                hook(self.module, (features,))
+        self._check(features)
+        result = self._run(features, defer=True)
+        if result is not None:  # (None: uneven batch sizes; the call hands the step to TorchRec)
+            self._pending = (features, result)
+
+    def _discard_pending(self) -> None:
+        if self._pending is not None:  # started but never consumed: complete the exchange, drop it
+            for *_, box, _received in self._pending[1][1]:
+                box.pop("work").wait()
+            self._pending = None
+
+    def _run(self, features: Any, defer: bool) -> Optional[tuple[list[Tensor], list[tuple]]]:
         with self.clock.region():
             with torch.no_grad():
                 permuted = features.permute(self.spec.feature_order, self.order) if self.order is not None \
                     else features
                 distributed = self._input_dist(permuted.split(self.splits))
-            if distributed is not None:
-                embeddings = self._output_dist([g.lookup(kjt) for g, kjt in zip(self.groups, distributed)],
-                                               features.stride())
-        if distributed is None:
-            # Every rank saw the same batch sizes in the splits exchange, so every rank takes this
-            # branch together: TorchRec's path handles per-rank batch sizes (e.g. a short last batch).
-            self.torchrec_steps += 1
-            return self.torchrec_forward(features)
-        values = embeddings[0] if len(embeddings) == 1 else torch.cat(embeddings, dim=1)
+            if distributed is None:
+                return None
+            return self._output_dist([g.lookup(kjt) for g, kjt in zip(self.groups, distributed)], features.stride(),
+                                     defer)
+
+    def _finish(self, out: list[Tensor], pending: list[tuple]) -> Any:
+        from torchrec.sparse.jagged_tensor import KeyedTensor
+
+        for indices, layout, box, received in pending:
+            for i, tensor in zip(indices, WaitPooledAllToAll.apply(received, layout, box, self.clock)):
+                out[i] = tensor
+        values = out[0] if len(out) == 1 else torch.cat(out, dim=1)
         return KeyedTensor(keys=self.spec.embedding_names, length_per_key=self.spec.embedding_dims, values=values,
                            key_dim=1)
 
@@ -288,26 +392,28 @@ class LiftedForward:
                                  stride=batch * self.world).sync()
 
     # ------------------------------------------------------------------ output dist
-    def _output_dist(self, locals_: list[Tensor], batch_size: int) -> list[Tensor]:
+    def _output_dist(self, locals_: list[Tensor], batch_size: int, defer: bool) -> tuple[list[Tensor], list[tuple]]:
+        """Every group's output (data-parallel and one-rank groups as they are), and the output
+        all-to-alls left in flight when ``defer``."""
+        out, pending = list(locals_), []
         if self.world == 1:
-            return locals_
-        out = list(locals_)
+            return out, pending
         pooled = [i for i, g in enumerate(self.groups) if g.spec.sharding_type in ("table_wise", "column_wise")]
-        if self.aggregate_output and len(pooled) > 1:
-            merged = MergedPooledAllToAll.apply(
-                [self.groups[i].spec.dim_sum_per_rank for i in pooled], batch_size, self.group,
-                [self.groups[i].column_index for i in pooled], self.clock, *[locals_[i] for i in pooled])
-            for i, tensor in zip(pooled, merged):
-                out[i] = tensor
-        else:
-            for i in pooled:
-                g = self.groups[i]
-                out[i] = MergedPooledAllToAll.apply([g.spec.dim_sum_per_rank], batch_size, self.group,
-                                                    [g.column_index], self.clock, locals_[i])[0]
+        exchanges = [pooled] if self.aggregate_output and len(pooled) > 1 else [[i] for i in pooled]
+        for indices in exchanges:
+            layout = PooledLayout([self.groups[i].spec.dim_sum_per_rank for i in indices], batch_size, self.group,
+                                  [self.groups[i].column_index for i in indices], self.rank)
+            tensors = [locals_[i] for i in indices]
+            if defer:
+                box: dict = {}
+                pending.append((indices, layout, box, IssuePooledAllToAll.apply(layout, box, self.clock, *tensors)))
+            else:
+                for i, tensor in zip(indices, MergedPooledAllToAll.apply(layout, self.clock, *tensors)):
+                    out[i] = tensor
         for i, g in enumerate(self.groups):
             if g.spec.sharding_type == "row_wise":
                 out[i] = PooledReduceScatter.apply(locals_[i], self.group, self.clock)
-        return out
+        return out, pending
 
 
 def packed_sizes(layout: list[tuple[torch.dtype, list[int]]], world: int) -> list[int]:
@@ -390,6 +496,7 @@ class InstalledExecutor:
             forward = self.forwards[spec.path]
             forward.aggregate_input = "input" in spec.aggregated
             forward.aggregate_output = "output" in spec.aggregated
+            forward.early_start = "early_start" in spec.schedules
         self.graph = graph
 
     def uninstall(self) -> None:
@@ -399,7 +506,8 @@ class InstalledExecutor:
 
 
 def install(graph: SparseGraph, model: nn.Module, group: Any, device: torch.device) -> InstalledExecutor:
-    """Run every module of ``graph`` through a :class:`LiftedForward` from now on."""
+    """Run every module of ``graph`` through a :class:`LiftedForward` from now on. ``model`` is
+    the root whose forward the training step calls (where latency hiding starts modules early)."""
     world = dist.get_world_size(group) if graph.world_size > 1 else 1
     if world != graph.world_size:
         raise ValueError(f"the graph was lifted for {graph.world_size} rank(s), the process group has {world}")
@@ -421,4 +529,15 @@ def install(graph: SparseGraph, model: nn.Module, group: Any, device: torch.devi
 
         forwards[spec.path] = forward
         restore.append(undo)
+
+    def start_early(_root: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not (_root.training and torch.is_grad_enabled()):
+            return
+        for forward in forwards.values():
+            if forward.early_start and forward.spec.root_input is not None:
+                features = resolve_path(args, kwargs, forward.spec.root_input)
+                if features is not None:
+                    forward.start(features)
+
+    restore.append(model.register_forward_pre_hook(start_early, with_kwargs=True).remove)
     return InstalledExecutor(graph, forwards, clock, restore)

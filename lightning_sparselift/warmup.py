@@ -88,8 +88,11 @@ class SparseLiftWarmup:
         uses_candidate = self._calibrator.next_uses_candidate()
         self.installed.use(self._trial if uses_candidate else self._incumbent)
         self.installed.clock.take()
+        start = time.perf_counter()
         yield
-        self._calibrator.record(self.installed.clock.take())
+        whole_step_ms = (time.perf_counter() - start) * 1e3
+        sparse_ms = self.installed.clock.take()
+        self._calibrator.record(whole_step_ms if self._calibrator.protocol.region == "step" else sparse_ms)
         self.installed.use(self._incumbent)
         self.plan.calibration_steps += 1
 

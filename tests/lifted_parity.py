@@ -40,6 +40,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # rank 0's batch of the last lifted step is short: that step runs TorchRec's path on all ranks
     "uneven_batch": dict(weighted=True, multi_hot=True, two_modules=False, short_step=WARMUP_STEPS + 2),
 }
+# the lifted runs with passes forced on (every feasible candidate)
+OPTIMIZED = {"aggregated": ("aggregation",), "latency_hidden": ("latency_hiding",),
+             "all_passes": ("aggregation", "latency_hiding")}
 # TorchRec's own row-wise backward fails on uneven batches over gloo ("ProcessGroupGloo::allgather:
 # invalid tensor size"), so there is no reference to compare with.
 ALL = [(c, v) for c in CASES for v in VARIANTS
@@ -125,7 +128,7 @@ def local_state(model: nn.Module, fused: Any) -> dict[str, torch.Tensor]:
 
 
 def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: int,
-          device: torch.device, aggregate: bool = False) -> dict[str, Any]:
+          device: torch.device, optimizations: tuple[str, ...] = ()) -> dict[str, Any]:
     from lightning_sparselift.capture import CollectiveRecorder, SparseCapture, gather_captures
     from lightning_sparselift.lift import check_against_runtime, dense_parameter_bytes, lift
     from lightning_sparselift.passes import get_pass
@@ -173,17 +176,18 @@ def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: in
                          dense_parameter_bytes(dmp, sharded.sparse_module_paths))
             check_against_runtime(graph, model)
             installed = install(graph, model, dist.group.WORLD, device)
-            if aggregate:  # every feasible aggregation candidate, as calibrate=False would
-                aggregation = get_pass("aggregation")
-                for candidate in aggregation.candidates(graph):
+            for name in optimizations:  # every feasible candidate, as calibrate=False would
+                optimization = get_pass(name)
+                for candidate in optimization.candidates(graph):
                     if candidate.feasible:
-                        graph = aggregation.apply(graph, candidate)
-                installed.use(graph)
+                        graph = optimization.apply(graph, candidate)
+            installed.use(graph)
             result["graph"] = graph.to_dict()
             result["explain"] = graph.explain()
     result["final"] = local_state(dmp, dmp.fused_optimizer)
     if installed is not None:
         result["torchrec_steps"] = {p: f.torchrec_steps for p, f in installed.forwards.items()}
+        result["early_steps"] = {p: f.early_steps for p, f in installed.forwards.items()}
     return result
 
 
@@ -210,7 +214,8 @@ def worker(rank: int, world: int, port: int, cases: list[tuple[str, str]], out_d
             try:
                 res = {"reference": train(CASES[case_name], VARIANTS[variant_name], False, world, device),
                        "lifted": train(CASES[case_name], VARIANTS[variant_name], True, world, device),
-                       "aggregated": train(CASES[case_name], VARIANTS[variant_name], True, world, device, True)}
+                       **{name: train(CASES[case_name], VARIANTS[variant_name], True, world, device, passes)
+                          for name, passes in OPTIMIZED.items()}}
             except Exception:  # reported per case; every rank fails the same way or the test times out
                 res = {"error": traceback.format_exc()}
             torch.save(_to_cpu(res), os.path.join(out_dir, f"{case_name}-{variant_name}-rank{rank}.pt"))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lightning_sparselift.bench.cli import main as bench
-from lightning_sparselift.bench.runner import DEFAULT_SYSTEMS
+from lightning_sparselift.bench.runner import ABLATION_SYSTEMS, DEFAULT_SYSTEMS
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--world-size", "2", "--rounds", "2", "--steps-per-round", "2", "--warmup-steps", "1", "--breakdown-steps", "1"]
@@ -21,12 +21,12 @@ def _bench(*args, cache):
 
 
 def test_all_systems_side_by_side(tmp_path, data_cache):
-    out = _bench("--scenario", "tiny", *FAST, "--json", str(tmp_path / "out.json"), "--markdown",
+    out = _bench("--scenario", "tiny", *FAST, "--ablations", "--json", str(tmp_path / "out.json"), "--markdown",
                  str(tmp_path / "out.md"), "--plots", str(tmp_path / "plots"), cache=data_cache)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "out.json").read_text())
     assert summary["schema"] == "sparselift-bench/1" and summary["world_size"] == 2
-    assert list(summary["systems"]) == DEFAULT_SYSTEMS
+    assert list(summary["systems"]) == DEFAULT_SYSTEMS + ABLATION_SYSTEMS
     for name, r in summary["systems"].items():
         assert r["status"] == "ok", f"{name}: {r['error']}"
         for key in ("step_ms", "samples_per_s", "cpu_ms"):
@@ -46,11 +46,14 @@ def test_all_systems_side_by_side(tmp_path, data_cache):
     assert "torchrec / dlrm-baseline" in summary["ratios"]
     assert "| sparselift |" in (tmp_path / "out.md").read_text()
     # the sparselift systems ran the lifted executor after their warmup; the identity one without passes
-    assert {summary["systems"][n]["executor"] for n in ("sparselift", "sparselift-identity", "sparselift-lightning")} \
+    assert {summary["systems"][n]["executor"] for n in ("sparselift", "sparselift-lightning", *ABLATION_SYSTEMS)} \
         == {"sparselift"}
     sl, identity = summary["systems"]["sparselift"], summary["systems"]["sparselift-identity"]
     assert identity["calibration_steps"] == 0 and identity["plan_decisions"] == []
-    assert {d["candidate"].split("@")[0] for d in sl["plan_decisions"]} == {"aggregation:input", "aggregation:output"}
+    assert {d["candidate"].split("@")[0] for d in sl["plan_decisions"]} == {
+        "aggregation:input", "aggregation:output", "latency_hiding:early_start"}
+    assert {d["candidate"].split(":")[0] for d in summary["systems"]["sparselift-no-aggregation"]["plan_decisions"]} \
+        == {"latency_hiding"}
     assert sl["graph_collectives_per_step"] <= identity["graph_collectives_per_step"]
     assert summary["systems"]["sparselift"]["graph_collectives_per_step"] == \
         summary["systems"]["sparselift"]["collectives_per_step"]["count"]

@@ -68,7 +68,7 @@ def test_lifted_executor_is_bit_identical_to_torchrec(runs, world, case, variant
 def _assert_identical(results: list[dict], case: str, variant: str, world: int) -> None:
     for rank, result in enumerate(results):
         assert "error" not in result, result.get("error")
-        for executor in ("lifted", "aggregated"):  # the identity plan, and aggregation forced on
+        for executor in ("lifted", *lp.OPTIMIZED):  # the identity plan, and the passes forced on
             bad = _differences(result["reference"], result[executor])
             assert not bad, f"{executor}, rank {rank}: " + "; ".join(bad[:10])
             # the lifted executor really ran: it was installed, and it handed only the uneven step to
@@ -76,6 +76,13 @@ def _assert_identical(results: list[dict], case: str, variant: str, world: int) 
             short = lp.VARIANTS[variant].get("short_step") is not None and world > 1 and case != "data_parallel"
             assert "graph" in result[executor]
             assert set(result[executor]["torchrec_steps"].values()) == {1 if short else 0}
+            # latency hiding: every lifted step of a module with table/column-wise groups started early
+            graph = SparseGraph.from_dict(result[executor]["graph"])
+            for m in graph.modules:
+                early = "early_start" in m.schedules
+                assert early == ("latency_hiding" in lp.OPTIMIZED.get(executor, ()) and world > 1
+                                 and any(g.sharding_type in ("table_wise", "column_wise") for g in m.groups))
+                assert result[executor]["early_steps"][m.path] == (lp.LIFTED_STEPS - int(short) if early else 0)
 
 
 @pytest.mark.gpu
@@ -112,7 +119,7 @@ def test_predicted_bytes_match_torchrec(runs, world, case, variant):
         predicted_reduce = sum(n.bytes_per_member[rank] for n in graph.collectives("backward") if n.op == "all_reduce")
         assert predicted_reduce == sum(c[4] for c in captured if c[0] == "all_reduce")
         # the lifted executor issues the graph's collectives, with aggregation forced on as well
-        for executor in ("lifted", "aggregated"):
+        for executor in ("lifted", *lp.OPTIMIZED):
             run = result[executor]
             graph = SparseGraph.from_dict(run["graph"])
             ours = [c for c in run["lifted_collectives"] if c[0] != "all_reduce"]
@@ -170,7 +177,7 @@ class SaveExecutor(L.Callback):
 def test_strategy_lifted_executor_matches_torchrec_executor(tmp_path, data_cache):
     """Trainer.fit with executor='sparselift' (the default) and 'torchrec': the same tables, fused
     optimizer state and dense weights after an epoch with validation, bit for bit."""
-    dm = tiny_data(data_cache, num_train=1600)  # 25 steps: capture 3, calibrate 2 candidates x 6
+    dm = tiny_data(data_cache, num_train=1600)  # 25 steps: capture 3, calibrate 3 candidates x 6
     for executor in ("torchrec", "sparselift"):
         L.seed_everything(0)
         folder = tmp_path / executor
@@ -245,11 +252,13 @@ def test_saved_plan_is_reused_and_a_mismatching_plan_is_rejected(tmp_path, data_
 
     plan_path = tmp_path / "plan.json"
     first = _fit_with_plan(tmp_path, data_cache, plan_path, "first")
-    assert first["sparselift/plan_reused"] == 0 and first["sparselift/calibration_steps"] == 12
+    assert first["sparselift/plan_reused"] == 0 and first["sparselift/calibration_steps"] == 18
     plan = ExecutionPlan.load(plan_path)
     assert json.loads(plan_path.read_text())["schema"] == "sparselift-plan/1"
-    assert {d.candidate.split("@")[0] for d in plan.decisions} == {"aggregation:input", "aggregation:output"}
+    assert {d.candidate.split("@")[0] for d in plan.decisions} == {"aggregation:input", "aggregation:output",
+                                                                    "latency_hiding:early_start"}
     assert all(d.measured_ms is not None and len(d.observations_ms) == 2 for d in plan.decisions)
+    assert plan.decisions[0].accepted == (plan.decisions[0].measured_ms < 0)
 
     second = _fit_with_plan(tmp_path, data_cache, plan_path, "second")
     assert second["sparselift/plan_reused"] == 1
@@ -262,7 +271,7 @@ def test_saved_plan_is_reused_and_a_mismatching_plan_is_rejected(tmp_path, data_
     with pytest.raises(Exception, match="sharding_plan: plan has 'made-elsewhere'"):
         ExecutionPlan.load(plan_path).check(plan.fingerprint)
     third = _fit_with_plan(tmp_path, data_cache, plan_path, "third")
-    assert third["sparselift/plan_reused"] == 0 and third["sparselift/calibration_steps"] == 12
+    assert third["sparselift/plan_reused"] == 0 and third["sparselift/calibration_steps"] == 18
     assert ExecutionPlan.load(plan_path).fingerprint == plan.fingerprint  # planned again and saved
 
 

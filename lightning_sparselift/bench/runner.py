@@ -29,8 +29,8 @@ from lightning_sparselift.bench.systems import (
     ALL_SYSTEMS, LIGHTNING_SYSTEM, SYSTEMS, BenchEnv, System, bench_strategy_kwargs,
 )
 
-DEFAULT_SYSTEMS = ["dlrm-baseline", "torchrec-base", "torchrec", "dense-only", "sparselift", "sparselift-identity",
-                   LIGHTNING_SYSTEM]
+DEFAULT_SYSTEMS = ["dlrm-baseline", "torchrec-base", "torchrec", "dense-only", "sparselift", LIGHTNING_SYSTEM]
+ABLATION_SYSTEMS = ["sparselift-identity", "sparselift-no-latency-hiding", "sparselift-no-aggregation"]
 
 
 @dataclass

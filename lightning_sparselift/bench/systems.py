@@ -279,13 +279,19 @@ class SparseLift(LoopSystem):
                 "predicted_change_ms": plan.predicted_change_ms, "measured_change_ms": plan.measured_change_ms}
 
 
-class SparseLiftIdentity(SparseLift):
-    """SparseLift's executor with the identity plan (no optimization pass)."""
+def _ablation(name: str, optimizations: list[str], doc: str) -> type[SparseLift]:
+    """A ``sparselift`` system whose planner may use only ``optimizations``."""
+    def __init__(self, env: BenchEnv) -> None:
+        SparseLift.__init__(self, env, {"optimizations": optimizations})
 
-    name = "sparselift-identity"
+    return type(name, (SparseLift,), {"name": name, "__init__": __init__, "__doc__": doc})
 
-    def __init__(self, env: BenchEnv):
-        super().__init__(env, {"optimizations": []})
+
+ABLATIONS = [
+    _ablation("sparselift-identity", [], "SparseLift's executor with the identity plan (no optimization pass)."),
+    _ablation("sparselift-no-latency-hiding", ["aggregation"], "SparseLift without the latency-hiding pass."),
+    _ablation("sparselift-no-aggregation", ["latency_hiding"], "SparseLift without the aggregation pass."),
+]
 
 
 class _IssuePooledAllToAll(torch.autograd.Function):
@@ -410,7 +416,7 @@ class DLRMBaseline(System):
 
 
 SYSTEMS: dict[str, type[System]] = {cls.name: cls for cls in (DLRMBaseline, TorchRecBase, TorchRecSparseDist,
-                                                              DenseOnly, SparseLift, SparseLiftIdentity)}
+                                                              DenseOnly, SparseLift, *ABLATIONS)}
 LIGHTNING_SYSTEM = "sparselift-lightning"
 ALL_SYSTEMS = [*SYSTEMS, LIGHTNING_SYSTEM]
 

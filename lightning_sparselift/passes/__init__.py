@@ -52,8 +52,9 @@ class OptimizationPass(ABC):
 
 # the registry (imported after the base class, which the passes subclass)
 from lightning_sparselift.passes.aggregation import CommunicationAggregation  # noqa: E402
+from lightning_sparselift.passes.latency_hiding import LatencyHiding  # noqa: E402
 
-PASSES: dict[str, type[OptimizationPass]] = {cls.name: cls for cls in (CommunicationAggregation,)}
+PASSES: dict[str, type[OptimizationPass]] = {cls.name: cls for cls in (CommunicationAggregation, LatencyHiding)}
 
 
 def get_pass(name: str) -> OptimizationPass:
