@@ -282,6 +282,12 @@ class SparseLiftStrategy(ParallelStrategy):
         return self._installed.graph if self._installed is not None else None
 
     @property
+    def lifted_executor(self) -> Optional[Any]:
+        """The installed :class:`~lightning_sparselift.runtime.InstalledExecutor` (None until the
+        warmup finished, or when TorchRec's path is in use)."""
+        return self._installed
+
+    @property
     def execution_plan(self) -> Optional[Any]:
         """The installed :class:`~lightning_sparselift.plan.ExecutionPlan` (None until the warmup
         finished, or when TorchRec's path is in use)."""

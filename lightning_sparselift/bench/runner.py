@@ -211,7 +211,7 @@ def _lightning_run(worker: _Worker) -> None:
 
     from lightning_sparselift import SparseLiftStrategy
     from lightning_sparselift.bench.measure import StageTimer
-    from lightning_sparselift.bench.systems import lightning_env
+    from lightning_sparselift.bench.systems import lightning_env, time_early_starts
     from lightning_sparselift.model import DLRMModule
 
     cfg, env = worker.config, worker.env
@@ -238,6 +238,8 @@ def _lightning_run(worker: _Worker) -> None:
         def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
             if self.offset is None and batch_idx >= warm and trainer.strategy.warmup is None:
                 self.offset = batch_idx  # the first timed step: start the other systems' round 0 first
+                if trainer.strategy.lifted_executor is not None:
+                    time_early_starts(trainer.strategy.lifted_executor, timer)
                 worker.round(0)
                 dist.barrier(group=worker.control)
             i = self.timed_index(batch_idx)
