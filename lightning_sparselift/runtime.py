@@ -172,6 +172,15 @@ class _GroupRuntime:
     column_index: Optional[Tensor]
 
 
+def _same_input(a: Any, b: Any) -> bool:
+    """The same KJT, or a copy sharing its tensors (DDP re-wraps dataclass batches)."""
+    if a is b:
+        return True
+    return (list(a.keys()) == list(b.keys()) and a.values().data_ptr() == b.values().data_ptr()
+            and a.values().shape == b.values().shape and a.lengths().data_ptr() == b.lengths().data_ptr()
+            and a.stride() == b.stride())
+
+
 class LiftedForward:
     """The installed ``forward`` of one sharded module (identity plan: TorchRec's collectives,
     issued by us)."""
@@ -186,6 +195,7 @@ class LiftedForward:
         self.torchrec_forward = type(sharded).forward.__get__(sharded)
         self.torchrec_steps = 0
         self.early_steps = 0  # calls finished from a latency-hiding early start
+        self.early_starts = 0  # early starts that ran (one per step unless a start is discarded)
         # what the execution plan switches on (communication aggregation)
         self.aggregate_input = "input" in spec.aggregated
         self.aggregate_output = "output" in spec.aggregated
@@ -217,7 +227,7 @@ class LiftedForward:
 
     def __call__(self, features: Any) -> Any:
         self._check(features)
-        if self._pending is not None and self._pending[0] is features:
+        if self._pending is not None and _same_input(self._pending[0], features):
             _, (out, pending) = self._pending
             self._pending = None
             self.early_steps += 1
@@ -233,7 +243,11 @@ class LiftedForward:
 
     def start(self, features: Any) -> None:
         """Latency hiding: run this step's input dist and lookups now and leave the output
-        all-to-all in flight; the module's call with the same ``features`` object finishes it."""
+        all-to-all in flight; the module's call with the same ``features`` finishes it."""
+        if self._pending is not None and _same_input(self._pending[0], features):
+            # the root forward ran again on the same input: Lightning calls the LightningModule for
+            # its forward redirection and again in training_step (with DDP's copy of the batch)
+            return
         self._discard_pending()
         for hook_id, hook in self.module._forward_pre_hooks.items():  # e.g. input validation, before any collective
             if hook_id in self.module._forward_pre_hooks_with_kwargs:
@@ -242,6 +256,7 @@ class LiftedForward:
                 hook(self.module, (features,))
         self._check(features)
         result = self._run(features, defer=True)
+        self.early_starts += 1
         if result is not None:  # (None: uneven batch sizes; the call hands the step to TorchRec)
             self._pending = (features, result)
 

@@ -168,21 +168,23 @@ class SaveExecutor(L.Callback):
     def on_train_end(self, trainer, pl_module):
         s = trainer.strategy
         graph = s.sparse_graph
+        forwards = s.lifted_executor.forwards.values() if s.lifted_executor is not None else []
         torch.save({"executor": s.executor_in_use, "fallback": s.executor_fallback_reason,
                     "graph": graph.to_dict() if graph is not None else None,
+                    "early": [(f.early_starts, f.early_steps) for f in forwards],
                     "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
                    self.folder / f"executor{trainer.global_rank}.pt")
 
 
 def test_strategy_lifted_executor_matches_torchrec_executor(tmp_path, data_cache):
-    """Trainer.fit with executor='sparselift' (the default) and 'torchrec': the same tables, fused
-    optimizer state and dense weights after an epoch with validation, bit for bit."""
-    dm = tiny_data(data_cache, num_train=1600)  # 25 steps: capture 3, calibrate 3 candidates x 6
+    """Trainer.fit with executor='sparselift' (the default, every pass applied) and 'torchrec': the
+    same tables, fused optimizer state and dense weights after an epoch with validation, bit for bit."""
+    dm = tiny_data(data_cache, num_train=1600)  # 25 steps
     for executor in ("torchrec", "sparselift"):
         L.seed_everything(0)
         folder = tmp_path / executor
         folder.mkdir()
-        strategy = SparseLiftStrategy(start_method="fork", sharding_types=MIXED, executor=executor,
+        strategy = SparseLiftStrategy(start_method="fork", sharding_types=MIXED, executor=executor, calibrate=False,
                                       embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
         t = trainer(2, strategy, callbacks=[DumpLocalState(folder), SaveExecutor(folder)])
         t.fit(tiny_model(dm), dm)
@@ -192,6 +194,11 @@ def test_strategy_lifted_executor_matches_torchrec_executor(tmp_path, data_cache
         assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
         info = torch.load(tmp_path / "sparselift" / f"executor{rank}.pt", weights_only=False)
         assert info["executor"] == "sparselift" and info["fallback"] is None
+        graph = SparseGraph.from_dict(info["graph"])
+        assert graph.modules[0].aggregated == ["input", "output"] and graph.modules[0].schedules == ["early_start"]
+        # every training step after the 3 captured ones started early, once (Lightning calls the
+        # LightningModule twice per step: the forward redirection, then training_step's self(batch))
+        assert info["early"] == [(22, 22)]
         assert info["metrics"]["sparselift/collectives_per_step"] == len(SparseGraph.from_dict(info["graph"]).collectives())
         reference = torch.load(tmp_path / "torchrec" / f"executor{rank}.pt", weights_only=False)
         assert reference["executor"] == "torchrec"
