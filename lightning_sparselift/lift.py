@@ -273,6 +273,11 @@ class SparseGraph:
         return "\n".join(out)
 
 
+def member_bytes(nodes: list[CollectiveNode], world: int) -> list[int]:
+    """Bytes each member puts into ``nodes`` together (e.g. what one merged collective carries)."""
+    return [sum(n.bytes_per_member[r] for n in nodes) for r in range(world)]
+
+
 def _human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if abs(n) < 1024 or unit == "GB":

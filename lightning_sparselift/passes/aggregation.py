@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from lightning_sparselift.cost.calibration import CalibrationProtocol
 from lightning_sparselift.cost.priors import Priors
-from lightning_sparselift.lift import CollectiveNode, LiftedModule, SparseGraph
+from lightning_sparselift.lift import CollectiveNode, LiftedModule, SparseGraph, member_bytes
 from lightning_sparselift.passes import Candidate, OptimizationPass
 
 _INPUT_ROLES = ("input_splits", "input_lengths", "input_values", "input_weights")
@@ -71,8 +71,7 @@ class CommunicationAggregation(OptimizationPass):
             reasons.append("already aggregated")
         elif len(nodes) <= 2:
             reasons.append("no input all-to-all to merge" if not nodes else "already two collectives")
-        copied = max((sum(n.bytes_per_member[r] for n in nodes if n.role != "input_splits")
-                      for r in range(graph.world_size)), default=0)
+        copied = max(member_bytes([n for n in nodes if n.role != "input_splits"], graph.world_size), default=0)
         return Candidate(self.name, f"input@{m.path}", m.path, "input", not reasons, reasons,
                          {"collectives_removed": max(len(nodes) - 2, 0), "packed_bytes": copied})
 
@@ -88,7 +87,7 @@ class CommunicationAggregation(OptimizationPass):
         elif len(pooled) < 2:
             reasons.append(f"{len(pooled)} table/column-wise group(s): nothing to merge (row-wise reduce-scatters "
                            f"and data-parallel groups have no all-to-all)")
-        copied = max((sum(n.bytes_per_member[r] for n in nodes) for r in range(graph.world_size)), default=0)
+        copied = max(member_bytes(nodes, graph.world_size), default=0)
         return Candidate(self.name, f"output@{m.path}", m.path, "output", not reasons, reasons,
                          {"collectives_removed": max(len(nodes) - 2, 0), "packed_bytes": copied})
 
@@ -108,7 +107,7 @@ class CommunicationAggregation(OptimizationPass):
             merged = [
                 self._merged(splits, f"{m.path}/input_splits", "input_splits", "int64",
                              "[dst][each group's lengths,values,(weights,)batch]",
-                             [sum(n.bytes_per_member[r] for n in splits) for r in range(world)], False),
+                             member_bytes(splits, world), False),
                 self._merged(payload, f"{m.path}/input_payload", "input_payload", "uint8",
                              "bytes per dst: values | weights | lengths of every group, 8-byte aligned",
                              self._payload_bytes(m, world), True),
@@ -120,10 +119,10 @@ class CommunicationAggregation(OptimizationPass):
             merged = [
                 self._merged(pooled, f"{m.path}/output_pooled", "output_pooled", "float32",
                              "[dst sample block][each group's columns] -> per group concat by src rank",
-                             [sum(n.bytes_per_member[r] for n in pooled) for r in range(world)], False),
+                             member_bytes(pooled, world), False),
                 self._merged(grads, f"{m.path}/grad_pooled", "grad_pooled", "float32",
                              "[dst][each group's columns of dst's samples] -> per group [src sample block], / world",
-                             [sum(n.bytes_per_member[r] for n in grads) for r in range(world)], False),
+                             member_bytes(grads, world), False),
             ]
             replaced = pooled + grads
         self._replace(out, replaced, merged)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from lightning_sparselift.cost.calibration import CalibrationProtocol
 from lightning_sparselift.cost.priors import Priors
-from lightning_sparselift.lift import CollectiveNode, SparseGraph
+from lightning_sparselift.lift import CollectiveNode, SparseGraph, member_bytes
 from lightning_sparselift.passes import Candidate, OptimizationPass
 
 
@@ -57,8 +57,7 @@ class LatencyHiding(OptimizationPass):
             hidden = [n for n in graph.collectives() if n.module == m.path and n.op == "all_to_all_single"
                       and n.role in ("output_pooled", "grad_pooled")]
             out.append(Candidate(self.name, f"early_start@{m.path}", m.path, "early_start", not reasons, reasons,
-                                 {"hidden_bytes": max((sum(n.bytes_per_member[r] for n in hidden)
-                                                       for r in range(graph.world_size)), default=0),
+                                 {"hidden_bytes": max(member_bytes(hidden, graph.world_size), default=0),
                                   "hidden_collectives": len(hidden)}))
         return out
 
