@@ -31,7 +31,8 @@ SUPPORTED_SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "data_paral
 # sharding types whose features travel to their owners through an all-to-all
 _ALL_TO_ALL_INPUT = ("table_wise", "column_wise", "row_wise")
 _GRAPH_VERSION = 1
-_DTYPE_BYTES = {"int32": 4, "int64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+# element sizes of the dtypes a graph names (uint8: byte-packed payloads)
+DTYPE_BYTES = {"int32": 4, "int64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint8": 1}
 
 
 class LiftError(RuntimeError):
@@ -452,23 +453,22 @@ def _step_nodes(modules: list[LiftedModule], world: int, dense_param_bytes: int)
 
     for m in modules:
         B = m.batch_size_per_rank
-        lengths_size = _DTYPE_BYTES[m.lengths_dtype]
-        values_size = _DTYPE_BYTES[m.values_dtype]
-        head = m.path
+        lengths_size = DTYPE_BYTES[m.lengths_dtype]
+        values_size = DTYPE_BYTES[m.values_dtype]
         prev = []
         if m.feature_order:
             ids = [sum(stats.values()) for stats in m.ids_per_step]
-            nodes.append(ComputeNode(f"{head}/permute", m.path, None, "forward", "permute", None, [],
+            nodes.append(ComputeNode(f"{m.path}/permute", m.path, None, "forward", "permute", None, [],
                                      {"ids": max(ids), "keys": len(m.keys)}, 0))
             prev = [nodes[-1].id]
         dist_groups = [g for g in m.groups if g.sharding_type in _ALL_TO_ALL_INPUT] if world > 1 else []
         for g in m.groups:
             if g.sharding_type == "row_wise":
-                nodes.append(ComputeNode(f"{head}/g{g.index}/bucketize", m.path, g.index, "forward", "bucketize", None,
+                nodes.append(ComputeNode(f"{m.path}/g{g.index}/bucketize", m.path, g.index, "forward", "bucketize", None,
                                          [], {"ids": max(m.group_ids(r, g) for r in range(world))}, 0, list(prev)))
         tensors = 3 + int(m.weighted)  # lengths, values, [weights,] batch size
         for g in dist_groups:
-            nodes.append(collective(id=f"{head}/g{g.index}/input_splits", module=m.path, group=g.index,
+            nodes.append(collective(id=f"{m.path}/g{g.index}/input_splits", module=m.path, group=g.index,
                                     phase="forward", op="all_to_all_single", role="input_splits", dtype="int64",
                                     layout=f"[dst][lengths,values{',weights' if m.weighted else ''},batch]",
                                     bytes_per_member=[world * tensors * 8] * world, data_dependent=False,
@@ -477,18 +477,18 @@ def _step_nodes(modules: list[LiftedModule], world: int, dense_param_bytes: int)
             fan = world if g.sharding_type == "row_wise" else 1
             nkeys = len(g.features) * fan
             base = dict(module=m.path, group=g.index, phase="forward", op="all_to_all_single",
-                        after=[f"{head}/g{g.index}/input_splits"])
-            nodes.append(collective(id=f"{head}/g{g.index}/input_lengths", role="input_lengths", dtype=m.lengths_dtype,
+                        after=[f"{m.path}/g{g.index}/input_splits"])
+            nodes.append(collective(id=f"{m.path}/g{g.index}/input_lengths", role="input_lengths", dtype=m.lengths_dtype,
                                     layout="[dst][key][sample] -> recat to [key][src][sample]",
                                     bytes_per_member=[nkeys * B[r] * lengths_size for r in range(world)],
                                     data_dependent=False, **base))
             ids = [m.group_ids(r, g) for r in range(world)]
-            nodes.append(collective(id=f"{head}/g{g.index}/input_values", role="input_values", dtype=m.values_dtype,
+            nodes.append(collective(id=f"{m.path}/g{g.index}/input_values", role="input_values", dtype=m.values_dtype,
                                     layout="ids by [dst][key][sample] -> recat to [key][src][sample]",
                                     bytes_per_member=[round(i * values_size) for i in ids], data_dependent=True,
                                     **base))
             if m.weighted:
-                nodes.append(collective(id=f"{head}/g{g.index}/input_weights", role="input_weights", dtype="float32",
+                nodes.append(collective(id=f"{m.path}/g{g.index}/input_weights", role="input_weights", dtype="float32",
                                         layout="as input_values", bytes_per_member=[round(i * 4) for i in ids],
                                         data_dependent=True, **base))
         outputs = []
@@ -496,7 +496,7 @@ def _step_nodes(modules: list[LiftedModule], world: int, dense_param_bytes: int)
             dist = g in dist_groups
             inputs = [n.id for n in nodes if n.module == m.path and n.group == g.index and n.phase == "forward"]
             if dist:
-                nodes.append(ComputeNode(f"{head}/g{g.index}/recat", m.path, g.index, "forward", "recat", None, [],
+                nodes.append(ComputeNode(f"{m.path}/g{g.index}/recat", m.path, g.index, "forward", "recat", None, [],
                                          {"keys": len(g.features)}, 0, inputs[-1:]))
                 inputs = [nodes[-1].id]
             lookups = []
@@ -504,7 +504,7 @@ def _step_nodes(modules: list[LiftedModule], world: int, dense_param_bytes: int)
                 owned = [t for t in g.tables if t.rank == rank]
                 if not owned:
                     continue
-                columns = sum(g.dim_sum_per_rank[rank:rank + 1]) if g.dim_sum_per_rank else sum(g.embedding_dims)
+                columns = g.dim_sum_per_rank[rank] if g.dim_sum_per_rank else sum(g.embedding_dims)
                 if g.sharding_type == "data_parallel":
                     rows_out, ids = B[0], max(m.group_ids(r, g) for r in range(world))
                 elif g.sharding_type == "row_wise":
@@ -512,13 +512,13 @@ def _step_nodes(modules: list[LiftedModule], world: int, dense_param_bytes: int)
                 else:
                     keys = g.keys_on_rank(rank)
                     rows_out, ids = sum(B), sum(m.group_ids(r, g, keys) for r in range(world))
-                nodes.append(ComputeNode(f"{head}/g{g.index}/lookup@{rank if rank is not None else 'all'}", m.path,
+                nodes.append(ComputeNode(f"{m.path}/g{g.index}/lookup@{rank if rank is not None else 'all'}", m.path,
                                          g.index, "forward", "lookup", rank, sorted({t.table for t in owned}),
                                          {"ids": ids, "rows": sum(t.rows for t in owned), "samples": rows_out},
                                          rows_out * columns * 4, inputs))
                 lookups.append(nodes[-1].id)
             if world > 1 and g.sharding_type in ("table_wise", "column_wise"):
-                nodes.append(collective(id=f"{head}/g{g.index}/output_pooled", module=m.path, group=g.index,
+                nodes.append(collective(id=f"{m.path}/g{g.index}/output_pooled", module=m.path, group=g.index,
                                         phase="forward", op="all_to_all_single", role="output_pooled",
                                         dtype="float32",
                                         layout="[dst sample block][src columns] -> concat columns by src rank"
@@ -526,13 +526,13 @@ def _step_nodes(modules: list[LiftedModule], world: int, dense_param_bytes: int)
                                         bytes_per_member=[sum(B) * g.dim_sum_per_rank[r] * 4 for r in range(world)],
                                         data_dependent=False, after=lookups))
             elif world > 1 and g.sharding_type == "row_wise":
-                nodes.append(collective(id=f"{head}/g{g.index}/output_reduce_scatter", module=m.path, group=g.index,
+                nodes.append(collective(id=f"{m.path}/g{g.index}/output_reduce_scatter", module=m.path, group=g.index,
                                         phase="forward", op="reduce_scatter", role="output_partial_sums",
                                         dtype="float32", layout="[dst sample block][columns], summed over members",
                                         bytes_per_member=[sum(B) * sum(g.embedding_dims) * 4] * world,
                                         data_dependent=False, after=lookups))
             outputs.append(nodes[-1].id)
-        nodes.append(ComputeNode(f"{head}/concat", m.path, None, "forward", "concat", None, [],
+        nodes.append(ComputeNode(f"{m.path}/concat", m.path, None, "forward", "concat", None, [],
                                  {"columns": sum(m.embedding_dims)}, B[0] * sum(m.embedding_dims) * 4, outputs))
     # backward: gradients flow through the modules in reverse
     for m in reversed(modules):

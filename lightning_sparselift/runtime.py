@@ -196,10 +196,7 @@ class LiftedForward:
         self.torchrec_steps = 0
         self.early_steps = 0  # calls finished from a latency-hiding early start
         self.early_starts = 0  # early starts that ran (one per step unless a start is discarded)
-        # what the execution plan switches on (communication aggregation)
-        self.aggregate_input = "input" in spec.aggregated
-        self.aggregate_output = "output" in spec.aggregated
-        self.early_start = "early_start" in spec.schedules
+        self.follow(spec)
         self.world = world_size
         self.rank = rank
         self.group = group
@@ -216,6 +213,12 @@ class LiftedForward:
             blocks = torch.tensor(g.block_sizes, dtype=torch.int64, device=device) if g.block_sizes else None
             columns = torch.tensor(g.column_order, dtype=torch.long, device=device) if g.column_order else None
             self.groups.append(_GroupRuntime(g, lookup, keys, recat, blocks, columns))
+
+    def follow(self, spec: LiftedModule) -> None:
+        """Switch to what ``spec`` (this module after the plan's passes) asks for."""
+        self.aggregate_input = "input" in spec.aggregated
+        self.aggregate_output = "output" in spec.aggregated
+        self.early_start = "early_start" in spec.schedules
 
     def _check(self, features: Any) -> None:
         if features.variable_stride_per_key():
@@ -346,9 +349,10 @@ class LiftedForward:
             tables = received.split([r.size(1) for r in rows], dim=1)
         else:
             tables = []
-            for send in rows:
-                received = torch.empty_like(send.contiguous())
-                dist.all_to_all_single(received, send.contiguous(), group=self.group)
+            for row in rows:
+                send = row.contiguous()
+                received = torch.empty_like(send)
+                dist.all_to_all_single(received, send, group=self.group)
                 tables.append(received)
         return [t.tolist() for t in tables]
 
@@ -436,18 +440,14 @@ def packed_sizes(layout: list[tuple[torch.dtype, list[int]]], world: int) -> lis
     section, sections ordered by element size (largest first), each rank's chunk padded to 8."""
     sizes = []
     for rank in range(world):
-        nbytes = sum(counts[rank] * _itemsize(dtype) for dtype, counts in layout)
+        nbytes = sum(counts[rank] * dtype.itemsize for dtype, counts in layout)
         sizes.append((nbytes + 7) // 8 * 8)
     return sizes
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _section_order(dtypes: list[torch.dtype]) -> list[int]:
     # largest elements first: every section then starts aligned to its element size
-    return sorted(range(len(dtypes)), key=lambda i: -_itemsize(dtypes[i]))
+    return sorted(range(len(dtypes)), key=lambda i: -dtypes[i].itemsize)
 
 
 def pack_by_destination(sections: list[tuple[Tensor, list[int]]], world: int) -> tuple[Tensor, list[int]]:
@@ -486,7 +486,7 @@ def unpack_by_source(buffer: Tensor, layout: list[tuple[torch.dtype, list[int]]]
         offset = 0
         for i in order:
             dtype, counts = layout[i]
-            nbytes = counts[rank] * _itemsize(dtype)
+            nbytes = counts[rank] * dtype.itemsize
             parts[i].append(chunk[offset:offset + nbytes].view(dtype))
             offset += nbytes
     return [torch.cat(p) if len(p) > 1 else p[0].clone() for p in parts]
@@ -508,10 +508,7 @@ class InstalledExecutor:
             raise ValueError(f"graph modules {[m.path for m in graph.modules]} are not the installed "
                              f"{sorted(self.forwards)}")
         for spec in graph.modules:
-            forward = self.forwards[spec.path]
-            forward.aggregate_input = "input" in spec.aggregated
-            forward.aggregate_output = "output" in spec.aggregated
-            forward.early_start = "early_start" in spec.schedules
+            self.forwards[spec.path].follow(spec)
         self.graph = graph
 
     def uninstall(self) -> None:

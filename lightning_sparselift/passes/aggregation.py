@@ -33,12 +33,11 @@ from __future__ import annotations
 
 from lightning_sparselift.cost.calibration import CalibrationProtocol
 from lightning_sparselift.cost.priors import Priors
-from lightning_sparselift.lift import CollectiveNode, LiftedModule, SparseGraph, member_bytes
+from lightning_sparselift.lift import DTYPE_BYTES, CollectiveNode, LiftedModule, SparseGraph, member_bytes
 from lightning_sparselift.passes import Candidate, OptimizationPass
 
 _INPUT_ROLES = ("input_splits", "input_lengths", "input_values", "input_weights")
 _POOLED = ("table_wise", "column_wise")
-_DTYPE_BYTES = {"int32": 4, "int64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint8": 1}
 
 
 class CommunicationAggregation(OptimizationPass):
@@ -59,7 +58,7 @@ class CommunicationAggregation(OptimizationPass):
         reasons = []
         if len({n.process_group for n in nodes}) > 1:
             reasons.append(f"different process groups {sorted({n.process_group for n in nodes})}")
-        unknown = sorted({n.dtype for n in nodes} - set(_DTYPE_BYTES))
+        unknown = sorted({n.dtype for n in nodes} - set(DTYPE_BYTES))
         if unknown:
             reasons.append(f"no lossless byte packing for dtype(s) {unknown}")
         return reasons
@@ -142,7 +141,7 @@ class CommunicationAggregation(OptimizationPass):
     @staticmethod
     def _payload_bytes(m: LiftedModule, world: int) -> list[int]:
         """Per member: its packed payload, each destination's chunk rounded up to 8 bytes."""
-        lengths_size, values_size = _DTYPE_BYTES[m.lengths_dtype], _DTYPE_BYTES[m.values_dtype]
+        lengths_size, values_size = DTYPE_BYTES[m.lengths_dtype], DTYPE_BYTES[m.values_dtype]
         groups = [g for g in m.groups if g.sharding_type in ("table_wise", "column_wise", "row_wise")]
         out = []
         for member in range(world):
