@@ -1,4 +1,4 @@
-"""Callbacks: SparseLift's warmup (capture -> lift -> install) and a run report."""
+"""Callbacks: SparseLift's warmup (capture -> lift -> calibrate -> plan -> install) and a run report."""
 
 from __future__ import annotations
 
@@ -7,6 +7,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+
+def _report_events(warmup: Any) -> None:
+    for event in warmup.events:
+        rank_zero_info(f"SparseLift: {event}")
+    warmup.events.clear()
 
 
 class LiftWarmup(pl.Callback):
@@ -26,7 +32,7 @@ class LiftWarmup(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         warmup = trainer.strategy.warmup
-        if warmup is not None and not warmup.done:
+        if warmup is not None:
             self._active = warmup.step()
             self._active.__enter__()
 
@@ -37,15 +43,12 @@ class LiftWarmup(pl.Callback):
         if warmup is None:
             return
         finished = warmup.after_step()
-        for event in warmup.events:
-            rank_zero_info(f"SparseLift: {event}")
-        warmup.events.clear()
+        _report_events(warmup)
         progress = warmup.calibration_progress
         if progress is not None:
             pl_module.log("sparselift/calibration_step", float(progress[0]), prog_bar=True, rank_zero_only=True)
         if not finished:
             return
-        trainer.strategy.finish_warmup()
         if warmup.installed is None:
             rank_zero_warn(f"SparseLift could not lift the sparse path, continuing on TorchRec's "
                            f"(executor='torchrec'): {warmup.fallback_reason}")
@@ -70,12 +73,9 @@ class LiftWarmup(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         warmup = trainer.strategy.warmup
-        if warmup is not None and not warmup.done:
+        if warmup is not None:
             warmup.abandon(f"training ended after {trainer.global_step} step(s)")
-            for event in warmup.events:
-                rank_zero_info(f"SparseLift: {event}")
-            warmup.events.clear()
-            trainer.strategy.finish_warmup()
+            _report_events(warmup)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._leave_step()

@@ -70,7 +70,8 @@ class SparseLiftStrategy(ParallelStrategy):
             path cannot be lifted, it warns and keeps TorchRec's path. ``torchrec`` always runs
             TorchRec's sharded modules as they are.
         optimizations: the sparse-path optimization passes the planner may use (default: all of
-            them, today ``["aggregation"]``); ``[]`` runs the identity plan. Unknown names raise.
+            them, today ``["aggregation", "latency_hiding"]``); ``[]`` runs the identity plan.
+            Unknown names raise.
         calibrate: decide every feasible candidate by measuring it on real training steps
             (default); ``False`` applies every feasible candidate without measuring.
         plan_path: a JSON file for the execution plan: reused (no calibration) when it was made
@@ -150,10 +151,7 @@ class SparseLiftStrategy(ParallelStrategy):
         # initial LRs, the reference of embedding_lr_schedule="follow_dense"
         self._dense_base_lr = 1.0
         self._embedding_base_lrs: list[float] = []
-        self._warmup: Optional[Any] = None
-        self._installed: Optional[Any] = None
-        self._plan: Optional[Any] = None
-        self.executor_fallback_reason: Optional[str] = None
+        self._warmup: Optional[Any] = None  # SparseLift's loop; kept once done (its executor and plan)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -276,33 +274,44 @@ class SparseLiftStrategy(ParallelStrategy):
         return self._dmp.plan
 
     @property
+    def _finished_warmup(self) -> Optional[Any]:
+        return self._warmup if self._warmup is not None and self._warmup.done else None
+
+    @property
     def sparse_graph(self) -> Optional[Any]:
         """The lifted :class:`~lightning_sparselift.lift.SparseGraph` the executor runs, after the
         plan's passes (None until the warmup finished, or when TorchRec's path is in use)."""
-        return self._installed.graph if self._installed is not None else None
+        return self.lifted_executor.graph if self.lifted_executor is not None else None
 
     @property
     def lifted_executor(self) -> Optional[Any]:
         """The installed :class:`~lightning_sparselift.runtime.InstalledExecutor` (None until the
         warmup finished, or when TorchRec's path is in use)."""
-        return self._installed
+        return self._finished_warmup.installed if self._finished_warmup is not None else None
 
     @property
     def execution_plan(self) -> Optional[Any]:
         """The installed :class:`~lightning_sparselift.plan.ExecutionPlan` (None until the warmup
         finished, or when TorchRec's path is in use)."""
-        return self._plan
+        return self._finished_warmup.plan if self._finished_warmup is not None else None
+
+    @property
+    def executor_fallback_reason(self) -> Optional[str]:
+        """Why TorchRec's path was kept (None while the lifted executor runs or before the warmup)."""
+        return self._finished_warmup.fallback_reason if self._finished_warmup is not None else None
 
     @property
     def executor_in_use(self) -> str:
-        """``sparselift`` once the lifted executor is installed, else ``torchrec``."""
-        installed = self._installed if self._warmup is None else self._warmup.installed
-        return "sparselift" if installed is not None else "torchrec"
+        """``sparselift`` once the lifted executor is installed (calibration included), else ``torchrec``."""
+        return "sparselift" if self._warmup is not None and self._warmup.installed is not None else "torchrec"
 
     # ------------------------------------------------------------------ the lifted executor's warmup
     def start_warmup(self) -> bool:
-        """Begin capturing (fit start); False when there is nothing to do."""
-        if self.executor != "sparselift" or self._installed is not None or self._warmup is not None:
+        """Begin capturing (fit start); False when there is nothing to do: the loop is running or
+        installed the executor already. (One that ended on TorchRec's path is tried again.)"""
+        if self.executor != "sparselift":
+            return False
+        if self._warmup is not None and (not self._warmup.done or self._warmup.installed is not None):
             return False
         from lightning_sparselift.warmup import SparseLiftWarmup
 
@@ -313,13 +322,8 @@ class SparseLiftStrategy(ParallelStrategy):
 
     @property
     def warmup(self) -> Optional[Any]:
-        return self._warmup
-
-    def finish_warmup(self) -> None:
-        warmup, self._warmup = self._warmup, None
-        self._installed = warmup.installed
-        self._plan = warmup.plan
-        self.executor_fallback_reason = warmup.fallback_reason
+        """The SparseLift loop while it runs (None before it starts and once it is done)."""
+        return self._warmup if self._warmup is not None and not self._warmup.done else None
 
     @property
     def fused_optimizer(self) -> Any:
