@@ -31,10 +31,8 @@ class LiftWarmup(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        warmup = trainer.strategy.warmup
-        if warmup is not None:
-            self._active = warmup.step()
-            self._active.__enter__()
+        self._active = trainer.strategy.sparse_step(batch)
+        self._active.__enter__()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

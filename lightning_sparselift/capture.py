@@ -67,6 +67,44 @@ class ModuleCapture:
     # where the module's input KJT already was when the root module's forward began (the same
     # object in every captured step), e.g. [["arg", 0], ["attr", "sparse"]]; None if not there
     root_input: Optional[list[list[Any]]] = None
+    # where it was in the step's batch (as the training loop passed it), e.g. [["arg", 0], ["attr", "sparse"]]
+    batch_input: Optional[list[list[Any]]] = None
+    # per captured step: whether the batch the loop announced as next during the step before held
+    # exactly the features the module received (None: nothing announced, or no batch path)
+    announced_exact: list[Optional[bool]] = field(default_factory=list)
+    calls_per_step: int = 1  # the most calls of the module in one captured step
+
+
+def same_features(a: Any, b: Any) -> bool:
+    """Whether two KJTs hold the same keys, batch size, lengths, ids and weights (the same
+    object, views of the same tensors, or equal copies, e.g. after a device transfer)."""
+    if a is b:
+        return True
+    if list(a.keys()) != list(b.keys()) or a.stride() != b.stride():
+        return False
+    pairs = [(a.lengths(), b.lengths()), (a.values(), b.values())]
+    wa, wb = a.weights_or_none(), b.weights_or_none()
+    if (wa is None) != (wb is None):
+        return False
+    if wa is not None:
+        pairs.append((wa, wb))
+    for x, y in pairs:
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        if x.device == y.device and x.data_ptr() == y.data_ptr() and x.stride() == y.stride():
+            continue
+        if not torch.equal(x, y.to(x.device)):
+            return False
+    return True
+
+
+def copy_features(kjt: Any) -> Any:
+    """A KJT holding copies of ``kjt``'s tensors: what it holds now, whatever later changes it in place."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    weights = kjt.weights_or_none()
+    return KeyedJaggedTensor(keys=list(kjt.keys()), values=kjt.values().clone(), lengths=kjt.lengths().clone(),
+                             weights=weights.clone() if weights is not None else None, stride=kjt.stride())
 
 
 def find_kjts(args: tuple, kwargs: dict, depth: int = 2) -> dict[int, list[list[Any]]]:
@@ -211,6 +249,13 @@ class SparseCapture:
         self._handles = [model.register_forward_pre_hook(self._root_hook, with_kwargs=True)]
         self._root_kjts: dict[int, list[list[Any]]] = {}
         self._root_inputs: dict[str, list[Any]] = defaultdict(list)
+        self._batch_kjts: dict[int, list[list[Any]]] = {}
+        self._batch_inputs: dict[str, list[Any]] = defaultdict(list)
+        self._announced: dict[str, Any] = {}  # copies of the KJTs of the batch the loop said comes next, by path
+        self._expected: dict[str, Any] = {}  # what the step before announced for this step
+        self._announced_exact: dict[str, list[Optional[bool]]] = defaultdict(list)
+        self._calls: dict[str, int] = defaultdict(int)
+        self._max_calls: dict[str, int] = defaultdict(int)
         for path in module_paths:
             module = model.get_submodule(path)
             self._handles.append(module.register_forward_pre_hook(self._pre_hook(path), with_kwargs=True))
@@ -223,6 +268,11 @@ class SparseCapture:
             self._recorder.module = path
             kjt = args[0] if args else kwargs["features"]
             self._root_inputs[path].append(self._root_kjts.get(id(kjt)))
+            batch_path = self._batch_kjts.get(id(kjt))
+            self._batch_inputs[path].append(batch_path)
+            announced = self._expected.get(repr(batch_path))
+            self._announced_exact[path].append(same_features(kjt, announced) if announced is not None else None)
+            self._calls[path] += 1
             self._observe(path, kjt)
         return hook
 
@@ -254,15 +304,26 @@ class SparseCapture:
             self._features[path][key].lengths.append(lengths[i].long())
 
     @contextmanager
-    def step(self) -> Iterator[None]:
-        """Record the collectives and inputs of one training step (forward and backward)."""
+    def step(self, batch: Any = None, next_batch: Any = None) -> Iterator[None]:
+        """Record the collectives and inputs of one training step (forward and backward).
+        ``batch`` is what the training loop passes to its step (where the modules' inputs are
+        looked for), ``next_batch`` the batch the loop will pass next, if it knows it."""
         self._recorder = CollectiveRecorder()
+        self._batch_kjts = find_kjts((batch,), {}) if batch is not None else {}
+        # copied now: a change made in place before the next step must show as a difference
+        self._expected, self._announced = self._announced, {
+            repr(path): copy_features(resolve_path((next_batch,), {}, path))
+            for path in (find_kjts((next_batch,), {}) if next_batch is not None else {}).values()}
+        self._calls.clear()
         try:
             with self._recorder:
                 yield
         finally:
             self._step_records.append(self._recorder.records)
             self._recorder = None
+            self._batch_kjts = {}
+            for path, calls in self._calls.items():
+                self._max_calls[path] = max(self._max_calls[path], calls)
             self.steps += 1
 
     def errors(self) -> list[str]:
@@ -274,15 +335,21 @@ class SparseCapture:
             if "error" in info:
                 continue
             features = {k: self._features[path][k].stats(k, self.steps) for k in info["keys"]}
-            sources = self._root_inputs[path]
-            root_input = sources[0] if sources and all(s == sources[0] for s in sources) else None
-            modules[path] = ModuleCapture(path=path, features=features, root_input=root_input, **info)
+            modules[path] = ModuleCapture(path=path, features=features, root_input=_common(self._root_inputs[path]),
+                                          batch_input=_common(self._batch_inputs[path]),
+                                          announced_exact=self._announced_exact[path],
+                                          calls_per_step=self._max_calls[path], **info)
         return RankCapture(self.rank, self.world_size, self.steps, modules, self._step_records)
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _common(paths: list[Any]) -> Any:
+    """The path every observation agrees on, else None."""
+    return paths[0] if paths and all(p == paths[0] for p in paths) else None
 
 
 def gather_captures(capture: RankCapture, group: Any = None) -> list[RankCapture]:

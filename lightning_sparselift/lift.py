@@ -89,6 +89,11 @@ class LiftedModule:
     aggregated: list[str] = field(default_factory=list)  # collective roles merged across groups (a pass sets it)
     # where the input KJT is when the root forward begins (same on every rank and step), else None
     root_input: Optional[list[list[Any]]] = None
+    # where the input KJT is in the training step's batch, when the batch the loop announces as
+    # next held exactly the features the module received in every captured step (else None, and
+    # next_batch_note says why): the next step's input distribution can then start a step early
+    batch_input: Optional[list[list[Any]]] = None
+    next_batch_note: str = ""
     schedules: list[str] = field(default_factory=list)  # latency-hiding schedules in use (a pass sets them)
 
     @property
@@ -223,6 +228,11 @@ class SparseGraph:
                 from lightning_sparselift.passes.latency_hiding import describe_path
 
                 lines.append(f"  input available when the root forward begins: {describe_path(m.root_input)}")
+            if m.batch_input is not None:
+                from lightning_sparselift.passes.latency_hiding import describe_path
+
+                lines.append(f"  input found in the batch the loop announces as next: "
+                             f"{describe_path(m.batch_input, 'batch')}")
             for g in m.groups:
                 lines.append(f"  group {g.index} {g.sharding_type}: {len(g.features)} keys, "
                              f"{sum(g.embedding_dims)} output columns")
@@ -394,6 +404,23 @@ def dense_parameter_bytes(model: nn.Module, module_paths: list[str]) -> int:
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if p.requires_grad and not sparse(n))
 
 
+def _next_batch_source(captured: list[Any]) -> tuple[Optional[list[list[Any]]], str]:
+    """Where a module's input is in the batch the loop announces as next (every rank's capture),
+    or None and why that batch cannot stand for the next step's input."""
+    sources = [m.batch_input for m in captured]
+    if sources[0] is None or any(s != sources[0] for s in sources):
+        return None, "the module's input was not found in the training step's batch on every rank (the model builds it)"
+    if max(m.calls_per_step for m in captured) > 1:
+        return None, "the module ran more than once in a training step"
+    checks = [e for m in captured for e in m.announced_exact]
+    if False in checks:
+        return None, ("the batch the training loop announced as next differed from the features the module received "
+                      "(something between the data loader and the model changes them)")
+    if True not in checks:
+        return None, "the training loop announced no next batch during capture (needs >= 2 captured steps)"
+    return sources[0], ""
+
+
 def lift(model: nn.Module, sharding_plan: Any, module_paths: list[str], captures: list[RankCapture],
          process_group: Any, device: torch.device, dense_param_bytes: int = 0) -> SparseGraph:
     """The SRSV of the sharded modules at ``module_paths`` (paths in ``model``), in the order
@@ -418,6 +445,7 @@ def lift(model: nn.Module, sharding_plan: Any, module_paths: list[str], captures
         keys, weighted, lengths_dtype, values_dtype, batch_sizes = _module_inputs(path, captures)
         sources = [c.modules[path].root_input for c in captures]
         root_input = sources[0] if all(s == sources[0] for s in sources) else None
+        batch_input, next_batch_note = _next_batch_source([c.modules[path] for c in captures])
         if weighted != bool(sharded._is_weighted):
             raise LiftError(f"{path}: the module is {'weighted' if sharded._is_weighted else 'unweighted'} but its "
                             f"captured input {'has' if weighted else 'has no'} weights")
@@ -430,7 +458,8 @@ def lift(model: nn.Module, sharding_plan: Any, module_paths: list[str], captures
         ids = [{k: c.modules[path].features[k].ids_per_step for k in keys} for c in captures]
         percentiles = {k: captures[0].modules[path].features[k].percentiles for k in keys}
         modules.append(LiftedModule(path, keys, weighted, lengths_dtype, values_dtype, feature_order, groups,
-                                    batch_sizes, ids, percentiles, root_input=root_input))
+                                    batch_sizes, ids, percentiles, root_input=root_input, batch_input=batch_input,
+                                    next_batch_note=next_batch_note))
     nodes = _step_nodes(modules, world, dense_param_bytes)
     versions = {"torch": torch.__version__, "torchrec": getattr(torchrec, "__version__", "?"),
                 "fbgemm_gpu": getattr(fbgemm_gpu, "__version__", "?")}

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_sparselift.capture import resolve_path
+from lightning_sparselift.capture import copy_features, resolve_path, same_features
 from lightning_sparselift.cost.calibration import RegionClock
 from lightning_sparselift.lift import LiftedModule, ShardingGroup, SparseGraph
 
@@ -172,13 +172,12 @@ class _GroupRuntime:
     column_index: Optional[Tensor]
 
 
-def _same_input(a: Any, b: Any) -> bool:
-    """The same KJT, or a copy sharing its tensors (DDP re-wraps dataclass batches)."""
-    if a is b:
-        return True
-    return (list(a.keys()) == list(b.keys()) and a.values().data_ptr() == b.values().data_ptr()
-            and a.values().shape == b.values().shape and a.lengths().data_ptr() == b.lengths().data_ptr()
-            and a.stride() == b.stride())
+@dataclass
+class _Prefetch:
+    """The next batch's input distribution, started during the step before (``next_batch``)."""
+
+    features: Any  # a copy of what was distributed (the batch may be changed in place before its step)
+    complete: Optional[Callable[[], list[Any]]]  # waits and returns each group's KJT; None: uneven batch sizes
 
 
 class LiftedForward:
@@ -191,15 +190,20 @@ class LiftedForward:
         self.module = sharded
         self.clock = clock
         self._pending: Optional[tuple[Any, tuple[list[Tensor], list[tuple]]]] = None
+        self._upcoming: Any = None  # the features of the next training step, as the loop announced them
+        self._prefetch: Optional[_Prefetch] = None
         # TorchRec's own forward, for the steps where ranks pass different batch sizes
         self.torchrec_forward = type(sharded).forward.__get__(sharded)
         self.torchrec_steps = 0
         self.early_steps = 0  # calls finished from a latency-hiding early start
         self.early_starts = 0  # early starts that ran (one per step unless a start is discarded)
+        self.prefetches = 0  # next-batch input distributions started
+        self.prefetched_steps = 0  # training calls whose input distribution the step before started
         self.follow(spec)
         self.world = world_size
         self.rank = rank
         self.group = group
+        self.device = device
         self.order = torch.tensor(spec.feature_order, dtype=torch.int32, device=device) if spec.feature_order else None
         self.splits = [len(g.features) for g in spec.groups]
         self.groups = []
@@ -219,6 +223,7 @@ class LiftedForward:
         self.aggregate_input = "input" in spec.aggregated
         self.aggregate_output = "output" in spec.aggregated
         self.early_start = "early_start" in spec.schedules
+        self.next_batch = "next_batch" in spec.schedules
 
     def _check(self, features: Any) -> None:
         if features.variable_stride_per_key():
@@ -230,38 +235,82 @@ class LiftedForward:
 
     def __call__(self, features: Any) -> Any:
         self._check(features)
-        if self._pending is not None and _same_input(self._pending[0], features):
+        if self._pending is not None and same_features(self._pending[0], features):
             _, (out, pending) = self._pending
             self._pending = None
             self.early_steps += 1
-            return self._finish(out, pending)
-        self._discard_pending()
-        result = self._run(features, defer=False)
-        if result is None:
-            # Every rank saw the same batch sizes in the splits exchange, so every rank takes this
-            # branch together: TorchRec's path handles per-rank batch sizes (e.g. a short last batch).
-            self.torchrec_steps += 1
-            return self.torchrec_forward(features)
-        return self._finish(*result)
+            result = self._finish(out, pending)
+        else:
+            self._discard_pending()
+            ran = self._run(features, defer=False)
+            if ran is None:
+                # Every rank saw the same batch sizes in the splits exchange, so every rank takes this
+                # branch together: TorchRec's path handles per-rank batch sizes (e.g. a short last batch).
+                self.torchrec_steps += 1
+                result = self.torchrec_forward(features)
+            else:
+                result = self._finish(*ran)
+        if self.next_batch and self._upcoming is not None and self._training():
+            self._start_next()
+        return result
 
     def start(self, features: Any) -> None:
         """Latency hiding: run this step's input dist and lookups now and leave the output
         all-to-all in flight; the module's call with the same ``features`` finishes it."""
-        if self._pending is not None and _same_input(self._pending[0], features):
+        if self._pending is not None and same_features(self._pending[0], features):
             # the root forward ran again on the same input: Lightning calls the LightningModule for
             # its forward redirection and again in training_step (with DDP's copy of the batch)
             return
         self._discard_pending()
-        for hook_id, hook in self.module._forward_pre_hooks.items():  # e.g. input validation, before any collective
-            if hook_id in self.module._forward_pre_hooks_with_kwargs:
-                hook(self.module, (features,), {})
-            else:
-                hook(self.module, (features,))
+        self._run_pre_hooks(features)
         self._check(features)
         result = self._run(features, defer=True)
         self.early_starts += 1
         if result is not None:  # (None: uneven batch sizes; the call hands the step to TorchRec)
             self._pending = (features, result)
+
+    def announce(self, features: Any) -> None:
+        """The features the next training step will pass (None: unknown). With ``next_batch``
+        their input distribution starts after this step's call."""
+        self._upcoming = features
+
+    def _start_next(self) -> None:
+        features, self._upcoming = self._upcoming, None
+        if features.device() != self.device:
+            features = features.to(self.device, non_blocking=True)
+        self._run_pre_hooks(features)  # e.g. input validation, before its ids go to other ranks
+        self._check(features)
+        self._discard_prefetch()
+        with self.clock.region():
+            self._prefetch = _Prefetch(copy_features(features), self._start_input_dist(features))
+        self.prefetches += 1
+
+    def _take_prefetch(self, features: Any) -> Optional[_Prefetch]:
+        """The prefetched input distribution of this training step's ``features``."""
+        if self._prefetch is None or not self._training():
+            return None  # (an evaluation call in between leaves it for the next training step)
+        prefetch, self._prefetch = self._prefetch, None
+        if not same_features(prefetch.features, features):
+            if prefetch.complete is not None:
+                prefetch.complete()  # finish this rank's side of the exchange before failing
+            raise RuntimeError(
+                f"{self.spec.path}: this training step's features are not the ones the training loop announced as "
+                f"next (their input distribution started during the previous step): a hook, callback or the model "
+                f"changed the batch after it was announced. Plan without the next-batch schedule "
+                f"(optimizations=['aggregation']) or stop changing the sparse features after loading.")
+        self.prefetched_steps += 1
+        return prefetch
+
+    def _training(self) -> bool:
+        return self.module.training and torch.is_grad_enabled()
+
+    def _run_pre_hooks(self, features: Any) -> None:
+        """The module's forward pre-hooks (e.g. input validation), for work started outside its call."""
+        for hook_id, hook in self.module._forward_pre_hooks.items():
+            if hook_id in self.module._forward_pre_hooks_with_kwargs:
+                hook(self.module, (features,), {})
+            else:
+                hook(self.module, (features,))
 
     def _discard_pending(self) -> None:
         if self._pending is not None:  # started but never consumed: complete the exchange, drop it
@@ -269,14 +318,25 @@ class LiftedForward:
                 box.pop("work").wait()
             self._pending = None
 
+    def _discard_prefetch(self) -> None:
+        if self._prefetch is not None:
+            if self._prefetch.complete is not None:
+                self._prefetch.complete()
+            self._prefetch = None
+
+    def discard(self) -> None:
+        """Complete and drop work started for a step that will not run (training ended)."""
+        self._discard_pending()
+        self._discard_prefetch()
+        self._upcoming = None
+
     def _run(self, features: Any, defer: bool) -> Optional[tuple[list[Tensor], list[tuple]]]:
         with self.clock.region():
-            with torch.no_grad():
-                permuted = features.permute(self.spec.feature_order, self.order) if self.order is not None \
-                    else features
-                distributed = self._input_dist(permuted.split(self.splits))
-            if distributed is None:
+            prefetch = self._take_prefetch(features)
+            complete = prefetch.complete if prefetch is not None else self._start_input_dist(features)
+            if complete is None:
                 return None
+            distributed = complete()
             return self._output_dist([g.lookup(kjt) for g, kjt in zip(self.groups, distributed)], features.stride(),
                                      defer)
 
@@ -291,13 +351,18 @@ class LiftedForward:
                            key_dim=1)
 
     # ------------------------------------------------------------------ input dist
-    def _input_dist(self, parts: list[Any]) -> Optional[list[Any]]:
-        """The KJT each group's lookup reads; None when ranks passed different batch sizes."""
+    @torch.no_grad()
+    def _start_input_dist(self, features: Any) -> Optional[Callable[[], list[Any]]]:
+        """Permute, bucketize, exchange the splits and issue the payload all-to-alls. Returns
+        what waits for them and builds the KJT each group's lookup reads; None when ranks passed
+        different batch sizes."""
+        permuted = features.permute(self.spec.feature_order, self.order) if self.order is not None else features
+        parts = permuted.split(self.splits)
         bucketized = [self._bucketize(g, p) if g.spec.sharding_type == "row_wise" else p
                       for g, p in zip(self.groups, parts)]
         exchanged = [i for i, g in enumerate(self.groups) if g.spec.sharding_type != "data_parallel"]
         if self.world == 1 or not exchanged:
-            return bucketized
+            return lambda: bucketized
         kjts = [bucketized[i] for i in exchanged]
         groups = [self.groups[i] for i in exchanged]
         counts = [self._send_counts(g, kjt) for g, kjt in zip(groups, kjts)]
@@ -306,13 +371,19 @@ class LiftedForward:
             return None
         recv = [([row[0] for row in table], [row[1] for row in table]) for table in received]
         if self.aggregate_input:
-            tensors = self._exchange_packed(kjts, counts, recv)
+            wait = self._exchange_packed(kjts, counts, recv)
         else:
-            tensors = [self._exchange_tensors(kjt, send, got) for kjt, send, got in zip(kjts, counts, recv)]
-        out = list(bucketized)
-        for i, g, kjt, (lengths, values, weights) in zip(exchanged, groups, kjts, tensors):
-            out[i] = self._received_kjt(g, lengths, values, weights, kjt.stride())
-        return out
+            waits = [self._exchange_tensors(kjt, send, got) for kjt, send, got in zip(kjts, counts, recv)]
+            wait = lambda: [w() for w in waits]  # noqa: E731
+
+        def complete() -> list[Any]:
+            with torch.no_grad():
+                out = list(bucketized)
+                for i, g, kjt, (lengths, values, weights) in zip(exchanged, groups, kjts, wait()):
+                    out[i] = self._received_kjt(g, lengths, values, weights, kjt.stride())
+                return out
+
+        return complete
 
     def _bucketize(self, g: _GroupRuntime, kjt: Any) -> Any:
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -356,9 +427,10 @@ class LiftedForward:
                 tables.append(received)
         return [t.tolist() for t in tables]
 
-    def _exchange_tensors(self, kjt: Any, send: tuple[list[int], list[int]],
-                          recv: tuple[list[int], list[int]]) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-        """TorchRec's payload exchange: one all-to-all each for lengths, values and weights."""
+    def _exchange_tensors(self, kjt: Any, send: tuple[list[int], list[int]], recv: tuple[list[int], list[int]]
+                          ) -> Callable[[], tuple[Tensor, Tensor, Optional[Tensor]]]:
+        """TorchRec's payload exchange: one all-to-all each for lengths, values and weights,
+        issued now; the returned function waits for them."""
         tensors = [(kjt.lengths(), send[0], recv[0]), (kjt.values(), send[1], recv[1])]
         if kjt.weights_or_none() is not None:
             tensors.append((kjt.weights(), send[1], recv[1]))
@@ -368,14 +440,19 @@ class LiftedForward:
             works.append(dist.all_to_all_single(out, tensor, in_splits, out_splits, group=self.group,
                                                 async_op=True))
             outputs.append(out)
-        for work in works:
-            work.wait()
-        return outputs[0], outputs[1], outputs[2] if len(outputs) > 2 else None
+
+        def wait() -> tuple[Tensor, Tensor, Optional[Tensor]]:
+            for work in works:
+                work.wait()
+            return outputs[0], outputs[1], outputs[2] if len(outputs) > 2 else None
+
+        return wait
 
     def _exchange_packed(self, kjts: list[Any], counts: list[tuple[list[int], list[int]]],
-                         recv: list[tuple[list[int], list[int]]]) -> list[tuple[Tensor, Tensor, Optional[Tensor]]]:
+                         recv: list[tuple[list[int], list[int]]]
+                         ) -> Callable[[], list[tuple[Tensor, Tensor, Optional[Tensor]]]]:
         """Every group's lengths, values and weights in one byte-packed all-to-all (see
-        :func:`pack_by_destination`)."""
+        :func:`pack_by_destination`), issued now; the returned function waits and unpacks."""
         sections = []  # per group: [(tensor, send counts, recv counts)] for values, weights, lengths
         for kjt, send, got in zip(kjts, counts, recv):
             group = [(kjt.values(), send[1], got[1])]
@@ -388,16 +465,21 @@ class LiftedForward:
         recv_layout = [(t.dtype, got) for t, _, got in flat]
         recv_bytes = packed_sizes(recv_layout, self.world)
         received = buffer.new_empty(sum(recv_bytes))
-        dist.all_to_all_single(received, buffer, recv_bytes, send_bytes, group=self.group)
-        unpacked = unpack_by_source(received, recv_layout, recv_bytes)
-        out, i = [], 0
-        for group in sections:
-            values = unpacked[i]
-            weights = unpacked[i + 1] if len(group) == 3 else None
-            lengths = unpacked[i + len(group) - 1]
-            out.append((lengths, values, weights))
-            i += len(group)
-        return out
+        work = dist.all_to_all_single(received, buffer, recv_bytes, send_bytes, group=self.group, async_op=True)
+
+        def wait() -> list[tuple[Tensor, Tensor, Optional[Tensor]]]:
+            work.wait()
+            unpacked = unpack_by_source(received, recv_layout, recv_bytes)
+            out, i = [], 0
+            for group in sections:
+                values = unpacked[i]
+                weights = unpacked[i + 1] if len(group) == 3 else None
+                lengths = unpacked[i + len(group) - 1]
+                out.append((lengths, values, weights))
+                i += len(group)
+            return out
+
+        return wait
 
     def _received_kjt(self, g: _GroupRuntime, lengths: Tensor, values: Tensor, weights: Optional[Tensor],
                       batch: int) -> Any:
@@ -511,7 +593,20 @@ class InstalledExecutor:
             self.forwards[spec.path].follow(spec)
         self.graph = graph
 
+    def announce(self, batch: Any) -> None:
+        """The batch the next training step will pass to the model (None: not known). Modules
+        planned with ``next_batch`` start its input distribution during this step."""
+        for forward in self.forwards.values():
+            path = forward.spec.batch_input
+            forward.announce(resolve_path((batch,), {}, path) if batch is not None and path is not None else None)
+
+    def discard(self) -> None:
+        """Training ended: complete and drop what was started for a step that will not run."""
+        for forward in self.forwards.values():
+            forward.discard()
+
     def uninstall(self) -> None:
+        self.discard()
         for restore in self._restore:
             restore()
         self._restore.clear()

@@ -41,6 +41,44 @@ from lightning_sparselift.launcher import DenseOnlyMultiProcessingLauncher
 from lightning_sparselift.sharding import EmbeddingOptimizer, combine_optimizers, shard_model
 
 EXECUTORS = ("torchrec", "sparselift")
+_END = object()
+
+
+class LookaheadLoader:
+    """The training dataloader, read one batch ahead: while a step trains on batch k, batch k+1
+    has been fetched, so the strategy can announce it to the lifted executor (the ``next_batch``
+    schedule distributes its sparse input during step k). Length, sampler, dataset and every
+    other attribute are the wrapped loader's; the batches and their order are unchanged."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self._recent: list[Any] = []  # the last batches yielded and the one fetched ahead
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":  # not set yet (e.g. while unpickling)
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __iter__(self) -> Any:
+        iterator = iter(self.loader)
+        ahead = next(iterator, _END)
+        self._recent = []
+        while ahead is not _END:
+            current, ahead = ahead, next(iterator, _END)
+            self._recent = self._recent[-2:-1] + [current] + ([ahead] if ahead is not _END else [])
+            yield current
+        self._recent = []
+
+    def after(self, batch: Any) -> Any:
+        """The batch that follows ``batch`` (an object this loader yielded), if fetched; else None."""
+        for i, item in enumerate(self._recent[:-1]):
+            if item is batch:
+                return self._recent[i + 1]
+        return None
+
 START_METHODS = ("popen", "spawn", "fork")
 EMBEDDING_LR_SCHEDULES = ("constant", "follow_dense")
 
@@ -152,6 +190,8 @@ class SparseLiftStrategy(ParallelStrategy):
         self._dense_base_lr = 1.0
         self._embedding_base_lrs: list[float] = []
         self._warmup: Optional[Any] = None  # SparseLift's loop; kept once done (its executor and plan)
+        self._lookahead: Optional[LookaheadLoader] = None  # the training dataloader, read one batch ahead
+        self._next_batch: Any = None  # the batch after the one being moved to the device for training
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -319,6 +359,32 @@ class SparseLiftStrategy(ParallelStrategy):
                                         self.warmup_batches, torch.distributed.group.WORLD, self.root_device,
                                         self.optimizations, self.calibrate, self.plan_path)
         return True
+
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.executor == "sparselift" and trainer is not None and trainer.training:
+            self._lookahead = LookaheadLoader(dataloader)
+            return self._lookahead
+        return dataloader
+
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        # the loop passes the batch exactly as the training loader yielded it, so the lookahead knows what follows
+        self._next_batch = self._lookahead.after(batch) if self._lookahead is not None else None
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    def sparse_step(self, batch: Any) -> Any:
+        """The context a training step on ``batch`` runs in: SparseLift's loop while it runs (it
+        captures or calibrates), with the batch that follows announced to the executor."""
+        if self._warmup is None:
+            return nullcontext()
+        # announced as the loader yields it: the transfer hooks run once, when its step comes
+        # (capture checked that the model receives exactly these features, else the schedule is
+        # not proposed; the executor moves them to its device)
+        return self._warmup.step(batch, self._next_batch)
+
+    def on_train_end(self) -> None:
+        if self._warmup is not None and self._warmup.installed is not None:
+            self._warmup.installed.discard()
 
     @property
     def warmup(self) -> Optional[Any]:

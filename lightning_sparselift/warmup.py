@@ -1,6 +1,7 @@
 """The SparseLift loop, driven one training step at a time: capture -> lift -> calibrate -> plan
--> install. Wrap every training step (forward, backward, optimizer step) in :meth:`step` and
-call :meth:`after_step` after it; the Lightning callback and the benchmark's bare loop both do.
+-> install. Wrap every training step (forward, backward, optimizer step) in :meth:`step` (also
+after the warmup: it announces the next batch to the executor) and call :meth:`after_step` after
+it while the loop runs; the Lightning callback and the benchmark's bare loop both do.
 
 1. capture: the first ``warmup_batches`` steps run TorchRec's path under
    :class:`~lightning_sparselift.capture.SparseCapture`;
@@ -76,9 +77,14 @@ class SparseLiftWarmup:
         return self.plan.calibration_steps, self.plan.calibration_steps + remaining
 
     # ------------------------------------------------------------------ per step
-    def step(self) -> Any:
+    def step(self, batch: Any = None, next_batch: Any = None) -> Any:
+        """The context of one training step on ``batch`` (as the loop passes it to the model's
+        step); ``next_batch`` is the batch the following step will train on, if the loop knows it
+        (the ``next_batch`` schedule needs it). Call it for every step, also once done."""
         if self.phase == "capture":
-            return self.capture.step()
+            return self.capture.step(batch, next_batch)
+        if self.installed is not None:
+            self.installed.announce(next_batch)
         if self.phase == "calibrate":
             return self._calibration_step()
         return nullcontext()

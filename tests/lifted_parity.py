@@ -40,9 +40,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # rank 0's batch of the last lifted step is short: that step runs TorchRec's path on all ranks
     "uneven_batch": dict(weighted=True, multi_hot=True, two_modules=False, short_step=WARMUP_STEPS + 2),
 }
-# the lifted runs with passes forced on (every feasible candidate)
+# the lifted runs with passes forced on (every feasible candidate; "pass/role": only that role's)
 OPTIMIZED = {"aggregated": ("aggregation",), "latency_hidden": ("latency_hiding",),
-             "all_passes": ("aggregation", "latency_hiding")}
+             "next_batch_only": ("latency_hiding/next_batch",), "all_passes": ("aggregation", "latency_hiding")}
 # TorchRec's own row-wise backward fails on uneven batches over gloo ("ProcessGroupGloo::allgather:
 # invalid tensor size"), so there is no reference to compare with.
 ALL = [(c, v) for c in CASES for v in VARIANTS
@@ -148,11 +148,17 @@ def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: in
     result: dict[str, Any] = {"outputs": [], "grads": [], "initial": local_state(dmp, dmp.fused_optimizer)}
     capture = SparseCapture(model, sharded.sparse_module_paths, rank, world) if lifted else None
     installed = None
-    for step, batch in enumerate(batches(rank, variant, WARMUP_STEPS + LIFTED_STEPS)):
-        dense, labels, a, b = (x.to(device) if x is not None else None for x in batch)
+    steps = batches(rank, variant, WARMUP_STEPS + LIFTED_STEPS)
+    for step, batch in enumerate(steps):
+        moved = tuple(x.to(device) if x is not None else None for x in batch)
+        dense, labels, a, b = moved
+        # announced as the loop would: the host batch the next step trains on (the executor moves it)
+        next_batch = steps[step + 1] if step + 1 < len(steps) else None
         recorder = None
+        if installed is not None:
+            installed.announce(next_batch)
         if capture is not None and step < WARMUP_STEPS:
-            context = capture.step()
+            context = capture.step(moved, next_batch)
         elif lifted and step == WARMUP_STEPS + 1:
             recorder = context = CollectiveRecorder()
         else:
@@ -177,9 +183,10 @@ def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: in
             check_against_runtime(graph, model)
             installed = install(graph, model, dist.group.WORLD, device)
             for name in optimizations:  # every feasible candidate, as calibrate=False would
-                optimization = get_pass(name)
+                pass_name, _, role = name.partition("/")
+                optimization = get_pass(pass_name)
                 for candidate in optimization.candidates(graph):
-                    if candidate.feasible:
+                    if candidate.feasible and role in ("", candidate.role):
                         graph = optimization.apply(graph, candidate)
             installed.use(graph)
             result["graph"] = graph.to_dict()
@@ -188,6 +195,8 @@ def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: in
     if installed is not None:
         result["torchrec_steps"] = {p: f.torchrec_steps for p, f in installed.forwards.items()}
         result["early_steps"] = {p: f.early_steps for p, f in installed.forwards.items()}
+        result["prefetched_steps"] = {p: f.prefetched_steps for p, f in installed.forwards.items()}
+        installed.discard()
     return result
 
 

@@ -51,7 +51,8 @@ def test_all_systems_side_by_side(tmp_path, data_cache):
     sl, identity = summary["systems"]["sparselift"], summary["systems"]["sparselift-identity"]
     assert identity["calibration_steps"] == 0 and identity["plan_decisions"] == []
     assert {d["candidate"].split("@")[0] for d in sl["plan_decisions"]} == {
-        "aggregation:input", "aggregation:output", "latency_hiding:early_start"}
+        "aggregation:input", "aggregation:output", "latency_hiding:early_start",
+        "latency_hiding:next_batch"}
     assert {d["candidate"].split(":")[0] for d in summary["systems"]["sparselift-no-aggregation"]["plan_decisions"]} \
         == {"latency_hiding"}
     assert sl["graph_collectives_per_step"] <= identity["graph_collectives_per_step"]

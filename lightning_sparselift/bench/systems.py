@@ -243,6 +243,7 @@ class SparseLift(LoopSystem):
         from lightning_sparselift import SparseLiftStrategy
 
         self.strategy = SparseLiftStrategy(**{**bench_strategy_kwargs(env), **(strategy_kwargs or {})})
+        self._position = 0
 
     def setup(self) -> None:
         from lightning_sparselift.warmup import SparseLiftWarmup
@@ -256,11 +257,15 @@ class SparseLift(LoopSystem):
         self._timed_sharded(wrapped, self.optimizer)
 
     def step(self, step: int) -> None:
-        if self.warmup is None or self.warmup.done:
-            return super().step(step)
-        with self.warmup.step():
-            super().step(step)
-        if self.warmup.after_step():
+        # a continuous stream of batches (as TorchRec's pipelines read theirs), so the batch
+        # announced as next is the one the next call trains on, across the runner's blocks
+        position, self._position = self._position, self._position + 1
+        if self.warmup is None:
+            return super().step(position)
+        running = not self.warmup.done
+        with self.warmup.step(self.env.local_batch(position), self.env.local_batch(position + 1)):
+            super().step(position)
+        if running and self.warmup.after_step():
             if self.warmup.installed is None:
                 raise RuntimeError(f"sparselift: the sparse path could not be lifted: {self.warmup.fallback_reason}")
             time_early_starts(self.warmup.installed, self.timer)

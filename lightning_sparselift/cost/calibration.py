@@ -3,7 +3,9 @@ when the candidate is applied on top of the incumbent plan (the paper's lookahea
 
 A :class:`Calibrator` runs one candidate's protocol step by step: ``warmup_pairs`` unmeasured
 pairs, then ``measured_pairs`` pairs, a pair being one real training step on the incumbent (T0)
-and one with the candidate (T1). Every rank measures; :func:`rank_consistent_increment` makes
+and one with the candidate (T1). A schedule whose effect spans two steps (work for step i+1
+started during step i) needs ``settle_steps``: each observed step is preceded by that many
+unmeasured steps on the same plan, so it sees the plan's steady state. Every rank measures; :func:`rank_consistent_increment` makes
 the decision the same everywhere: each rank keeps the minimum of its observations, the decision
 uses the maximum over ranks (a step is gated by its slowest rank).
 """
@@ -51,10 +53,11 @@ class CalibrationProtocol:
     warmup_pairs: int = 1
     measured_pairs: int = 2
     region: str = "sparse"  # what F measures: "sparse" (the executor's regions) or "step" (whole step)
+    settle_steps: int = 0  # unmeasured steps on the same plan before each observed one
 
     @property
     def steps(self) -> int:
-        return 2 * (self.warmup_pairs + self.measured_pairs)
+        return 2 * (self.warmup_pairs + self.measured_pairs) * (1 + self.settle_steps)
 
 
 @dataclass
@@ -71,23 +74,31 @@ class Calibrator:
     def __init__(self, candidate: str, protocol: CalibrationProtocol) -> None:
         self.candidate = candidate
         self.protocol = protocol
-        self._schedule = [False, True] * (protocol.warmup_pairs + protocol.measured_pairs)
+        run = 1 + protocol.settle_steps
+        # per step: (runs the candidate, observed); the last step of each run is observed
+        self._schedule = [(uses, i == run - 1) for _ in range(protocol.warmup_pairs + protocol.measured_pairs)
+                          for uses in (False, True) for i in range(run)]
+        self._steps = 0
         self._observed: list[float] = []
 
     def next_uses_candidate(self) -> Optional[bool]:
         """Whether the next step runs T1 (True) or T0 (False); None once the protocol is done."""
-        return self._schedule[len(self._observed)] if len(self._observed) < len(self._schedule) else None
+        return self._schedule[self._steps][0] if self._steps < len(self._schedule) else None
 
     def record(self, f_ms: float) -> None:
-        self._observed.append(f_ms)
+        """The measured region of the step just run (ignored for settle steps)."""
+        if self._schedule[self._steps][1]:
+            self._observed.append(f_ms)
+        self._steps += 1
 
     @property
     def done(self) -> bool:
-        return len(self._observed) == len(self._schedule)
+        return self._steps == len(self._schedule)
 
     @property
     def recorded(self) -> int:
-        return len(self._observed)
+        """Steps run so far."""
+        return self._steps
 
     def increments(self) -> list[float]:
         skip = 2 * self.protocol.warmup_pairs

@@ -1,0 +1,128 @@
+"""The next-batch schedule's moving parts: the settle steps of its calibration, the training
+loader read one batch ahead, capture's check that the announced batch is what the model gets,
+and the executor refusing a step whose features changed after their distribution started."""
+
+from __future__ import annotations
+
+import lightning.pytorch as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from helpers import tiny_data, tiny_model, trainer
+from lightning_sparselift import SparseLiftStrategy
+from lightning_sparselift.capture import SparseCapture
+from lightning_sparselift.cost.calibration import CalibrationProtocol, Calibrator
+from lightning_sparselift.lift import _next_batch_source
+from lightning_sparselift.strategy import LookaheadLoader
+
+
+def test_calibration_observes_the_step_after_each_settle_step():
+    calibrator = Calibrator("c", CalibrationProtocol(warmup_pairs=1, measured_pairs=2, settle_steps=1))
+    plans, f = [], 0.0
+    while not calibrator.done:
+        uses = calibrator.next_uses_candidate()
+        plans.append(uses)
+        f += 1.0
+        calibrator.record(f * (10.0 if uses else 1.0))  # distinct values show which steps were kept
+    assert calibrator.protocol.steps == len(plans) == 12
+    assert plans == [False, False, True, True] * 3
+    assert calibrator.next_uses_candidate() is None
+    # observed: steps 2, 4 (warmup pair), then 6 / 8 and 10 / 12 -> T1 - T0 of each measured pair
+    assert calibrator.increments() == [80.0 - 6.0, 120.0 - 10.0]
+
+
+def test_lookahead_loader_yields_the_same_batches_and_knows_the_next():
+    sampler = DistributedSampler(list(range(10)), num_replicas=1, rank=0, shuffle=True, seed=1)
+    loader = LookaheadLoader(DataLoader(list(range(10)), batch_size=3, sampler=sampler))
+    assert len(loader) == 4 and loader.sampler is sampler  # Lightning sets the epoch through it
+    plain = [b.tolist() for b in DataLoader(list(range(10)), batch_size=3, sampler=sampler)]
+    seen, following = [], []
+    for batch in loader:
+        seen.append(batch.tolist())
+        nxt = loader.after(batch)
+        following.append(nxt.tolist() if nxt is not None else None)
+    assert seen == plain
+    assert following == plain[1:] + [None]
+    assert loader.after(torch.zeros(1)) is None  # not a batch it yielded
+
+
+class _Batch:
+    def __init__(self, sparse):
+        self.sparse = sparse
+
+
+class _Root(nn.Module):
+    def __init__(self):
+        super().__init__()
+        from torchrec import EmbeddingBagCollection
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+        self.ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10,
+                                                                     feature_names=["f"])])
+
+    def forward(self, batch):
+        return self.ebc(batch.sparse)
+
+
+def _batch(seed: int) -> _Batch:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    gen = torch.Generator().manual_seed(seed)
+    return _Batch(KeyedJaggedTensor(keys=["f"], values=torch.randint(0, 10, (4,), generator=gen),
+                                    lengths=torch.ones(4, dtype=torch.int32)))
+
+
+def _capture(steps):
+    """Capture steps of (batch trained on, batch announced as next, change before the step)."""
+    root = _Root()
+    capture = SparseCapture(root, ["ebc"], 0, 1)
+    for batch, announced, change in steps:
+        if change is not None:
+            change(batch)
+        with capture.step(batch, announced):
+            root(batch)
+    return capture.result().modules["ebc"]
+
+
+def test_capture_checks_the_announced_batch_against_what_the_model_gets():
+    b = [_batch(i) for i in range(4)]
+    good = _capture([(b[0], b[1], None), (b[1], b[2], None), (b[2], None, None)])
+    assert good.batch_input == [["arg", 0], ["attr", "sparse"]]
+    assert good.announced_exact == [None, True, True]
+    assert _next_batch_source([good, good]) == (good.batch_input, "")
+
+    wrong = _capture([(b[0], b[2], None), (b[1], None, None)])  # the loop announced another batch
+    assert wrong.announced_exact == [None, False]
+
+    def in_place(batch):
+        batch.sparse.values().add_(1).remainder_(10)
+
+    changed = _capture([(b[0], b[1], None), (b[1], None, in_place)])  # changed after the announcement
+    assert changed.announced_exact == [None, False]
+    for captured in (wrong, changed):
+        path, why = _next_batch_source([good, captured])
+        assert path is None and "differed from the features the module received" in why
+    silent = _capture([(b[0], None, None), (b[1], None, None)])
+    assert _next_batch_source([silent])[1].startswith("the training loop announced no next batch")
+
+
+class ChangeSparseInPlace(L.Callback):
+    """Changes the ids of one batch after the lifted executor started distributing them."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.at:
+            batch.sparse.values().add_(1).remainder_(7)  # still valid ids of the smallest table
+
+
+def test_a_step_whose_features_changed_after_their_distribution_started_fails(data_cache):
+    dm = tiny_data(data_cache, num_train=512)
+    strategy = SparseLiftStrategy(start_method="fork", calibrate=False, optimizations=["latency_hiding"])
+    # steps 0-2 are captured; step 3 is the first on the plan and starts step 4's input distribution
+    t = trainer(2, strategy, callbacks=[ChangeSparseInPlace(at=4)], limit_val_batches=0)
+    with pytest.raises(Exception, match="not the ones the training loop announced as next"):
+        t.fit(tiny_model(dm), dm)
