@@ -297,7 +297,8 @@ class LiftedForward:
                 f"{self.spec.path}: this training step's features are not the ones the training loop announced as "
                 f"next (their input distribution started during the previous step): a hook, callback or the model "
                 f"changed the batch after it was announced. Plan without the next-batch schedule "
-                f"(optimizations=['aggregation']) or stop changing the sparse features after loading.")
+                f"(optimizations=['aggregation', 'latency_hiding:early_start']) or stop changing the sparse "
+                f"features after loading.")
         self.prefetched_steps += 1
         return prefetch
 

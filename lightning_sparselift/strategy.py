@@ -108,8 +108,9 @@ class SparseLiftStrategy(ParallelStrategy):
             path cannot be lifted, it warns and keeps TorchRec's path. ``torchrec`` always runs
             TorchRec's sharded modules as they are.
         optimizations: the sparse-path optimization passes the planner may use (default: all of
-            them, today ``["aggregation", "latency_hiding"]``); ``[]`` runs the identity plan.
-            Unknown names raise.
+            them, today ``["aggregation", "latency_hiding"]``); ``pass:role`` selects one kind of
+            candidate, e.g. ``latency_hiding:early_start`` (without the next-batch schedule);
+            ``[]`` runs the identity plan. Unknown names raise.
         calibrate: decide every feasible candidate by measuring it on real training steps
             (default); ``False`` applies every feasible candidate without measuring.
         plan_path: a JSON file for the execution plan: reused (no calibration) when it was made
@@ -154,11 +155,9 @@ class SparseLiftStrategy(ParallelStrategy):
                          precision_plugin=precision_plugin)
         if executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
-        from lightning_sparselift.passes import PASSES
+        from lightning_sparselift.passes import PASSES, select_passes
 
-        unknown = sorted(set(optimizations or []) - set(PASSES))
-        if unknown:
-            raise ValueError(f"unknown optimization(s) {unknown}; available: {sorted(PASSES)}")
+        select_passes(optimizations or [])  # raises on unknown names
         if sharding_types is not None and not isinstance(sharding_types, dict):
             raise TypeError(f"sharding_types must be a dict table -> type, got {type(sharding_types).__name__}")
         if start_method not in START_METHODS:

@@ -37,14 +37,15 @@ class SparseLiftWarmup:
     def __init__(self, model: nn.Module, sharding_plan: Any, module_paths: list[str], warmup_batches: int,
                  group: Any, device: torch.device, optimizations: Optional[list[str]] = None, calibrate: bool = True,
                  plan_path: Optional[str] = None) -> None:
-        from lightning_sparselift.passes import get_pass
+        from lightning_sparselift.passes import select_passes
 
         if warmup_batches < 1:
             raise ValueError("the lifted executor needs warmup_batches >= 1: TorchRec builds its dists on the first "
                              "forward, and the lift is checked against them")
         self.model, self.sharding_plan, self.paths = model, sharding_plan, module_paths
         self.warmup_batches, self.group, self.device = warmup_batches, group, device
-        self.passes = [get_pass(name) for name in (optimizations or [])]
+        self.passes = select_passes(optimizations or [])
+        self.optimizations = sorted(optimizations or [])
         self.calibrate, self.plan_path = calibrate, plan_path
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -163,7 +164,7 @@ class SparseLiftWarmup:
         return PlanFingerprint(graph=graph.fingerprint(), sharding_plan=PlanFingerprint.hash(plan_summary(
             self.sharding_plan)), world_size=self.world, backend=graph.backend,
             versions={**graph.versions, "lightning_sparselift": lightning_sparselift.__version__},
-            optimizations=sorted(p.name for p in self.passes))
+            optimizations=self.optimizations)
 
     def _saved_plan(self, fingerprint: PlanFingerprint) -> Optional[ExecutionPlan]:
         """The plan at ``plan_path`` if every rank can use it, else None (with the reason)."""

@@ -40,9 +40,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # rank 0's batch of the last lifted step is short: that step runs TorchRec's path on all ranks
     "uneven_batch": dict(weighted=True, multi_hot=True, two_modules=False, short_step=WARMUP_STEPS + 2),
 }
-# the lifted runs with passes forced on (every feasible candidate; "pass/role": only that role's)
+# the lifted runs with passes forced on (every feasible candidate; "pass:role": only that role's)
 OPTIMIZED = {"aggregated": ("aggregation",), "latency_hidden": ("latency_hiding",),
-             "next_batch_only": ("latency_hiding/next_batch",), "all_passes": ("aggregation", "latency_hiding")}
+             "next_batch_only": ("latency_hiding:next_batch",), "all_passes": ("aggregation", "latency_hiding")}
 # TorchRec's own row-wise backward fails on uneven batches over gloo ("ProcessGroupGloo::allgather:
 # invalid tensor size"), so there is no reference to compare with.
 ALL = [(c, v) for c in CASES for v in VARIANTS
@@ -131,7 +131,7 @@ def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: in
           device: torch.device, optimizations: tuple[str, ...] = ()) -> dict[str, Any]:
     from lightning_sparselift.capture import CollectiveRecorder, SparseCapture, gather_captures
     from lightning_sparselift.lift import check_against_runtime, dense_parameter_bytes, lift
-    from lightning_sparselift.passes import get_pass
+    from lightning_sparselift.passes import select_passes
     from lightning_sparselift.runtime import install
     from lightning_sparselift.sharding import EmbeddingOptimizer, shard_model
 
@@ -182,11 +182,9 @@ def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: in
                          dense_parameter_bytes(dmp, sharded.sparse_module_paths))
             check_against_runtime(graph, model)
             installed = install(graph, model, dist.group.WORLD, device)
-            for name in optimizations:  # every feasible candidate, as calibrate=False would
-                pass_name, _, role = name.partition("/")
-                optimization = get_pass(pass_name)
+            for optimization in select_passes(list(optimizations)):  # every feasible one, as calibrate=False would
                 for candidate in optimization.candidates(graph):
-                    if candidate.feasible and role in ("", candidate.role):
+                    if candidate.feasible and optimization.only in (None, {candidate.role}):
                         graph = optimization.apply(graph, candidate)
             installed.use(graph)
             result["graph"] = graph.to_dict()

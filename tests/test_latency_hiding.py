@@ -126,3 +126,16 @@ def test_a_step_whose_features_changed_after_their_distribution_started_fails(da
     t = trainer(2, strategy, callbacks=[ChangeSparseInPlace(at=4)], limit_val_batches=0)
     with pytest.raises(Exception, match="not the ones the training loop announced as next"):
         t.fit(tiny_model(dm), dm)
+
+
+def test_optimizations_select_passes_or_one_role_of_a_pass():
+    from lightning_sparselift.passes import select_passes
+
+    chosen = {p.name: p.only for p in select_passes(["aggregation", "latency_hiding:early_start"])}
+    assert chosen == {"aggregation": None, "latency_hiding": {"early_start"}}
+    assert {p.name: p.only for p in select_passes(["latency_hiding:next_batch", "latency_hiding"])} == \
+        {"latency_hiding": None}
+    with pytest.raises(ValueError, match="latency_hiding proposes"):
+        SparseLiftStrategy(optimizations=["latency_hiding:prefetch"])
+    with pytest.raises(ValueError, match="unknown optimization"):
+        SparseLiftStrategy(optimizations=["fusion"])

@@ -86,7 +86,7 @@ def _assert_identical(results: list[dict], case: str, variant: str, world: int) 
                                  and any(g.sharding_type in ("table_wise", "column_wise") for g in m.groups))
                 assert result[executor]["early_steps"][m.path] == (lp.LIFTED_STEPS - int(short) if early else 0)
                 ahead = "next_batch" in m.schedules
-                assert ahead == (bool({"latency_hiding", "latency_hiding/next_batch"} & set(passes)) and world > 1
+                assert ahead == (bool({"latency_hiding", "latency_hiding:next_batch"} & set(passes)) and world > 1
                                  and any(g.sharding_type != "data_parallel" for g in m.groups))
                 assert result[executor]["prefetched_steps"][m.path] == (lp.LIFTED_STEPS - 1 if ahead else 0)
 

@@ -26,11 +26,11 @@ import torch.distributed as dist
 from lightning_sparselift.bench import scenarios
 from lightning_sparselift.bench.measure import StepClock, quantiles, record_collectives
 from lightning_sparselift.bench.systems import (
-    ALL_SYSTEMS, LIGHTNING_SYSTEM, SYSTEMS, BenchEnv, System, bench_strategy_kwargs,
+    ABLATIONS, ALL_SYSTEMS, LIGHTNING_SYSTEM, SYSTEMS, BenchEnv, System, bench_strategy_kwargs,
 )
 
 DEFAULT_SYSTEMS = ["dlrm-baseline", "torchrec-base", "torchrec", "dense-only", "sparselift", LIGHTNING_SYSTEM]
-ABLATION_SYSTEMS = ["sparselift-identity", "sparselift-no-latency-hiding", "sparselift-no-aggregation"]
+ABLATION_SYSTEMS = [cls.name for cls in ABLATIONS]
 
 
 @dataclass

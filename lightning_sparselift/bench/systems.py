@@ -310,6 +310,8 @@ ABLATIONS = [
     _ablation("sparselift-identity", [], "SparseLift's executor with the identity plan (no optimization pass)."),
     _ablation("sparselift-no-latency-hiding", ["aggregation"], "SparseLift without the latency-hiding pass."),
     _ablation("sparselift-no-aggregation", ["latency_hiding"], "SparseLift without the aggregation pass."),
+    _ablation("sparselift-no-next-batch", ["aggregation", "latency_hiding:early_start"],
+              "SparseLift without latency hiding's next-batch input distribution."),
 ]
 
 

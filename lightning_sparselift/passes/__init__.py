@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Optional
 
 from lightning_sparselift.cost.calibration import CalibrationProtocol
 from lightning_sparselift.cost.priors import Priors
@@ -35,7 +36,11 @@ class Candidate:
 
 class OptimizationPass(ABC):
     name: str
+    roles: tuple[str, ...]  # the kinds of candidate it proposes (``Candidate.role``)
     protocol: CalibrationProtocol
+
+    def __init__(self, only: Optional[set[str]] = None) -> None:
+        self.only = only  # the roles the planner may use (None: all)
 
     @abstractmethod
     def candidates(self, graph: SparseGraph) -> list[Candidate]:
@@ -57,7 +62,18 @@ from lightning_sparselift.passes.latency_hiding import LatencyHiding  # noqa: E4
 PASSES: dict[str, type[OptimizationPass]] = {cls.name: cls for cls in (CommunicationAggregation, LatencyHiding)}
 
 
-def get_pass(name: str) -> OptimizationPass:
-    if name not in PASSES:
-        raise ValueError(f"unknown optimization {name!r}; available: {sorted(PASSES)}")
-    return PASSES[name]()
+def select_passes(names: list[str]) -> list[OptimizationPass]:
+    """The passes ``names`` selects: a pass name (all its candidates) or ``pass:role`` (only that
+    role's candidates, e.g. ``latency_hiding:early_start``). Unknown names raise."""
+    selected: dict[str, Optional[set[str]]] = {}
+    for name in names:
+        base, _, role = name.partition(":")
+        if base not in PASSES:
+            raise ValueError(f"unknown optimization {name!r}; available: {sorted(PASSES)}")
+        if role and role not in PASSES[base].roles:
+            raise ValueError(f"unknown optimization {name!r}: {base} proposes {list(PASSES[base].roles)}")
+        if not role or (base in selected and selected[base] is None):
+            selected[base] = None
+        else:
+            selected.setdefault(base, set()).add(role)
+    return [PASSES[base](only) for base, only in selected.items()]

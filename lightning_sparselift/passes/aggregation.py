@@ -42,6 +42,7 @@ _POOLED = ("table_wise", "column_wise")
 
 class CommunicationAggregation(OptimizationPass):
     name = "aggregation"
+    roles = ("input", "output")
     protocol = CalibrationProtocol(warmup_pairs=1, measured_pairs=2, region="sparse")
 
     def candidates(self, graph: SparseGraph) -> list[Candidate]:

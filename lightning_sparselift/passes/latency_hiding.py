@@ -58,12 +58,13 @@ def describe_path(path: list[list], name: str = "") -> str:
 
 class LatencyHiding(OptimizationPass):
     name = "latency_hiding"
+    roles = ("early_start", "next_batch")
     protocol = CalibrationProtocol(warmup_pairs=1, measured_pairs=2, region="step", settle_steps=1)
 
     def candidates(self, graph: SparseGraph) -> list[Candidate]:
         out = []
         for m in graph.modules:
-            for schedule in ("early_start", "next_batch"):
+            for schedule in self.roles:
                 reasons = ["one rank: no all-to-all to hide"] if graph.world_size == 1 else []
                 if schedule == "early_start":
                     if m.root_input is None:

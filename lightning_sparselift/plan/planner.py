@@ -25,6 +25,8 @@ class Planner:
         feasible, rejected = [], []
         for p in self.passes.values():
             for candidate in p.candidates(graph):
+                if p.only is not None and candidate.role not in p.only:
+                    continue  # not selected
                 if candidate.feasible:
                     feasible.append(candidate)
                 else:
