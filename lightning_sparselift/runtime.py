@@ -43,7 +43,10 @@ class PooledLayout:
 
     def send_outputs(self, locals_: tuple[Tensor, ...]) -> tuple[Tensor, list[int], list[int]]:
         b = self.batch_size
-        send = torch.cat([local[r * b:(r + 1) * b].reshape(-1) for r in range(self.world) for local in locals_])
+        if len(locals_) == 1 and locals_[0].is_contiguous():
+            send = locals_[0].view(-1)  # one group: its destination blocks are already consecutive rows
+        else:
+            send = torch.cat([local[r * b:(r + 1) * b].reshape(-1) for r in range(self.world) for local in locals_])
         recv_sizes = [b * sum(d[s] for d in self.dims) for s in range(self.world)]
         return send, recv_sizes, [b * sum(d[self.rank] for d in self.dims)] * self.world
 
@@ -74,6 +77,8 @@ class PooledLayout:
 
     def unpack_grads(self, received: Tensor) -> list[Tensor]:
         b, world = self.batch_size, self.world
+        if len(self.dims) == 1:  # one group: the sources' blocks are already its rows, in order
+            return [received.view(world * b, self.dims[0][self.rank]).div_(world)]
         local_sizes = [b * d[self.rank] for d in self.dims]
         per_group: list[list[Tensor]] = [[] for _ in self.dims]
         for chunk in received.split([sum(local_sizes)] * world):

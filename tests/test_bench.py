@@ -38,6 +38,7 @@ def test_all_systems_side_by_side(tmp_path, data_cache):
             assert len(r["warmup_ms"]) == 1 + r.get("calibration_steps", 0)
         assert set(r["stages_ms"]) >= {"sparse_forward", "other_forward", "sparse_backward", "other_backward", "other"}
         assert r["collectives_per_step"]["count"] > 0
+        assert r["top_ops"] and all(o["self_cpu_ms"] >= 0 and o["calls"] > 0 for o in r["top_ops"])
     # the dense-only bound has no sparse path and issues no all-to-all
     dense = summary["systems"]["dense-only"]
     assert dense["stages_ms"]["sparse_forward"] < 0.5 and dense["stages_ms"]["sparse_backward"] == 0
@@ -45,6 +46,7 @@ def test_all_systems_side_by_side(tmp_path, data_cache):
     assert summary["systems"]["torchrec"]["stages_ms"]["sparse_forward"] > 0
     assert "torchrec / dlrm-baseline" in summary["ratios"]
     assert "| sparselift |" in (tmp_path / "out.md").read_text()
+    assert "ops with the most CPU time" in (tmp_path / "out.md").read_text()
     # the sparselift systems ran the lifted executor after their warmup; the identity one without passes
     assert {summary["systems"][n]["executor"] for n in ("sparselift", "sparselift-lightning", *ABLATION_SYSTEMS)} \
         == {"sparselift"}

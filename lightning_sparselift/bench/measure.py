@@ -11,6 +11,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
+_TOP_OPS = 8
 STAGES = ("sparse_forward", "other_forward", "sparse_backward", "other_backward", "other")
 
 _DTYPE_BYTES = {"float": 4, "float32": 4, "double": 8, "float64": 8, "long": 8, "long int": 8, "int64": 8,
@@ -135,9 +136,11 @@ class StageTimer:
 @dataclass
 class CollectiveLog:
     """Collectives one step issued on the process group backend (gloo/nccl), from the profiler:
-    this sees C++-issued ones too (DDP's bucket all-reduce)."""
+    this sees C++-issued ones too (DDP's bucket all-reduce); and the ops that took the most CPU
+    time in that step (self time, all threads; where the sparse path's time goes)."""
 
     calls: list[dict[str, Any]] = field(default_factory=list)
+    top_ops: list[dict[str, Any]] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         counts = Counter(c["op"] for c in self.calls)
@@ -162,6 +165,8 @@ def record_collectives() -> Iterator[CollectiveLog]:
             if shape:
                 nbytes += int(np.prod(shape)) * _DTYPE_BYTES.get(dtype, 4)
         log.calls.append({"op": op, "bytes": nbytes})
+    ranked = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:_TOP_OPS]
+    log.top_ops = [{"op": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3, "calls": e.count} for e in ranked]
 
 
 def quantiles(values: list[float]) -> dict[str, float]:

@@ -50,6 +50,13 @@ def markdown(summary: dict[str, Any]) -> str:
             if r["status"] == "ok":
                 cells = ["1.00" if name == ref else _fmt(summary["ratios"].get(f"{name} / {ref}", {}), 3) for ref in refs]
                 lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    profiled = {name: r["top_ops"] for name, r in summary["systems"].items() if r.get("top_ops")}
+    if profiled:
+        lines += ["", "<details><summary>ops with the most CPU time in one profiled step (self time, all threads, "
+                      "rank 0; the profiler inflates short ops)</summary>", ""]
+        lines += [f"- {name}: " + ", ".join(f"{o['op']} {o['self_cpu_ms']:.1f} ms ({o['calls']}x)" for o in ops)
+                  for name, ops in profiled.items()]
+        lines += ["", "</details>"]
     for name, r in summary["systems"].items():
         if r.get("graph_explain"):
             lines += ["", f"{name}: sparse path lifted in {r['lift_s']:.3f} s after its capture steps; calibration "

@@ -178,6 +178,7 @@ class _Worker:
                     system.step(base + self.config.breakdown_steps)
                 self.result[system.name]["stages_ms"] = system.timer.summary()
                 self.result[system.name]["collectives_per_step"] = log.summary()
+                self.result[system.name]["top_ops"] = log.top_ops
                 self.result[system.name].update(system.report())
 
             dist.barrier(group=self.control)
@@ -276,6 +277,7 @@ def _lightning_run(worker: _Worker) -> None:
             if self.profile is not None:
                 self.profile.__exit__(None, None, None)
                 worker.result[name]["collectives_per_step"] = self.log.summary()
+                worker.result[name]["top_ops"] = self.log.top_ops
                 worker.result[name]["stages_ms"] = timer.summary()
                 self.profile = None
                 trainer.should_stop = True
