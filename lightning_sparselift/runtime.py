@@ -63,6 +63,7 @@ class PooledLayout:
         return tuple(outs)
 
     def send_grads(self, grads: tuple[Tensor, ...]) -> tuple[Tensor, list[int], list[int]]:
+        b = self.batch_size
         by_source = []
         for grad, index, d in zip(grads, self.column_index, self.dims):
             if index is not None:
@@ -70,10 +71,15 @@ class PooledLayout:
                 unpermuted[:, index] = grad
                 grad = unpermuted
             by_source.append(grad.split(d, dim=1))
-        send = torch.cat([by_source[g][s].contiguous().view(-1)
-                          for s in range(self.world) for g in range(len(self.dims))])
-        local = sum(self.batch_size * d[self.rank] for d in self.dims)
-        return send, [local] * self.world, [self.batch_size * sum(d[s] for d in self.dims) for s in range(self.world)]
+        send_sizes = [b * sum(d[s] for d in self.dims) for s in range(self.world)]
+        send = grads[0].new_empty(sum(send_sizes))
+        offset = 0
+        for s in range(self.world):  # each source rank's columns, copied once into their place
+            for g, d in enumerate(self.dims):
+                send[offset:offset + b * d[s]].view(b, d[s]).copy_(by_source[g][s])
+                offset += b * d[s]
+        local = sum(b * d[self.rank] for d in self.dims)
+        return send, [local] * self.world, send_sizes
 
     def unpack_grads(self, received: Tensor) -> list[Tensor]:
         b, world = self.batch_size, self.world
