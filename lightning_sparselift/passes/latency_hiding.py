@@ -73,17 +73,17 @@ class LatencyHiding(OptimizationPass):
                                        "the module")
                     if not any(g.sharding_type in ("table_wise", "column_wise") for g in m.groups):
                         reasons.append("no table/column-wise group: nothing asynchronous to overlap")
-                    roles = ("output_pooled", "grad_pooled")
+                    hidden_roles = ("output_pooled", "grad_pooled")
                 else:
                     if m.batch_input is None:
                         reasons.append(m.next_batch_note)
                     if all(g.sharding_type == "data_parallel" for g in m.groups):
                         reasons.append("only data-parallel groups: no input distribution")
-                    roles = _PREFETCHED_ROLES
+                    hidden_roles = _PREFETCHED_ROLES
                 if schedule in m.schedules:
                     reasons.append("already scheduled")
                 hidden = [n for n in graph.collectives() if n.module == m.path and n.op == "all_to_all_single"
-                          and n.role in roles]
+                          and n.role in hidden_roles]
                 out.append(Candidate(self.name, f"{schedule}@{m.path}", m.path, schedule, not reasons, reasons,
                                      {"hidden_bytes": max(member_bytes(hidden, graph.world_size), default=0),
                                       "hidden_collectives": len(hidden)}))
