@@ -157,6 +157,15 @@ def resolve_path(args: tuple, kwargs: dict, path: list[list[Any]]) -> Any:
     return obj
 
 
+def describe_path(path: list[list], name: str = "") -> str:
+    """``args[0].sparse``, or ``batch.sparse`` for a path into one object called ``name``."""
+    kind, key = path[0]
+    text = name if name and path[0] == ["arg", 0] else f"args[{key}]" if kind == "arg" else f"kwargs[{key!r}]"
+    for kind, key in path[1:]:
+        text += f".{key}" if kind == "attr" else f"[{key!r}]"
+    return text
+
+
 @dataclass
 class CollectiveRecord:
     op: str  # all_to_all_single | reduce_scatter | all_gather | all_reduce
@@ -335,8 +344,8 @@ class SparseCapture:
             if "error" in info:
                 continue
             features = {k: self._features[path][k].stats(k, self.steps) for k in info["keys"]}
-            modules[path] = ModuleCapture(path=path, features=features, root_input=_common(self._root_inputs[path]),
-                                          batch_input=_common(self._batch_inputs[path]),
+            modules[path] = ModuleCapture(path=path, features=features, root_input=common_path(self._root_inputs[path]),
+                                          batch_input=common_path(self._batch_inputs[path]),
                                           announced_exact=self._announced_exact[path],
                                           calls_per_step=self._max_calls[path], **info)
         return RankCapture(self.rank, self.world_size, self.steps, modules, self._step_records)
@@ -347,8 +356,8 @@ class SparseCapture:
         self._handles.clear()
 
 
-def _common(paths: list[Any]) -> Any:
-    """The path every observation agrees on, else None."""
+def common_path(paths: list[Any]) -> Any:
+    """The path every observation (step or rank) agrees on, else None."""
     return paths[0] if paths and all(p == paths[0] for p in paths) else None
 
 

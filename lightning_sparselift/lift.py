@@ -25,7 +25,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from lightning_sparselift.capture import RankCapture
+from lightning_sparselift.capture import RankCapture, common_path, describe_path
 
 SUPPORTED_SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "data_parallel")
 # sharding types whose features travel to their owners through an all-to-all
@@ -225,12 +225,8 @@ class SparseGraph:
                          f"batch {batch}/rank, ids {m.lengths_dtype}/{m.values_dtype}"
                          + ("" if not m.feature_order else ", keys permuted into group order"))
             if m.root_input is not None:
-                from lightning_sparselift.passes.latency_hiding import describe_path
-
                 lines.append(f"  input available when the root forward begins: {describe_path(m.root_input)}")
             if m.batch_input is not None:
-                from lightning_sparselift.passes.latency_hiding import describe_path
-
                 lines.append(f"  input found in the batch the loop announces as next: "
                              f"{describe_path(m.batch_input, 'batch')}")
             for g in m.groups:
@@ -407,8 +403,8 @@ def dense_parameter_bytes(model: nn.Module, module_paths: list[str]) -> int:
 def _next_batch_source(captured: list[Any]) -> tuple[Optional[list[list[Any]]], str]:
     """Where a module's input is in the batch the loop announces as next (every rank's capture),
     or None and why that batch cannot stand for the next step's input."""
-    sources = [m.batch_input for m in captured]
-    if sources[0] is None or any(s != sources[0] for s in sources):
+    source = common_path([m.batch_input for m in captured])
+    if source is None:
         return None, "the module's input was not found in the training step's batch on every rank (the model builds it)"
     if max(m.calls_per_step for m in captured) > 1:
         return None, "the module ran more than once in a training step"
@@ -418,7 +414,7 @@ def _next_batch_source(captured: list[Any]) -> tuple[Optional[list[list[Any]]], 
                       "(something between the data loader and the model changes them)")
     if True not in checks:
         return None, "the training loop announced no next batch during capture (needs >= 2 captured steps)"
-    return sources[0], ""
+    return source, ""
 
 
 def lift(model: nn.Module, sharding_plan: Any, module_paths: list[str], captures: list[RankCapture],
@@ -443,8 +439,7 @@ def lift(model: nn.Module, sharding_plan: Any, module_paths: list[str], captures
         if getattr(sharded, "qcomm_codecs_registry", None):
             raise LiftError(f"{path}: quantized communication codecs are not supported by the lifted executor")
         keys, weighted, lengths_dtype, values_dtype, batch_sizes = _module_inputs(path, captures)
-        sources = [c.modules[path].root_input for c in captures]
-        root_input = sources[0] if all(s == sources[0] for s in sources) else None
+        root_input = common_path([c.modules[path].root_input for c in captures])
         batch_input, next_batch_note = _next_batch_source([c.modules[path] for c in captures])
         if weighted != bool(sharded._is_weighted):
             raise LiftError(f"{path}: the module is {'weighted' if sharded._is_weighted else 'unweighted'} but its "

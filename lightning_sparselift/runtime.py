@@ -190,6 +190,11 @@ class _Prefetch:
     features: Any  # a copy of what was distributed (the batch may be changed in place before its step)
     complete: Optional[Callable[[], list[Any]]]  # waits and returns each group's KJT; None: uneven batch sizes
 
+    def drain(self) -> None:
+        """Finish this rank's side of the exchange without using it."""
+        if self.complete is not None:
+            self.complete()
+
 
 class LiftedForward:
     """The installed ``forward`` of one sharded module (identity plan: TorchRec's collectives,
@@ -302,8 +307,7 @@ class LiftedForward:
             return None  # (an evaluation call in between leaves it for the next training step)
         prefetch, self._prefetch = self._prefetch, None
         if not same_features(prefetch.features, features):
-            if prefetch.complete is not None:
-                prefetch.complete()  # finish this rank's side of the exchange before failing
+            prefetch.drain()
             raise RuntimeError(
                 f"{self.spec.path}: this training step's features are not the ones the training loop announced as "
                 f"next (their input distribution started during the previous step): a hook, callback or the model "
@@ -332,8 +336,7 @@ class LiftedForward:
 
     def _discard_prefetch(self) -> None:
         if self._prefetch is not None:
-            if self._prefetch.complete is not None:
-                self._prefetch.complete()
+            self._prefetch.drain()
             self._prefetch = None
 
     def discard(self) -> None:

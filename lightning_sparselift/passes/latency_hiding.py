@@ -38,6 +38,7 @@ moved and the arithmetic are unchanged: results stay bit-identical.
 
 from __future__ import annotations
 
+from lightning_sparselift.capture import describe_path
 from lightning_sparselift.cost.calibration import CalibrationProtocol
 from lightning_sparselift.cost.priors import Priors
 from lightning_sparselift.lift import CollectiveNode, SparseGraph, member_bytes
@@ -45,15 +46,6 @@ from lightning_sparselift.passes import Candidate, OptimizationPass
 
 # the input distribution's payload all-to-alls (the splits exchange stays synchronous: their sizes depend on it)
 _PREFETCHED_ROLES = ("input_lengths", "input_values", "input_weights", "input_payload")
-
-
-def describe_path(path: list[list], name: str = "") -> str:
-    """``args[0].sparse``, or ``batch.sparse`` for a path into one object called ``name``."""
-    kind, key = path[0]
-    text = name if name and path[0] == ["arg", 0] else f"args[{key}]" if kind == "arg" else f"kwargs[{key!r}]"
-    for kind, key in path[1:]:
-        text += f".{key}" if kind == "attr" else f"[{key!r}]"
-    return text
 
 
 class LatencyHiding(OptimizationPass):
