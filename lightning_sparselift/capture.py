@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -107,18 +107,20 @@ def copy_features(kjt: Any) -> Any:
                              weights=weights.clone() if weights is not None else None, stride=kjt.stride())
 
 
-def find_kjts(args: tuple, kwargs: dict, depth: int = 2) -> dict[int, list[list[Any]]]:
-    """KeyedJaggedTensors reachable from a forward's arguments (through tuples, lists, dicts and
-    object attributes, ``depth`` levels deep): id -> access path."""
+def find_objects(args: tuple, kwargs: dict, match: Callable[[Any], bool], depth: int = 2
+                 ) -> list[tuple[list[list[Any]], Any]]:
+    """Objects for which ``match`` holds, reachable from a forward's arguments (through tuples,
+    lists, dicts with string keys and object attributes, ``depth`` levels deep), each with its
+    access path, in traversal order. Tensors, KJTs and scalars are leaves: never entered."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    found: dict[int, list[list[Any]]] = {}
+    found: list[tuple[list[list[Any]], Any]] = []
 
     def walk(obj: Any, path: list[list[Any]], left: int) -> None:
-        if isinstance(obj, KeyedJaggedTensor):
-            found.setdefault(id(obj), path)
+        if match(obj):
+            found.append((path, obj))
             return
-        if left == 0 or isinstance(obj, (torch.Tensor, str, bytes, int, float)):
+        if left == 0 or isinstance(obj, (torch.Tensor, KeyedJaggedTensor, str, bytes, int, float)):
             return
         if isinstance(obj, (tuple, list)):
             for i, item in enumerate(obj):
@@ -135,6 +137,17 @@ def find_kjts(args: tuple, kwargs: dict, depth: int = 2) -> dict[int, list[list[
         walk(arg, [["arg", i]], depth)
     for name, arg in kwargs.items():
         walk(arg, [["kwarg", name]], depth)
+    return found
+
+
+def find_kjts(args: tuple, kwargs: dict, depth: int = 2) -> dict[int, list[list[Any]]]:
+    """KeyedJaggedTensors reachable from a forward's arguments (see :func:`find_objects`): id ->
+    the first access path to it."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    found: dict[int, list[list[Any]]] = {}
+    for path, kjt in find_objects(args, kwargs, lambda obj: isinstance(obj, KeyedJaggedTensor), depth):
+        found.setdefault(id(kjt), path)
     return found
 
 
@@ -155,6 +168,17 @@ def resolve_path(args: tuple, kwargs: dict, path: list[list[Any]]) -> Any:
         else:
             obj = obj[key] if isinstance(obj, (tuple, list)) and key < len(obj) else None
     return obj
+
+
+def resolve_features(args: tuple, kwargs: dict, path: list[list[Any]], keys: list[str]) -> Any:
+    """The KJT at ``path`` if the object there is one with exactly ``keys`` (in order), else None.
+    A captured path names a position, not a type: the same root module can be called with other
+    arguments in the same step (Lightning's forward redirection passes ``(batch, batch_idx)``
+    before ``training_step`` calls ``self(dense, kjt)``), so every use checks what it finds."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    found = resolve_path(args, kwargs, path)
+    return found if isinstance(found, KeyedJaggedTensor) and list(found.keys()) == keys else None
 
 
 def describe_path(path: list[list], name: str = "") -> str:

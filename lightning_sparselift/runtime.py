@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_sparselift.capture import copy_features, resolve_path, same_features
+from lightning_sparselift.capture import copy_features, resolve_features, same_features
 from lightning_sparselift.cost.calibration import RegionClock
 from lightning_sparselift.lift import LiftedModule, ShardingGroup, SparseGraph
 
@@ -377,13 +377,13 @@ class LiftedForward:
                       for g, p in zip(self.groups, parts)]
         exchanged = [i for i, g in enumerate(self.groups) if g.spec.sharding_type != "data_parallel"]
         if self.world == 1 or not exchanged:
-            return lambda: bucketized
+            return (lambda: bucketized) if features.stride() > 0 else None
         kjts = [bucketized[i] for i in exchanged]
         groups = [self.groups[i] for i in exchanged]
         counts = [self._send_counts(g, kjt) for g, kjt in zip(groups, kjts)]
         received = self._exchange_splits(kjts, counts)
-        if len({row[-1] for table in received for row in table}) > 1:
-            return None
+        if len({row[-1] for table in received for row in table}) > 1 or features.stride() == 0:
+            return None  # every rank knows every rank's batch size here, so all hand the step to TorchRec
         recv = [([row[0] for row in table], [row[1] for row in table]) for table in received]
         if self.aggregate_input:
             wait = self._exchange_packed(kjts, counts, recv)
@@ -613,7 +613,8 @@ class InstalledExecutor:
         planned with ``next_batch`` start its input distribution during this step."""
         for forward in self.forwards.values():
             path = forward.spec.batch_input
-            forward.announce(resolve_path((batch,), {}, path) if batch is not None and path is not None else None)
+            forward.announce(resolve_features((batch,), {}, path, forward.spec.keys)
+                             if batch is not None and path is not None else None)
 
     def discard(self) -> None:
         """Training ended: complete and drop what was started for a step that will not run."""
@@ -657,8 +658,8 @@ def install(graph: SparseGraph, model: nn.Module, group: Any, device: torch.devi
             return
         for forward in forwards.values():
             if forward.early_start and forward.spec.root_input is not None:
-                features = resolve_path(args, kwargs, forward.spec.root_input)
-                if features is not None:
+                features = resolve_features(args, kwargs, forward.spec.root_input, forward.spec.keys)
+                if features is not None:  # (None: this call's arguments hold no such KJT there)
                     forward.start(features)
 
     restore.append(model.register_forward_pre_hook(start_early, with_kwargs=True).remove)

@@ -1,0 +1,85 @@
+"""LightningModules as users write them: their own EmbeddingBagCollection and dense part, with
+forwards that take the sparse features in different ways (not our DLRMModule, whose forward
+takes the whole batch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+from torch import nn
+
+
+@dataclass
+class Features:
+    dense: torch.Tensor
+    sparse: Any
+
+
+class UserModel(L.LightningModule):
+    """An EBC over the data module's features, a bottom MLP, a top layer. Subclasses choose how
+    ``training_step`` hands the KJT to ``forward``."""
+
+    def __init__(self, table_sizes: list[int], feature_names: list[str], dim: int = 8):
+        super().__init__()
+        from torchrec import EmbeddingBagCollection
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+        self.embeddings = EmbeddingBagCollection(
+            tables=[EmbeddingBagConfig(name=f"table_{f}", embedding_dim=dim, num_embeddings=rows, feature_names=[f])
+                    for f, rows in zip(feature_names, table_sizes)], device=torch.device("meta"))
+        self.feature_names = list(feature_names)
+        self.bottom = nn.Sequential(nn.Linear(13, 16), nn.ReLU(), nn.Linear(16, dim))
+        self.top = nn.Linear(dim * (len(feature_names) + 1), 1)
+
+    def score(self, dense: torch.Tensor, kjt: Any) -> torch.Tensor:
+        pooled = self.embeddings(kjt)
+        bottom = self.bottom(dense)  # between the sparse module's call and its output's first use
+        return self.top(torch.cat([bottom] + [pooled[f] for f in self.feature_names], dim=1)).squeeze(1)
+
+    def call_forward(self, batch: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        logits = self.call_forward(batch)
+        return nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+class PositionalKJT(UserModel):
+    def forward(self, dense: torch.Tensor, kjt: Any) -> torch.Tensor:
+        return self.score(dense, kjt)
+
+    def call_forward(self, batch: Any) -> torch.Tensor:
+        return self(batch.dense, batch.sparse)
+
+
+class KJTInDict(UserModel):
+    def forward(self, inputs: dict[str, Any]) -> torch.Tensor:
+        return self.score(inputs["dense"], inputs["sparse"])
+
+    def call_forward(self, batch: Any) -> torch.Tensor:
+        return self({"dense": batch.dense, "sparse": batch.sparse})
+
+
+class KJTInDataclass(UserModel):
+    def forward(self, features: Features) -> torch.Tensor:
+        return self.score(features.dense, features.sparse)
+
+    def call_forward(self, batch: Any) -> torch.Tensor:
+        return self(Features(batch.dense, batch.sparse))
+
+
+class KJTAsKeyword(UserModel):
+    def forward(self, dense: torch.Tensor, *, kjt: Any) -> torch.Tensor:
+        return self.score(dense, kjt)
+
+    def call_forward(self, batch: Any) -> torch.Tensor:
+        return self(batch.dense, kjt=batch.sparse)
+
+
+MODELS = {"positional": PositionalKJT, "dict": KJTInDict, "dataclass": KJTInDataclass, "keyword": KJTAsKeyword}
