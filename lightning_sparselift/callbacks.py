@@ -67,7 +67,7 @@ class LiftWarmup(pl.Callback):
         pl_module.log_dict(metrics, rank_zero_only=True)
         log_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
         if log_dir and trainer.is_global_zero:
-            plan.save(f"{log_dir}/sparselift_plan.json")
+            plan.save_as_cache(f"{log_dir}/sparselift_plan.json")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         warmup = trainer.strategy.warmup

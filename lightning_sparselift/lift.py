@@ -20,12 +20,13 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 from torch import nn
 
 from lightning_sparselift.capture import RankCapture, common_path, describe_path
+from lightning_sparselift.typed_json import decode
 
 SUPPORTED_SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "data_parallel")
 # sharding types whose features travel to their owners through an all-to-all
@@ -132,7 +133,7 @@ class CollectiveNode:
     bytes_per_member: list[int]
     data_dependent: bool  # bytes follow the batch's ids (predicted from the captured mean)
     after: list[str] = field(default_factory=list)
-    kind: str = "collective"
+    kind: Literal["collective"] = "collective"
 
 
 @dataclass
@@ -147,7 +148,7 @@ class ComputeNode:
     workload: dict[str, float]
     workspace_bytes: int
     after: list[str] = field(default_factory=list)
-    kind: str = "compute"
+    kind: Literal["compute"] = "compute"
 
 
 Node = Union[CollectiveNode, ComputeNode]
@@ -166,6 +167,10 @@ class SparseGraph:
     version: int = _GRAPH_VERSION
     provenance: list[str] = field(default_factory=list)  # the passes applied, in order
 
+    def __post_init__(self) -> None:
+        if self.version != _GRAPH_VERSION:
+            raise ValueError(f"sparse graph version {self.version} is not {_GRAPH_VERSION}")
+
     def module(self, path: str) -> LiftedModule:
         for m in self.modules:
             if m.path == path:
@@ -181,15 +186,9 @@ class SparseGraph:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "SparseGraph":
-        if data.get("version") != _GRAPH_VERSION:
-            raise ValueError(f"sparse graph version {data.get('version')} is not {_GRAPH_VERSION}")
-        modules = [LiftedModule(**{**m, "groups": [ShardingGroup(**{**g, "tables": [TableShard(**t) for t in g["tables"]]})
-                                                   for g in m["groups"]]}) for m in data["modules"]]
-        nodes: list[Node] = [CollectiveNode(**n) if n["kind"] == "collective" else ComputeNode(**n)
-                             for n in data["nodes"]]
-        return cls(data["world_size"], data["backend"], modules, nodes, data["dense_param_bytes"], data["versions"],
-                   data["version"], list(data.get("provenance", [])))
+    def from_dict(cls, data: Any) -> "SparseGraph":
+        """The graph ``data`` (parsed JSON) describes; ValueError naming the first field of the wrong type."""
+        return decode(cls, data)
 
     def copy(self) -> "SparseGraph":
         return SparseGraph.from_dict(self.to_dict())

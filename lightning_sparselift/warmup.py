@@ -8,10 +8,13 @@ it while the loop runs; the Lightning callback and the benchmark's bare loop bot
 2. lift: every rank lifts the graph, checks it against TorchRec's modules and compares
    fingerprints; any rank that cannot lift makes every rank keep TorchRec's path; the lifted
    executor is installed with the identity plan;
-3. plan: a saved plan for the same setup (``plan_path``) is installed as is; otherwise the
-   planner proposes the selected passes' candidates, each is calibrated on real training steps
-   (its pass's protocol) and kept if it makes the measured region faster on the slowest rank;
-4. the final plan is installed for the rest of training and saved to ``plan_path``.
+3. plan: a saved plan for the same setup (``plan_path``) whose graph is what its accepted
+   candidates give on this run's graph is installed without calibration; otherwise (any problem
+   with the file is logged) the planner proposes the selected passes' candidates, each is
+   calibrated on real training steps (its pass's protocol) and kept if it makes the measured
+   region faster on the slowest rank;
+4. the final plan is installed for the rest of training and saved to ``plan_path`` (a failed
+   write warns: the file is a cache).
 
 Every decision is the same on every rank: inputs are all-gathered, measurements reduced.
 """
@@ -166,19 +169,25 @@ class SparseLiftWarmup:
             versions={**graph.versions, "lightning_sparselift": lightning_sparselift.__version__},
             optimizations=self.optimizations)
 
-    def _saved_plan(self, fingerprint: PlanFingerprint) -> Optional[ExecutionPlan]:
-        """The plan at ``plan_path`` if every rank can use it, else None (with the reason)."""
+    def _saved_plan(self, fingerprint: PlanFingerprint, identity: SparseGraph) -> Optional[ExecutionPlan]:
+        """The plan at ``plan_path`` if every rank can use it, else None (with the reason). Its graph is
+        rebuilt from ``identity`` (this run's lift): the file's own graph is only compared, never run."""
         from pathlib import Path
 
-        if not self.plan_path or not Path(self.plan_path).exists():
-            status: Any = "missing"
-        else:
-            try:
+        from lightning_sparselift.plan.planner import Planner
+
+        try:
+            if not self.plan_path or not Path(self.plan_path).exists():
+                status: Any = "missing"
+            else:
                 plan = ExecutionPlan.load(self.plan_path)
                 plan.check(fingerprint)
+                plan.graph = Planner(self.passes, None, calibrate=False).rebuild(plan, identity)
                 status = plan.graph.fingerprint()
-            except PlanFileError as error:
-                status = f"error: {error}"
+        except PlanFileError as error:
+            status = f"error: {error}"
+        except Exception as error:  # still only a cache miss, and every rank must reach the all-gather below
+            status = f"error: {type(error).__name__}: {error}"
         statuses = self._all_gather(status)
         if all(s == "missing" for s in statuses):
             return None
@@ -196,7 +205,7 @@ class SparseLiftWarmup:
         start = time.perf_counter()
         identity = self.installed.graph
         fingerprint = self._fingerprint(identity)
-        saved = self._saved_plan(fingerprint)
+        saved = self._saved_plan(fingerprint, identity)
         if saved is not None:
             self.plan = saved
             self.plan_reused = True
@@ -273,9 +282,11 @@ class SparseLiftWarmup:
         plan.graph = self._incumbent
         self.installed.use(self._incumbent)
         self.phase = "done"
+        saved = f"; saved to {self.plan_path}" if self.plan_path else ""
         if self.plan_path and self.rank == 0:
-            plan.save(self.plan_path)
+            error = plan.save_as_cache(self.plan_path)
+            if error is not None:
+                saved = f"; not saved to {self.plan_path}: {error}"
         self.events.append(f"plan installed: {len(plan.accepted)} of {len(plan.decisions)} candidate(s) accepted, "
                            f"{len(plan.graph.collectives())} collectives per step; calibration "
-                           f"{plan.calibration_steps} steps / {plan.calibration_s:.2f} s"
-                           + (f"; saved to {self.plan_path}" if self.plan_path else ""))
+                           f"{plan.calibration_steps} steps / {plan.calibration_s:.2f} s" + saved)

@@ -10,7 +10,7 @@ from lightning_sparselift.cost.calibration import Measurement
 from lightning_sparselift.cost.priors import Priors
 from lightning_sparselift.lift import SparseGraph
 from lightning_sparselift.passes import Candidate, OptimizationPass
-from lightning_sparselift.plan.types import Decision
+from lightning_sparselift.plan.types import Decision, ExecutionPlan, PlanFileError
 
 
 class Planner:
@@ -55,3 +55,28 @@ class Planner:
 
     def apply(self, graph: SparseGraph, candidate: Candidate) -> SparseGraph:
         return self.passes[candidate.pass_name].apply(graph, candidate)
+
+    def rebuild(self, plan: ExecutionPlan, graph: SparseGraph) -> SparseGraph:
+        """The graph a saved ``plan`` runs, rebuilt from this run's identity ``graph``: the plan's accepted
+        candidates applied in their order, each one a feasible candidate of the selected passes. The plan's
+        own graph must have the same structure (fingerprint) as the result, so a plan file cannot bring a
+        module, an aggregation or a schedule that these passes would not produce on this graph. Raises
+        :class:`PlanFileError` naming the difference."""
+        feasible, _ = self.propose(graph)
+        unapplied = {c.id: c for c in feasible}
+        for decision in plan.accepted:
+            candidate = unapplied.pop(decision.candidate, None)
+            if candidate is None:
+                raise PlanFileError(f"the plan accepts {decision.candidate}, which is not a feasible candidate of the "
+                                    f"selected optimizations on this run's graph (or is accepted twice)")
+            graph = self.apply(graph, candidate)
+        if plan.graph.fingerprint() != graph.fingerprint():
+            theirs, ours = _passes_applied(plan.graph), _passes_applied(graph)
+            raise PlanFileError("the plan's graph is not what its accepted candidates give on this run's graph: "
+                                + (f"it has {theirs}; they give {ours}" if theirs != ours
+                                   else "its layouts or collectives differ"))
+        return graph
+
+
+def _passes_applied(graph: SparseGraph) -> str:
+    return "; ".join(f"{m.path} aggregated {m.aggregated} schedules {m.schedules}" for m in graph.modules)

@@ -1,17 +1,20 @@
 """The execution plan: what runs (the lifted graph after the accepted passes), why (every
 candidate with its feasibility, prediction, measurements and decision), and for what (a
 fingerprint of the model structure, sharding plan, world size, backend and library versions).
-Plans are JSON: loading one never unpickles anything."""
+Plans are JSON: loading one never unpickles anything, and every field is checked against its type."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from lightning_sparselift.cost.priors import Priors
 from lightning_sparselift.lift import SparseGraph
+from lightning_sparselift.typed_json import decode, json_type
 
 PLAN_SCHEMA = "sparselift-plan/1"
 
@@ -81,30 +84,48 @@ class ExecutionPlan:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ExecutionPlan":
-        if data.get("schema") != PLAN_SCHEMA:
-            raise PlanFileError(f"not a {PLAN_SCHEMA} plan (schema {data.get('schema')!r})")
+    def from_dict(cls, data: Any) -> "ExecutionPlan":
+        """The plan ``data`` (parsed JSON) describes; :class:`PlanFileError` naming the first field of the
+        wrong type (or a missing or unknown key)."""
+        if not isinstance(data, dict) or data.get("schema") != PLAN_SCHEMA:
+            found = f"schema {data.get('schema')!r}" if isinstance(data, dict) else f"a JSON {json_type(data)}"
+            raise PlanFileError(f"not a {PLAN_SCHEMA} plan ({found})")
         try:
-            return cls(fingerprint=PlanFingerprint(**data["fingerprint"]), graph=SparseGraph.from_dict(data["graph"]),
-                       decisions=[Decision(**d) for d in data["decisions"]], priors=data.get("priors"),
-                       calibration_steps=data["calibration_steps"], calibration_s=data["calibration_s"],
-                       planning_s=data["planning_s"], schema=data["schema"])
-        except (KeyError, TypeError, ValueError) as error:
+            plan = decode(cls, data)
+            if plan.priors is not None:  # kept as the dict explain() reads, which must be a Priors
+                decode(Priors, plan.priors, "priors")
+        except ValueError as error:
             raise PlanFileError(f"malformed plan: {error}") from error
+        return plan
 
     def save(self, path: Union[str, Path]) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".partial")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True))
-        tmp.replace(path)
+        try:
+            tmp.write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True))
+            tmp.replace(path)
+        finally:  # gone after the replace; after a failed one, no half-written file stays behind
+            tmp.unlink(missing_ok=True)
+
+    def save_as_cache(self, path: Union[str, Path]) -> Optional[OSError]:
+        """:meth:`save`, for a file that is only a cache: a failed write warns (naming the path
+        and the error) and is returned instead of stopping training."""
+        try:
+            self.save(path)
+        except OSError as error:
+            warnings.warn(f"SparseLift could not save the execution plan to {path} ({error}); training continues "
+                          f"with the plan installed", RuntimeWarning)
+            return error
+        return None
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "ExecutionPlan":
         try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as error:
-            raise PlanFileError(f"cannot read plan {path}: {error}") from error
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        # RecursionError: JSON nested deeper than the parser goes
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+            raise PlanFileError(f"cannot read plan {path} as UTF-8 JSON: {error}") from error
         return cls.from_dict(data)
 
     def check(self, fingerprint: PlanFingerprint) -> None:
