@@ -29,6 +29,11 @@ class LiftWarmup(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         trainer.strategy.start_warmup()
 
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the previous epoch's last step may have announced a batch it never reached
+        # (limit_train_batches, on_train_batch_start returning -1): a new epoch starts from scratch
+        trainer.strategy.discard_started_work()
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self._active = trainer.strategy.sparse_step(batch)

@@ -1,4 +1,5 @@
-"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP).
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP), saved atomically and read
+without running code.
 
 A checkpoint is a folder:
 - DCP shards of ``{"model": DMP.state_dict(), "optimizer": CombinedOptimizer.state_dict()}``
@@ -6,8 +7,32 @@ A checkpoint is a folder:
 - ``param_groups.rank<R>.json``: each rank's optimizer hyper-parameters (learning rates, ...),
   which TorchRec's ``KeyedOptimizer.state_dict()`` leaves out and which differ per rank for the
   fused tables;
-- ``sparselift.meta.pt`` (rank 0): Lightning's own state (loops, schedulers, callbacks,
-  hyper-parameters), the model fingerprint and the sharding plan summary.
+- ``sparselift.tensors.pt`` (rank 0): the tensors inside Lightning's state (callback scores, ...),
+  a list read back with ``torch.load(weights_only=True)``;
+- ``sparselift.meta.json`` (rank 0, written last: the commit record): the format, a sha256 of
+  every other file, our section (model fingerprint, sharding plan summary) and Lightning's own
+  state (loops, schedulers, callbacks, hyper-parameters, epoch/global step, versions) as JSON.
+  Tuples, dicts with non-string keys and tensors are tagged objects (``{"$sparselift": "tuple",
+  ...}``, tensors by index into the tensors file), so they come back exactly; subclasses
+  (Lightning's ``AttributeDict``, an ``IntEnum``) come back as their base type. A value that is
+  none of these (an arbitrary object) cannot be stored without pickling it: its dict entry is
+  left out and the save warns, naming it (raising instead would make a model whose
+  hyper-parameters hold, say, a function impossible to checkpoint at all).
+
+Nothing in a checkpoint is unpickled beyond plain data: the metadata is JSON, the tensors file is
+loaded weights-only, DCP's own pickled ``.metadata`` is first read with an unpickler that knows
+only DCP's metadata classes, and DCP's non-tensor values are checked weights-only before DCP
+unpickles them. Metadata pickled by older versions (``sparselift.meta.pt``) is refused.
+
+A save is atomic: every rank writes into a new sibling folder ``<name>.partial-<id>``; rank 0
+then checksums it, writes the commit record and renames it to ``<name>`` (an existing checkpoint
+there is first renamed to ``<name>.old-<id>`` and deleted afterwards). A crash leaves either the
+previous or the new checkpoint under ``<name>``, or, between the two renames, no ``<name>`` and a
+load error naming both leftovers. A load first checks every file against its checksum and refuses
+torn (no commit record) or corrupt folders, naming the file. All ranks share the filesystem (as
+DCP's resharding load needs), so rank 0 alone hashes every file, streaming it, once all ranks
+have written theirs, and alone verifies them on load (sha256 runs at about 1.5 GB/s: well under a
+second for a few hundred MB); the strategy tells the other ranks the outcome.
 
 Weights can be loaded into a different sharding plan (DCP reshards them). Fused embedding
 optimizer state cannot be resharded: loading a checkpoint whose plan differs raises unless
@@ -16,17 +41,34 @@ optimizer state cannot be resharded: loading a checkpoint whose plan differs rai
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import io
 import json
+import os
+import pickle
+import shutil
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import nn
+from torch import Tensor, nn
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-META_FILE = "sparselift.meta.pt"
-FORMAT = "sparselift-dcp-1"
+META_FILE = "sparselift.meta.json"
+TENSORS_FILE = "sparselift.tensors.pt"
+LEGACY_META_FILE = "sparselift.meta.pt"
+FORMAT = "sparselift-dcp-2"
+_DCP_METADATA = ".metadata"
+_TAG = "$sparselift"
+_CHUNK = 4 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that is refused: missing, torn, corrupt, unsafe or of an unknown format."""
 
 
 def _param_groups_file(path: Path, rank: int) -> Path:
@@ -72,39 +114,183 @@ def _describe_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> str:
     return "\n".join(lines[:20]) + ("\n  ..." if len(lines) > 20 else "")
 
 
-def save(path: Path, dmp: nn.Module, optimizer: Optional[Any], lightning_state: dict[str, Any], rank: int,
-         fingerprint: dict[str, Any], plan: dict[str, Any]) -> None:
-    path.mkdir(parents=True, exist_ok=True)
+# ---------------------------------------------------------------------------------------- save
+def start_save(path: Path) -> tuple[Path, Path]:
+    """``path`` and the new folder every rank writes its save into (rank 0 calls this; the
+    strategy shares its answer, so all ranks agree on the name)."""
+    if path.is_file():
+        raise FileExistsError(f"{path} is a file; SparseLift checkpoints are folders")
+    if path.is_dir() and not _replaceable(path):
+        raise FileExistsError(f"{path} is a folder that is not a SparseLift checkpoint; refusing to replace it")
+    return path, _sibling(path, "partial")
+
+
+def _replaceable(folder: Path) -> bool:
+    """Empty, or a checkpoint (ours, an older one, or a torn one: DCP's ``.metadata`` is there)."""
+    names = {p.name for p in folder.iterdir()}
+    return not names or bool(names & {META_FILE, LEGACY_META_FILE, _DCP_METADATA})
+
+
+def write_shards(folder: Path, dmp: nn.Module, optimizer: Optional[Any], rank: int) -> None:
+    """Every rank: its DCP shards and optimizer hyper-parameters."""
+    folder.mkdir(parents=True, exist_ok=True)
     state: dict[str, Any] = {"model": dmp.state_dict()}
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
-        _param_groups_file(path, rank).write_text(json.dumps(_per_optimizer_groups(optimizer)))
-    dcp.save(state, checkpoint_id=str(path))
-    if rank == 0:
-        meta = dict(lightning_state)
-        meta["sparselift"] = {"format": FORMAT, "fingerprint": fingerprint, "plan": plan,
-                              "has_optimizer": optimizer is not None}
-        torch.save(meta, path / META_FILE)
+        _param_groups_file(folder, rank).write_text(json.dumps(_per_optimizer_groups(optimizer)))
+    dcp.save(state, checkpoint_id=str(folder))
 
 
 def _per_optimizer_groups(optimizer: Any) -> dict[str, list[dict[str, Any]]]:
     return {key: _hyperparameters(opt) for key, opt in optimizer.optimizers}
 
 
-def read_meta(path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
+def commit(folder: Path, path: Path, lightning_state: dict[str, Any], fingerprint: dict[str, Any],
+           plan: dict[str, Any], has_optimizer: bool) -> None:
+    """Rank 0, once every rank's shards are in ``folder``: checksums, the commit record, and the
+    rename to ``path``. Files are flushed to disk before the rename, so the previous checkpoint is
+    deleted only once the new one is durable."""
+    encoder = _Encoder()
+    lightning = encoder.encode(lightning_state, "checkpoint")
+    sparselift = encoder.encode({"fingerprint": fingerprint, "plan": plan, "has_optimizer": has_optimizer},
+                                "sparselift")
+    if encoder.dropped:
+        warnings.warn(f"checkpoint {path}: left out {', '.join(encoder.dropped)}: the metadata holds only JSON "
+                      f"values, tuples and tensors (other objects would have to be pickled, and unpickling can "
+                      f"run code), so these are not restored on resume", RuntimeWarning)
+    torch.save(encoder.tensors, folder / TENSORS_FILE)
+    checksums = {}
+    for file in sorted(p for p in folder.rglob("*") if p.is_file()):
+        checksums[file.relative_to(folder).as_posix()] = _sha256(file)
+        _fsync(file)
+    record = {"format": FORMAT, "checksums": checksums, "sparselift": sparselift, "lightning": lightning}
+    (folder / META_FILE).write_text(json.dumps(record, indent=1))
+    _fsync(folder / META_FILE)
+    _fsync(folder)
+    previous = _move_aside(path) if os.path.lexists(path) else None
+    os.rename(folder, path)
+    _fsync(path.parent)
+    if previous is not None:
+        _delete(previous)
+
+
+def remove(path: Path) -> None:
+    """Deletes a checkpoint; it leaves its name first, so a crash midway leaves no half-deleted
+    folder under that name."""
+    if os.path.lexists(path):
+        _delete(_move_aside(path))
+
+
+def _sibling(path: Path, kind: str) -> Path:
+    return path.with_name(f"{path.name}.{kind}-{uuid.uuid4().hex[:12]}")
+
+
+def _move_aside(path: Path) -> Path:
+    aside = _sibling(path, "old")
+    os.rename(path, aside)
+    return aside
+
+
+def _delete(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    """Flushes a file, or a folder's entries, to disk (Linux syncs through a read-only descriptor)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP):  # a filesystem that cannot sync this (some FUSE)
+            raise
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------- load
+def read_meta(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Rank 0: Lightning's state and our section of the checkpoint at ``path``, once every file is
+    the one its save wrote and nothing in it can run code when DCP reads it."""
+    record = _read_commit_record(path)
+    _verify_checksums(path, record["checksums"])
+    _check_dcp_files(path)
+    try:
+        tensors = torch.load(path / TENSORS_FILE, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(f"{path / TENSORS_FILE} holds more than plain tensors and is refused "
+                              f"(unpickling it could run code)") from error
+    try:
+        return _decode(record["lightning"], tensors), _decode(record["sparselift"], tensors)
+    except (KeyError, IndexError, TypeError) as error:
+        raise CheckpointError(f"{path / META_FILE} is malformed: {error!r}") from error
+
+
+def _read_commit_record(path: Path) -> dict[str, Any]:
     meta_file = path / META_FILE
-    if not meta_file.exists():
-        raise FileNotFoundError(f"{path} is not a SparseLift checkpoint (no {META_FILE}); SparseLiftStrategy saves "
-                                f"and loads sharded checkpoint folders written by itself")
-    meta = torch.load(meta_file, weights_only=bool(weights_only), map_location="cpu")
-    if meta.get("sparselift", {}).get("format") != FORMAT:
-        raise ValueError(f"{path}: unknown checkpoint format {meta.get('sparselift', {}).get('format')!r}")
-    return meta
+    if not meta_file.is_file():
+        raise CheckpointError(_why_not_committed(path))
+    try:
+        record = json.loads(meta_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{meta_file} is not valid JSON: {error}") from error
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        found = record.get("format") if isinstance(record, dict) else None
+        raise CheckpointError(f"{path}: unknown checkpoint format {found!r} (this version reads {FORMAT!r})")
+    if not isinstance(record.get("checksums"), dict):
+        raise CheckpointError(f"{meta_file} is malformed: no checksums")
+    return record
 
 
-def load(path: Path, dmp: nn.Module, optimizer: Optional[Any], meta: dict[str, Any], rank: int,
+def _why_not_committed(path: Path) -> str:
+    if not os.path.lexists(path):
+        leftovers = sorted(p.name for p in path.parent.glob("*")
+                           if p.name.startswith((f"{path.name}.old-", f"{path.name}.partial-")))
+        if leftovers:
+            return (f"{path} does not exist: a save into it was interrupted while replacing the previous "
+                    f"checkpoint. Left over next to it: {leftovers} ('.old-': the previous checkpoint, "
+                    f"'.partial-': the new one, complete if it has {META_FILE}); rename the one to keep to "
+                    f"{path.name!r}")
+        return f"{path} does not exist"
+    names = {p.name for p in path.iterdir()} if path.is_dir() else set()
+    if LEGACY_META_FILE in names:
+        return (f"{path} was saved by an older SparseLift, whose metadata ({LEGACY_META_FILE}) is a pickle: "
+                f"unpickling a file runs any code it contains, so it is refused (it is never unpickled, "
+                f"whatever weights_only says). This version reads checkpoints with JSON metadata ({META_FILE}) "
+                f"only; train again or resume with the version that wrote it")
+    if _DCP_METADATA in names or any(name.endswith(".distcp") for name in names):
+        return (f"{path} is a torn checkpoint: it has DCP shards but no {META_FILE}, which a save writes "
+                f"last, so its save was interrupted; load an earlier checkpoint")
+    return (f"{path} is not a SparseLift checkpoint (no {META_FILE}); SparseLiftStrategy saves and loads "
+            f"sharded checkpoint folders written by itself")
+
+
+def _verify_checksums(path: Path, checksums: dict[str, str]) -> None:
+    problems = []
+    for name, expected in sorted(checksums.items()):
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{file} is missing")
+        elif (actual := _sha256(file)) != expected:
+            problems.append(f"{file} is corrupt: sha256 {actual}, its save recorded {expected}")
+    if problems:
+        raise CheckpointError(f"checkpoint {path} does not match its checksums ({len(problems)} file(s)):\n  "
+                              + "\n  ".join(problems[:20]))
+
+
+def load(path: Path, dmp: nn.Module, optimizer: Optional[Any], info: dict[str, Any], rank: int,
          fingerprint: dict[str, Any], plan: dict[str, Any], allow_optimizer_state_reset: bool) -> None:
-    info = meta["sparselift"]
+    """Every rank, after :func:`read_meta`: weights, optimizer state and hyper-parameters."""
     if info["fingerprint"] != fingerprint:
         raise ValueError(f"checkpoint {path} was saved from a different model:\n"
                          f"{_describe_mismatch(info['fingerprint'], fingerprint)}")
@@ -160,3 +346,109 @@ def _initialize_lazy_state(optimizer: Any) -> None:
         dense.init_state()
         for k, p in dense.params.items():
             p.grad = saved_grads[k]
+
+
+# --------------------------------------------------------------- DCP's pickles, read safely
+_DCP_METADATA_CLASSES = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    *((module, name) for module in ("pathlib", "pathlib._local")
+      for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")),
+}
+_DTYPE_NAMES = {name for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    """DCP pickles its ``.metadata`` and reads it with plain ``pickle.load``; this unpickler
+    builds only DCP's metadata classes, so a file that passes it is safe for DCP to read."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _DCP_METADATA_CLASSES or (module == "torch" and name in _DTYPE_NAMES):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP metadata")
+
+
+def _check_dcp_files(path: Path) -> None:
+    """DCP unpickles its ``.metadata`` with plain pickle (falling back to per-rank
+    ``__<rank>.metadata`` files) and its non-tensor values with ``torch.load(weights_only=False)``:
+    all of them are read here first, safely, and refused unless they are plain data."""
+    for file in sorted(p for p in path.iterdir() if p.name.endswith(_DCP_METADATA)):
+        try:
+            with open(file, "rb") as f:
+                metadata = _DcpMetadataUnpickler(f).load()
+            values = [(index.fqn, info) for index, info in metadata.storage_data.items()
+                      if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata)]
+        except Exception as error:
+            raise CheckpointError(f"{file} is not plain DCP metadata and is refused (DCP unpickles it, which "
+                                  f"could run code)") from error
+        for fqn, info in values:
+            try:
+                with open(path / info.relative_path, "rb") as f:
+                    f.seek(info.offset)
+                    torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+            except Exception as error:
+                raise CheckpointError(f"{path / info.relative_path}: value {fqn!r} is not plain data and is refused "
+                                      f"(DCP unpickles it, which could run code)") from error
+
+
+# ---------------------------------------------------------------- Lightning's state as JSON
+class _Unencodable(Exception):
+    pass
+
+
+class _Encoder:
+    """JSON for Lightning's state: tuples, dicts with keys JSON cannot hold and tensors become
+    tagged objects (tensors go to ``tensors``); a dict entry holding anything else is left out
+    and named in ``dropped``."""
+
+    def __init__(self) -> None:
+        self.tensors: list[Tensor] = []
+        self.dropped: list[str] = []
+
+    def encode(self, value: Any, where: str) -> Any:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, Tensor):
+            self.tensors.append(value.detach().cpu())
+            return {_TAG: "tensor", "index": len(self.tensors) - 1}
+        if isinstance(value, tuple):
+            return {_TAG: "tuple", "items": [self.encode(v, f"{where}[{i}]") for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [self.encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        if isinstance(value, dict):
+            return self._encode_dict(value, where)
+        raise _Unencodable(f"{where} ({type(value).__qualname__})")
+
+    def _encode_dict(self, value: dict[Any, Any], where: str) -> Any:
+        items = []
+        for key, item in value.items():
+            kept_tensors = len(self.tensors)
+            try:
+                items.append((self.encode(key, f"{where} key {key!r}"), self.encode(item, f"{where}[{key!r}]")))
+            except _Unencodable as error:
+                del self.tensors[kept_tensors:]
+                self.dropped.append(str(error))
+        if all(isinstance(key, str) and key != _TAG for key, _ in items):
+            return dict(items)
+        return {_TAG: "dict", "items": [[key, item] for key, item in items]}
+
+
+def _decode(value: Any, tensors: list[Tensor]) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, tensors) for v in value]
+    if not isinstance(value, dict):
+        return value
+    kind = value.get(_TAG)
+    if kind is None:
+        return {key: _decode(item, tensors) for key, item in value.items()}
+    if kind == "tuple":
+        return tuple(_decode(v, tensors) for v in value["items"])
+    if kind == "dict":
+        return {_decode(key, tensors): _decode(item, tensors) for key, item in value["items"]}
+    if kind == "tensor":
+        return tensors[value["index"]]
+    raise CheckpointError(f"unknown tag {kind!r} in {META_FILE}")

@@ -8,12 +8,13 @@ loading is a handful of ``np`` slices per step and never part of the measured mo
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import lightning.pytorch as pl
 import numpy as np
@@ -185,13 +186,56 @@ class EpochShuffledSampler(DistributedSampler):
     On resuming from an end-of-epoch checkpoint Lightning creates the dataloader iterator before
     it calls ``set_epoch``; an eager sampler then replays the previous epoch's order and the
     resumed run diverges from an uninterrupted one.
+
+    ``start`` skips the first positions of the epoch's order: :class:`ResumableLoader` sets it to
+    resume mid-epoch without loading the batches already trained on.
     """
 
     def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=False)
+        self.start = 0
 
     def __iter__(self) -> Iterator[int]:
-        yield from super().__iter__()
+        yield from itertools.islice(super().__iter__(), self.start, None)
+
+
+class ResumableLoader(DataLoader):
+    """The training DataLoader, stateful for Lightning: its state is the sampler's epoch and the
+    number of batches yielded in it. Lightning saves that in every checkpoint and restores it
+    when resuming mid-epoch; the loader then continues with the next batch of the same shuffled
+    order (an :class:`EpochShuffledSampler` that starts past the batches already trained on, so
+    they are not loaded again). Batches are counted as they are yielded, which is sampler order
+    also with worker processes, so the position is exact whatever the workers have prefetched.
+    """
+
+    def __init__(self, dataset: Dataset, **kwargs: Any):
+        super().__init__(dataset, **kwargs)
+        self._epoch = 0
+        self._yielded = 0  # batches yielded in self._epoch
+        self._resuming = False  # a loaded position, applied when the iteration of its epoch starts
+
+    def __iter__(self) -> Iterator[Any]:
+        if not isinstance(self.sampler, EpochShuffledSampler):
+            # Lightning's overfit_batches swaps in a SequentialSampler: the same few batches each
+            # epoch, read from the first one again on resume
+            yield from super().__iter__()
+            return
+        # runs at the first batch, after Lightning's set_epoch (which comes after iter() on resume)
+        epoch = self.sampler.epoch
+        if not (self._resuming and epoch == self._epoch):
+            self._yielded = 0  # a new epoch (a position saved at the end of the last one included)
+        self._epoch, self._resuming = epoch, False
+        self.sampler.start = self._yielded
+        for batch in super().__iter__():
+            self._yielded += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._epoch, "batches": self._yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._epoch, self._yielded = int(state["epoch"]), int(state["batches"])
+        self._resuming = True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -440,13 +484,14 @@ class CriteoDataModule(pl.LightningDataModule):
 
     def _loader(self, split: str, train: bool) -> DataLoader:
         dataset = BatchedRecDataset(self.split(split), self.hparams.batch_size, drop_last=train)
-        sampler = None
-        if self.trainer is not None:
-            world, rank = self.trainer.world_size, self.trainer.global_rank
-            sampler = EpochShuffledSampler(dataset, world, rank, seed=int(os.environ.get("PL_GLOBAL_SEED", 0))) \
-                if train else EvenDistributedSampler(dataset, num_replicas=world, rank=rank)
-        return DataLoader(dataset, batch_size=None, shuffle=train if sampler is None else False, sampler=sampler,
-                          num_workers=self.hparams.num_workers, collate_fn=_identity)
+        args = dict(batch_size=None, num_workers=self.hparams.num_workers, collate_fn=_identity)
+        if self.trainer is None:
+            return DataLoader(dataset, shuffle=train, **args)
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        if train:
+            sampler = EpochShuffledSampler(dataset, world, rank, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
+            return ResumableLoader(dataset, sampler=sampler, **args)
+        return DataLoader(dataset, sampler=EvenDistributedSampler(dataset, num_replicas=world, rank=rank), **args)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", train=True)

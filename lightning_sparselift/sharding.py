@@ -201,7 +201,9 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
     if validate_inputs:
         from lightning_sparselift.validation import install_input_checks
 
-        install_input_checks(module, sorted(ebcs), tables)
+        row_wise = {path for path, tables_plan in plan.plan.items()
+                    if any(p.sharding_type in ("row_wise", "table_row_wise") for p in tables_plan.values())}
+        install_input_checks(module, sorted(ebcs), tables, process_group, row_wise)
     return ShardedModel(dmp, tables, sorted(ebcs))
 
 

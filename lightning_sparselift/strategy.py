@@ -11,6 +11,7 @@ callback runs SparseLift's loop on the first training steps (capture -> lift -> 
 
 from __future__ import annotations
 
+import copy
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -33,12 +34,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from typing_extensions import override
 from torch import Tensor
 
 from lightning_sparselift import checkpoint as ckpt
 from lightning_sparselift.callbacks import LiftWarmup
 from lightning_sparselift.launcher import DenseOnlyMultiProcessingLauncher
 from lightning_sparselift.sharding import EmbeddingOptimizer, combine_optimizers, shard_model
+from lightning_sparselift.step_check import NON_FINITE_POLICIES, StepCheck
 
 EXECUTORS = ("torchrec", "sparselift")
 _END = object()
@@ -48,11 +51,17 @@ class LookaheadLoader:
     """The training dataloader, read one batch ahead: while a step trains on batch k, batch k+1
     has been fetched, so the strategy can announce it to the lifted executor (the ``next_batch``
     schedule distributes its sparse input during step k). Length, sampler, dataset and every
-    other attribute are the wrapped loader's; the batches and their order are unchanged."""
+    other attribute are the wrapped loader's; the batches and their order are unchanged.
+
+    A stateful wrapped loader (``state_dict`` / ``load_state_dict``: Lightning saves its state in
+    checkpoints and restores it on resume) is one batch ahead of the training loop, so its state
+    is reported as it was before the batch ahead was fetched: the position of the batch last
+    yielded, and a resume continues with the batch after it."""
 
     def __init__(self, loader: Any) -> None:
         self.loader = loader
         self._recent: list[Any] = []  # the last batches yielded and the one fetched ahead
+        self._consumer_state: Optional[dict] = None  # the wrapped loader's state before the batch ahead was fetched
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -60,17 +69,38 @@ class LookaheadLoader:
     def __getattr__(self, name: str) -> Any:
         if name == "loader":  # not set yet (e.g. while unpickling)
             raise AttributeError(name)
-        return getattr(self.loader, name)
+        attribute = getattr(self.loader, name)
+        # only here, not as methods, so that they exist exactly when the wrapped loader has them
+        # (Lightning saves the state of loaders that have them, and warns about the others)
+        if name == "state_dict":
+            return self._state_dict
+        if name == "load_state_dict":
+            return self._load_state_dict
+        return attribute
 
     def __iter__(self) -> Any:
         iterator = iter(self.loader)
-        ahead = next(iterator, _END)
+        ahead = self._fetch(iterator)
         self._recent = []
         while ahead is not _END:
-            current, ahead = ahead, next(iterator, _END)
+            current, ahead = ahead, self._fetch(iterator)
             self._recent = self._recent[-2:-1] + [current] + ([ahead] if ahead is not _END else [])
             yield current
         self._recent = []
+        self._consumer_state = None  # nothing is fetched ahead any more
+
+    def _fetch(self, iterator: Any) -> Any:
+        if hasattr(self.loader, "state_dict"):
+            # copied: the loader may go on changing the object it returned
+            self._consumer_state = copy.deepcopy(self.loader.state_dict())
+        return next(iterator, _END)
+
+    def _state_dict(self) -> dict:
+        return self.loader.state_dict() if self._consumer_state is None else self._consumer_state
+
+    def _load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+        self._consumer_state = None
 
     def after(self, batch: Any) -> Any:
         """The batch that follows ``batch`` (an object this loader yielded), if fetched; else None."""
@@ -125,6 +155,10 @@ class SparseLiftStrategy(ParallelStrategy):
             (fbgemm's CPU kernels would otherwise read out of bounds silently).
         allow_optimizer_state_reset: when resuming into a different sharding plan, load the
             weights and restart the fused optimizer state instead of raising.
+        non_finite: what a training step with non-finite values in the batch's floating-point
+            tensors or in the loss on any rank does, before backward applies any update:
+            ``raise`` (default) stops every rank with an error naming the batch, tensor, feature
+            and rank; ``skip`` skips that step on every rank with a warning.
     """
 
     strategy_name = "sparselift"
@@ -144,6 +178,7 @@ class SparseLiftStrategy(ParallelStrategy):
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         validate_inputs: bool = True,
         allow_optimizer_state_reset: bool = False,
+        non_finite: str = "raise",
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -160,6 +195,8 @@ class SparseLiftStrategy(ParallelStrategy):
         select_passes(optimizations or [])  # raises on unknown names
         if sharding_types is not None and not isinstance(sharding_types, dict):
             raise TypeError(f"sharding_types must be a dict table -> type, got {type(sharding_types).__name__}")
+        if non_finite not in NON_FINITE_POLICIES:
+            raise ValueError(f"non_finite must be one of {NON_FINITE_POLICIES}, got {non_finite!r}")
         if start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
         if embedding_lr_schedule not in EMBEDDING_LR_SCHEDULES:
@@ -181,6 +218,8 @@ class SparseLiftStrategy(ParallelStrategy):
         self._start_method = start_method
         self.validate_inputs = validate_inputs
         self.allow_optimizer_state_reset = allow_optimizer_state_reset
+        self.non_finite = non_finite
+        self._step_check: Optional[StepCheck] = None
         self.num_nodes = 1
         self._dmp: Optional[torch.nn.Module] = None
         self._tables: dict[str, Any] = {}
@@ -381,9 +420,30 @@ class SparseLiftStrategy(ParallelStrategy):
         # not proposed; the executor moves them to its device)
         return self._warmup.step(batch, self._next_batch)
 
-    def on_train_end(self) -> None:
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        # every rank checks the batch and the loss before backward applies any (fused) update
+        if self._step_check is None:
+            self._step_check = StepCheck(torch.distributed.group.WORLD, self.non_finite)
+        batch = args[0] if args else kwargs.get("batch")
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", -1)
+        self._step_check.inspect(batch)
+        output = super().training_step(*args, **kwargs)
+        return self._step_check.verdict(output, batch_idx, self.lightning_module.trainer.global_step)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Training steps skipped on every rank (empty batches everywhere; ``non_finite='skip'``)."""
+        return self._step_check.skipped if self._step_check is not None else 0
+
+    def discard_started_work(self) -> None:
+        """Complete and drop what the lifted executor started for a step that will not run (the
+        batch announced last was never trained on: training ended, or the epoch was cut short)."""
         if self._warmup is not None and self._warmup.installed is not None:
             self._warmup.installed.discard()
+
+    def on_train_end(self) -> None:
+        self.discard_started_work()
 
     @property
     def warmup(self) -> Optional[Any]:
@@ -425,17 +485,25 @@ class SparseLiftStrategy(ParallelStrategy):
     def _check_equal_batch_counts(self, stage: str) -> None:
         """All ranks must run the same number of sharded forwards, else a collective hangs."""
         trainer = self.lightning_module.trainer
-        # during fit, validation runs in the fit loop's own evaluation loop
-        loop = trainer.predict_loop if stage == "predict" else trainer._evaluation_loop
-        counts = [float(c) for c in (loop.max_batches if isinstance(loop.max_batches, list) else [loop.max_batches])]
-        local = torch.tensor(counts, dtype=torch.float64)
+        if stage == "fit":
+            counts = [float(trainer.num_training_batches)]
+        else:
+            # during fit, validation runs in the fit loop's own evaluation loop
+            loop = trainer.predict_loop if stage == "predict" else trainer._evaluation_loop
+            counts = [float(c) for c in (loop.max_batches if isinstance(loop.max_batches, list) else [loop.max_batches])]
+        local = torch.tensor(counts, dtype=torch.float64, device=self.root_device)
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
         torch.distributed.all_gather(gathered, local)
         if any(not torch.equal(g, gathered[0]) for g in gathered):
+            fix = ("give every rank the same number of training batches (e.g. DistributedSampler with drop_last=True, "
+                   "or limit_train_batches)" if stage == "fit" else
+                   "use lightning_sparselift.EvenDistributedSampler (pads with zero-weight batches) for this dataloader")
             raise RuntimeError(
                 f"ranks have different numbers of {stage} batches ({[g.tolist() for g in gathered]}); sharded "
-                f"embeddings need every rank to run the same number of forwards. Use "
-                f"lightning_sparselift.EvenDistributedSampler (pads with zero-weight batches) for this dataloader.")
+                f"embeddings need every rank to run the same number of forwards: {fix}.")
+
+    def on_train_start(self) -> None:
+        self._check_equal_batch_counts("fit")
 
     def on_validation_start(self) -> None:
         self._check_equal_batch_counts("validate")
@@ -466,32 +534,44 @@ class SparseLiftStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("SparseLiftStrategy.save_checkpoint does not take storage_options")
-        path = Path(self.broadcast(str(filepath)))
-        if path.is_file():
-            raise FileExistsError(f"{path} is a file; SparseLift checkpoints are folders")
+        # every rank writes into a new folder named by rank 0, which renames it into place once complete
+        path, folder = self._on_rank_zero(ckpt.start_save, Path(filepath))
         lightning_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         optimizer = self.optimizers[0] if self.optimizers else None
-        ckpt.save(path, self._dmp, optimizer, lightning_state, self.global_rank, self._fingerprint(),
-                  ckpt.plan_summary(self._dmp.plan))
-        self.barrier()
+        ckpt.write_shards(folder, self._dmp, optimizer, self.global_rank)
+        self.barrier()  # every rank's files are on disk before rank 0 checksums them
+        self._on_rank_zero(ckpt.commit, folder, path, lightning_state, self._fingerprint(),
+                           ckpt.plan_summary(self._dmp.plan), optimizer is not None)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        # weights_only changes nothing: a checkpoint's metadata is JSON and weights-only tensors
         path = Path(self.broadcast(str(checkpoint_path)))
-        meta = ckpt.read_meta(path, weights_only=weights_only)
+        lightning_state, info = self._on_rank_zero(ckpt.read_meta, path)
         optimizer = self.optimizers[0] if self.optimizers else None
-        ckpt.load(path, self._dmp, optimizer, meta, self.global_rank, self._fingerprint(),
+        ckpt.load(path, self._dmp, optimizer, info, self.global_rank, self._fingerprint(),
                   ckpt.plan_summary(self._dmp.plan), self.allow_optimizer_state_reset)
-        meta.pop("sparselift")
-        meta["state_dict"] = {}
+        lightning_state["state_dict"] = {}
         if optimizer is not None and self.embedding_lr_schedule == "follow_dense":
             self._follow_dense_lr()
-        return meta
+        return lightning_state
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            import shutil
+            ckpt.remove(Path(filepath))
 
-            shutil.rmtree(filepath, ignore_errors=True)
+    def _on_rank_zero(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` run by rank 0; every rank returns its result or raises its error (a rank
+        raising alone would leave the others waiting in the next collective)."""
+        outcome: tuple[Any, Optional[Exception]] = (None, None)
+        if self.is_global_zero:
+            try:
+                outcome = (fn(*args), None)
+            except Exception as error:
+                outcome = (None, error)
+        result, error = self.broadcast(outcome)
+        if error is not None:
+            raise error
+        return result
 
     def teardown(self) -> None:
         assert self.cluster_environment is not None

@@ -3,50 +3,130 @@
 fbgemm's CPU lookup kernels do not bounds-check ids by default (an id past a table's end reads
 or updates memory that belongs to another table), and a KJT with missing or extra keys fails
 deep inside the input all-to-all. These checks turn both into clear errors naming the feature.
+
+With more than one rank, a problem on one rank must stop every rank: a rank that raises alone
+leaves the others waiting in the module's all-to-all until the collective timeout, and inputs
+that differ across ranks (batch sizes with row-wise tables, a 0-sample batch on one rank, id
+dtypes) make gloo abort or the all-to-alls disagree. So every rank shares what it found in one
+small all-gather before the module's first collective, and all raise the same error.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+# dtypes a KJT's ids and lengths may have, by the code the ranks exchange
+_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 class SparseInputError(ValueError):
     pass
 
 
-def check_kjt(module_path: str, kjt: Any, rows_per_feature: dict[str, int]) -> None:
+def kjt_problem(kjt: Any, rows_per_feature: dict[str, int]) -> Optional[str]:
+    """What is wrong with ``kjt`` as the input of a module whose features have these row counts
+    (None: nothing)."""
     keys = list(kjt.keys())
     if set(keys) != set(rows_per_feature) or len(keys) != len(rows_per_feature):
         missing = sorted(set(rows_per_feature) - set(keys))
         extra = sorted(set(keys) - set(rows_per_feature))
-        raise SparseInputError(f"{module_path}: the batch's KeyedJaggedTensor keys do not match the model's features "
-                               f"(missing {missing}, unexpected {extra}, duplicated "
-                               f"{sorted({k for k in keys if keys.count(k) > 1})})")
-    values = kjt.values()
+        return (f"the batch's KeyedJaggedTensor keys do not match the model's features (missing {missing}, "
+                f"unexpected {extra}, duplicated {sorted({k for k in keys if keys.count(k) > 1})})")
+    values, lengths, weights = kjt.values(), kjt.lengths(), kjt.weights_or_none()
+    for name, tensor in (("ids", values), ("lengths", lengths)):
+        if tensor.dtype not in _INDEX_DTYPES:
+            return f"the KeyedJaggedTensor's {name} are {tensor.dtype}, expected int32 or int64"
+    if lengths.numel() % max(len(keys), 1) or (lengths.numel() and bool((lengths < 0).any())):
+        return (f"the KeyedJaggedTensor has {lengths.numel()} lengths for {len(keys)} keys (not a whole number of "
+                f"samples per key) or negative lengths")
+    total = int(lengths.sum()) if lengths.numel() else 0
+    if total != values.numel():
+        return f"the KeyedJaggedTensor's lengths add up to {total} but it holds {values.numel()} ids"
+    if weights is not None and weights.numel() != values.numel():
+        return f"the KeyedJaggedTensor holds {values.numel()} ids but {weights.numel()} weights"
     if values.numel() == 0:
-        return
+        return None
     bounds = torch.tensor([rows_per_feature[k] for k in keys], dtype=values.dtype, device=values.device)
-    per_key = torch.tensor(kjt.length_per_key(), device=values.device)
+    per_key = lengths.view(len(keys), -1).sum(dim=1)
     limit = torch.repeat_interleave(bounds, per_key)
     bad = (values < 0) | (values >= limit)
     if bool(bad.any()):
         owner = torch.repeat_interleave(torch.arange(len(keys), device=values.device), per_key)
         first = int(bad.nonzero()[0])
         key = keys[int(owner[first])]
-        raise SparseInputError(f"{module_path}: id {int(values[first])} of feature {key!r} is outside its table's "
-                               f"range [0, {rows_per_feature[key]}) ({int(bad.sum())} bad id(s) in this batch)")
+        return (f"id {int(values[first])} of feature {key!r} is outside its table's range "
+                f"[0, {rows_per_feature[key]}) ({int(bad.sum())} bad id(s) in this batch)")
+    return None
 
 
-def install_input_checks(model: nn.Module, module_paths: list[str], tables: dict[str, Any]) -> None:
-    """Register a forward pre-hook on each (sharded) embedding module at ``module_paths``."""
+def check_kjt(module_path: str, kjt: Any, rows_per_feature: dict[str, int]) -> None:
+    problem = kjt_problem(kjt, rows_per_feature)
+    if problem is not None:
+        raise SparseInputError(f"{module_path}: {problem}")
+
+
+def _summary(kjt: Any, problem: Optional[str]) -> torch.Tensor:
+    """What the ranks compare: [problem found, batch size, ids dtype, lengths dtype] (-1: unknown)."""
+    def code(tensor: torch.Tensor) -> int:
+        return _INDEX_DTYPES.index(tensor.dtype) if tensor.dtype in _INDEX_DTYPES else -1
+
+    stride = kjt.stride() if problem is None else -1  # (a malformed KJT's batch size is not defined)
+    return torch.tensor([problem is not None, stride, code(kjt.values()), code(kjt.lengths())], dtype=torch.int64,
+                        device=kjt.values().device)
+
+
+def check_across_ranks(module_path: str, kjt: Any, problem: Optional[str], group: Any,
+                       uneven_batches_ok: bool) -> None:
+    """Raise the same :class:`SparseInputError` on every rank when any rank's input has a
+    problem or the ranks' inputs cannot go through one collective together. Every rank must call
+    this for the same module call (it is a collective)."""
+    world = dist.get_world_size(group)
+    local = _summary(kjt, problem)
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local, group=group)
+    rows = [g.tolist() for g in gathered]
+    if any(row[0] for row in rows):
+        problems: list[Any] = [None] * world
+        dist.all_gather_object(problems, problem, group=group)
+        raise SparseInputError(f"{module_path}: " + "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p))
+    sizes = [row[1] for row in rows]
+    if len(set(sizes)) > 1:
+        per_rank = ", ".join(f"rank {r}: {s}" for r, s in enumerate(sizes))
+        if 0 in sizes:
+            raise SparseInputError(f"{module_path}: some ranks have a batch with 0 samples and others not "
+                                   f"({per_rank}); drop empty batches on every rank alike (e.g. drop_last=True)")
+        if not uneven_batches_ok:
+            raise SparseInputError(f"{module_path}: ranks passed different batch sizes ({per_rank}), which row-wise "
+                                   f"sharded tables cannot take (TorchRec's row-wise backward needs one batch size); "
+                                   f"use the same batch size on every rank (drop_last=True) or no row-wise tables")
+    for column, name in ((2, "ids"), (3, "lengths")):
+        dtypes = {row[column] for row in rows}
+        if len(dtypes) > 1:
+            per_rank = ", ".join(f"rank {r}: {_INDEX_DTYPES[row[column]]}" for r, row in enumerate(rows))
+            raise SparseInputError(f"{module_path}: the KeyedJaggedTensor's {name} have different dtypes on different "
+                                   f"ranks ({per_rank}); use one dtype everywhere")
+
+
+def install_input_checks(model: nn.Module, module_paths: list[str], tables: dict[str, Any], group: Any,
+                         row_wise_paths: set[str]) -> None:
+    """Register a forward pre-hook on each (sharded) embedding module at ``module_paths``.
+    ``row_wise_paths`` are the modules with row-wise sharded tables (one batch size on all ranks
+    in training)."""
     for path in module_paths:
         rows = {f: t.num_embeddings for t in tables.values() if t.module_path == path for f in t.feature_names}
 
-        def hook(_module: nn.Module, args: tuple, kwargs: dict, path: str = path, rows: dict = rows) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, path: str = path, rows: dict = rows) -> None:
             kjt = args[0] if args else kwargs.get("features")
-            check_kjt(path, kjt, rows)
+            if dist.is_initialized() and dist.get_world_size(group) > 1:
+                # (only the row-wise backward needs one batch size: evaluation takes uneven batches)
+                backward = module.training and torch.is_grad_enabled()
+                check_across_ranks(path, kjt, kjt_problem(kjt, rows), group,
+                                   uneven_batches_ok=path not in row_wise_paths or not backward)
+            else:
+                check_kjt(path, kjt, rows)
 
         model.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True)

@@ -15,4 +15,4 @@ def test_train_dlrm_example(tmp_path, data_cache):
                          env={**os.environ, "SPARSELIFT_CACHE": str(data_cache)})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "throughput:" in out.stderr + out.stdout
-    assert (tmp_path / "ckpt" / "sparselift.meta.pt").exists()
+    assert (tmp_path / "ckpt" / "sparselift.meta.json").exists()

@@ -13,7 +13,7 @@ ROWS = {"a": 10, "b": 5}
 
 
 def _kjt(keys, values, lengths):
-    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.tensor(values),
+    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.tensor(values, dtype=torch.long),
                                                lengths=torch.tensor(lengths, dtype=torch.int32))
 
 
@@ -27,6 +27,17 @@ def test_valid_kjt_passes():
 def test_wrong_keys(keys, match):
     with pytest.raises(SparseInputError, match=match):
         check_kjt("ebc", _kjt(keys, [0] * len(keys), [1] * len(keys)), ROWS)
+
+
+def test_malformed_kjts():
+    with pytest.raises(SparseInputError, match=r"ids are torch.float32, expected int32 or int64"):
+        check_kjt("ebc", KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([]), lengths=torch.zeros(2).int()), ROWS)
+    with pytest.raises(SparseInputError, match=r"lengths add up to 3 but it holds 2 ids"):
+        check_kjt("ebc", KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([0, 1]),
+                                           lengths=torch.tensor([2, 1], dtype=torch.int32)), ROWS)
+    with pytest.raises(SparseInputError, match=r"3 lengths for 2 keys"):
+        check_kjt("ebc", KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([0, 1, 2]),
+                                           lengths=torch.ones(3, dtype=torch.int32)), ROWS)
 
 
 @pytest.mark.parametrize("values, match", [([0, 5], r"id 5 of feature 'b'.*\[0, 5\)"),

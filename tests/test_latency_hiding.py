@@ -128,6 +128,13 @@ def test_a_step_whose_features_changed_after_their_distribution_started_fails(da
         t.fit(tiny_model(dm), dm)
 
 
+def test_epochs_cut_short_by_limit_train_batches(data_cache):
+    # each epoch's last step announces a batch the epoch never reaches; the next epoch must not expect it
+    dm = tiny_data(data_cache, num_train=512)
+    strategy = SparseLiftStrategy(start_method="fork", calibrate=False, optimizations=["latency_hiding"])
+    trainer(2, strategy, limit_train_batches=5, max_epochs=3, limit_val_batches=0).fit(tiny_model(dm), dm)
+
+
 def test_optimizations_select_passes_or_one_role_of_a_pass():
     from lightning_sparselift.passes import select_passes
 
