@@ -180,9 +180,12 @@ class ShardedModel:
 
 
 def shard_model(module: nn.Module, world_size: int, device: torch.device, sharding_types: Optional[dict[str, str]],
-                embedding_optimizer: EmbeddingOptimizer, process_group: Any, validate_inputs: bool) -> ShardedModel:
+                embedding_optimizer: EmbeddingOptimizer, process_group: Any, input_check_group: Optional[Any]
+                ) -> ShardedModel:
     """Shard every EmbeddingBagCollection of ``module`` with TorchRec's DistributedModelParallel
-    (which also wraps the rest in DDP), with ``embedding_optimizer`` fused into the tables."""
+    (which also wraps the rest in DDP), with ``embedding_optimizer`` fused into the tables. With
+    an ``input_check_group`` every sharded module checks its input (ranks compare on that group,
+    over the same ranks as ``process_group``); None: no checks."""
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
@@ -198,12 +201,12 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
     plan = build_sharding_plan(module, sharder, world_size, device.type, checked, process_group)
     dmp = DistributedModelParallel(module, env=ShardingEnv.from_process_group(process_group), device=device,
                                    plan=plan, sharders=[sharder])
-    if validate_inputs:
+    if input_check_group is not None:
         from lightning_sparselift.validation import install_input_checks
 
         row_wise = {path for path, tables_plan in plan.plan.items()
                     if any(p.sharding_type in ("row_wise", "table_row_wise") for p in tables_plan.values())}
-        install_input_checks(module, sorted(ebcs), tables, process_group, row_wise)
+        install_input_checks(module, sorted(ebcs), tables, input_check_group, row_wise)
     return ShardedModel(dmp, tables, sorted(ebcs))
 
 

@@ -6,8 +6,9 @@ turns that rank's loss, then every rank's tables (through the all-to-alls) and d
 rank shares what it saw: non-finite values in the floating-point tensors of its batch (dense
 features, labels, sample weights; the sparse features are checked by
 :mod:`lightning_sparselift.validation`), whether its loss is finite, and whether its batch has any
-sample. Then all ranks raise the same error, or (``non_finite="skip"``) all skip the step; a
-step where every rank's batch is empty is skipped too (its loss has no samples to average).
+sample. Then all ranks raise the same error before the first update, or (``non_finite="skip"``)
+all skip the step; a step where every rank's batch is empty is skipped too (its loss has no
+samples to average).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_sparselift.capture import describe_path, find_objects
 
@@ -53,10 +54,17 @@ def _batch_size(batch: Any) -> int:
 
 
 class StepCheck:
-    """Run :meth:`inspect` on the batch before the training step's forward and :meth:`verdict`
-    on its output before backward; all ranks must call both for every training step."""
+    """Run :meth:`inspect` on the batch before the training step's forward, :meth:`verdict` on
+    its output before backward and :meth:`before_update` before any parameter changes; all
+    ranks call all three for every training step.
 
-    def __init__(self, group: Any, policy: str) -> None:
+    The ranks' findings travel in one all-gather started by :meth:`verdict`. Skipping a step has
+    to be decided before backward, so with ``skip`` (or an empty batch) :meth:`verdict` waits for
+    it. Raising can wait until the first update: the gradient of each sparse module's output
+    (computed before any embedding update, which happens in backward) and the optimizer step call
+    :meth:`before_update`, so the all-gather runs while backward computes the dense part."""
+
+    def __init__(self, group: Any, policy: str, model: nn.Module, sparse_module_paths: list[str]) -> None:
         if policy not in NON_FINITE_POLICIES:
             raise ValueError(f"non_finite must be one of {NON_FINITE_POLICIES}, got {policy!r}")
         self.group, self.policy = group, policy
@@ -64,6 +72,9 @@ class StepCheck:
         self._batch: Any = None
         self._dense: list[tuple[list[list[Any]], Tensor]] = []
         self._found = list(_NOTHING_FOUND)
+        self._pending: Optional[tuple[Any, list[Tensor], str]] = None  # all-gather in flight, its rows, the step
+        for path in sparse_module_paths:
+            model.get_submodule(path).register_forward_hook(self._wait_in_backward)
 
     def inspect(self, batch: Any) -> None:
         self._batch, self._dense = batch, dense_leaves(batch)
@@ -77,33 +88,64 @@ class StepCheck:
                 break
 
     def verdict(self, output: Any, batch_idx: int, global_step: int) -> Any:
-        """``output`` if the step may go on to backward; otherwise, the same on every rank,
-        :class:`NonFiniteError` or a loss that reaches no parameter (the skip: Lightning refuses a
-        ``None`` step output in distributed training, and backward on it updates nothing)."""
+        """``output`` if the step may go on to backward (a finding raises later, in
+        :meth:`before_update`); otherwise, the same on every rank, :class:`NonFiniteError` or a
+        loss that reaches no parameter (the skip: Lightning refuses a ``None`` step output in
+        distributed training, and backward on it updates nothing)."""
         loss = _loss_of(output)
         loss_bad = loss is not None and not bool(torch.isfinite(loss.detach()).all())
-        local = torch.tensor(self._found + [int(loss_bad), _batch_size(self._batch)], dtype=torch.int64,
+        size = _batch_size(self._batch)
+        local = torch.tensor(self._found + [int(loss_bad), size], dtype=torch.int64,
                              device=loss.device if loss is not None else "cpu")
+        step = f"training batch {batch_idx} (global step {global_step})"
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             rows = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
-            dist.all_gather(rows, local, group=self.group)
-            table = [r.tolist() for r in rows]
+            self._pending = (dist.all_gather(rows, local, group=self.group, async_op=True), rows, step)
         else:
-            table = [local.tolist()]
-        sizes = [row[5] for row in table]
-        if all(s == 0 for s in sizes):
-            warnings.warn(f"training batch {batch_idx} has no samples on any rank; the step is skipped", RuntimeWarning)
-            return self._skip(local.device)
-        findings = [self._describe(rank, row) for rank, row in enumerate(table) if row[3] or row[4]]
-        if not findings:
+            self._pending = (None, [local], step)
+        if self.policy == "raise" and size != 0:
             return output
-        message = (f"non-finite values in training batch {batch_idx} (global step {global_step}): "
-                   + "; ".join(findings))
+        table = self._wait()
+        if all(row[5] == 0 for row in table):
+            warnings.warn(f"{step} has no samples on any rank; the step is skipped", RuntimeWarning)
+            return self._skip(local.device)
+        message = self._findings(table, step)
+        if message is None:
+            return output
         if self.policy == "skip":
             warnings.warn(f"{message}; the step is skipped on every rank (non_finite='skip')", RuntimeWarning)
             return self._skip(local.device)
-        raise NonFiniteError(f"{message}. No update of this step was applied. Clean the inputs, or pass "
-                             f"SparseLiftStrategy(non_finite='skip') to skip such steps on every rank.")
+        raise self._error(message)
+
+    def before_update(self) -> None:
+        """Raise :class:`NonFiniteError` on every rank if any rank found something this step."""
+        if self._pending is None:
+            return
+        step = self._pending[2]
+        message = self._findings(self._wait(), step)
+        if message is not None:
+            raise self._error(message)
+
+    def _wait_in_backward(self, module: nn.Module, args: tuple, output: Any) -> None:
+        values = output.values() if hasattr(output, "values") and callable(output.values) else None
+        if module.training and torch.is_grad_enabled() and isinstance(values, Tensor) and values.requires_grad:
+            values.register_hook(lambda grad: self.before_update())
+
+    def _wait(self) -> list[list[int]]:
+        work, rows, _ = self._pending
+        self._pending = None
+        if work is not None:
+            work.wait()
+        return [row.tolist() for row in rows]
+
+    def _findings(self, table: list[list[int]], step: str) -> Optional[str]:
+        findings = [self._describe(rank, row) for rank, row in enumerate(table) if row[3] or row[4]]
+        return f"non-finite values in {step}: " + "; ".join(findings) if findings else None
+
+    @staticmethod
+    def _error(message: str) -> NonFiniteError:
+        return NonFiniteError(f"{message}. No update of this step was applied. Clean the inputs, or pass "
+                              f"SparseLiftStrategy(non_finite='skip') to skip such steps on every rank.")
 
     def _skip(self, device: torch.device) -> Tensor:
         self.skipped += 1

@@ -13,6 +13,7 @@ small all-gather before the module's first collective, and all raise the same er
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -111,22 +112,40 @@ def check_across_ranks(module_path: str, kjt: Any, problem: Optional[str], group
                                    f"ranks ({per_rank}); use one dtype everywhere")
 
 
+class InputCheck:
+    """The forward pre-hook that checks one sharded module's input. The lifted executor runs a
+    module's pre-hooks itself when it starts the module's work early (latency hiding) and the
+    module's own call runs them again on the same features: a KJT whose tensors were checked last
+    (the same objects, not changed in place since: same version counters; in the same mode) is
+    not checked again, which also spares the ranks one all-gather (every rank passes the same
+    objects around, so all skip alike)."""
+
+    def __init__(self, path: str, rows_per_feature: dict[str, int], group: Any, row_wise: bool) -> None:
+        self.path, self.rows, self.group, self.row_wise = path, rows_per_feature, group, row_wise
+        self._checked: tuple = ()  # the KJT checked last: weak references to its tensors, and the rest of _key()
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        kjt = args[0] if args else kwargs.get("features")
+        # (only the row-wise backward needs one batch size: evaluation takes uneven batches)
+        backward = module.training and torch.is_grad_enabled()
+        tensors = (kjt.values(), kjt.lengths())
+        key = (tuple(t._version for t in tensors), list(kjt.keys()), backward)
+        if self._checked and all(ref() is t for ref, t in zip(self._checked[0], tensors)) and self._checked[1] == key:
+            return
+        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            check_across_ranks(self.path, kjt, kjt_problem(kjt, self.rows), self.group,
+                               uneven_batches_ok=not (self.row_wise and backward))
+        else:
+            check_kjt(self.path, kjt, self.rows)
+        self._checked = (tuple(weakref.ref(t) for t in tensors), key)
+
+
 def install_input_checks(model: nn.Module, module_paths: list[str], tables: dict[str, Any], group: Any,
                          row_wise_paths: set[str]) -> None:
-    """Register a forward pre-hook on each (sharded) embedding module at ``module_paths``.
+    """Register an :class:`InputCheck` on each (sharded) embedding module at ``module_paths``.
     ``row_wise_paths`` are the modules with row-wise sharded tables (one batch size on all ranks
     in training)."""
     for path in module_paths:
         rows = {f: t.num_embeddings for t in tables.values() if t.module_path == path for f in t.feature_names}
-
-        def hook(module: nn.Module, args: tuple, kwargs: dict, path: str = path, rows: dict = rows) -> None:
-            kjt = args[0] if args else kwargs.get("features")
-            if dist.is_initialized() and dist.get_world_size(group) > 1:
-                # (only the row-wise backward needs one batch size: evaluation takes uneven batches)
-                backward = module.training and torch.is_grad_enabled()
-                check_across_ranks(path, kjt, kjt_problem(kjt, rows), group,
-                                   uneven_batches_ok=path not in row_wise_paths or not backward)
-            else:
-                check_kjt(path, kjt, rows)
-
-        model.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True)
+        model.get_submodule(path).register_forward_pre_hook(InputCheck(path, rows, group, path in row_wise_paths),
+                                                            with_kwargs=True)

@@ -140,7 +140,7 @@ def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: in
     tables = set(TABLES_A) | (set(TABLES_B) if variant["two_modules"] else set())
     sharding = {t: k for t, k in case["sharding"].items() if t in tables}
     sharded = shard_model(model, world, device, sharding, EmbeddingOptimizer("rowwise_adagrad", lr=0.1),
-                          dist.group.WORLD, validate_inputs=True)
+                          dist.group.WORLD, input_check_group=dist.group.WORLD)
     dmp = sharded.dmp
     dense_params = [p for n, p in dmp.named_parameters() if not hasattr(p, "_in_backward_optimizers")]
     dense_opt = torch.optim.SGD(dense_params, lr=0.05)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from helpers import tiny_data, tiny_model, trainer
+from helpers import local_state, tiny_data, tiny_model, trainer
 from lightning_sparselift import CriteoDataModule, RecBatch, SparseLiftStrategy
 from lightning_sparselift.step_check import NonFiniteError
 from lightning_sparselift.validation import SparseInputError
@@ -88,13 +89,59 @@ def _fit(dm: Any, **strategy_kwargs: Any) -> None:
     t.fit(tiny_model(dm), dm)
 
 
+class UnchangedOnError(L.Callback):
+    """Whether the model (tables, dense weights, optimizer state) is what it was before batch ``at``
+    when the step on it fails (seen as the error leaves the strategy's optimizer step, in the
+    rank's own process)."""
+
+    def __init__(self, folder: Path, at: int = AT):
+        self.folder, self.at = folder, at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx != self.at:
+            return
+        strategy, before = trainer.strategy, self._state(trainer)
+        step = strategy.optimizer_step
+
+        def checked_step(*args, **kwargs):
+            try:
+                return step(*args, **kwargs)
+            except Exception:
+                after = self._state(trainer)
+                unchanged = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in after)
+                (self.folder / f"rank{trainer.global_rank}.json").write_text(json.dumps(unchanged))
+                if trainer.global_rank != 0:
+                    time.sleep(2)  # the launcher stops the other ranks once one exits: let rank 0 answer too
+                raise
+
+        strategy.optimizer_step = checked_step
+
+    @staticmethod
+    def _state(trainer):
+        state = local_state(trainer.strategy.model)
+        for key, value in trainer.strategy.optimizers[0].state_dict()["state"].items():
+            for name, tensor in value.items():
+                if hasattr(tensor, "local_shards"):
+                    for i, shard in enumerate(tensor.local_shards()):
+                        state[f"optim/{key}/{name}#{i}"] = shard.tensor.detach().clone()
+                elif isinstance(tensor, torch.Tensor):
+                    state[f"optim/{key}/{name}"] = tensor.detach().clone()
+        return state
+
+
 @pytest.mark.parametrize("executor", ["sparselift", "torchrec"])
-def test_inf_in_dense_features_on_one_rank_stops_every_rank(executor, data_cache):
+def test_inf_in_dense_features_on_one_rank_stops_every_rank(executor, tmp_path, data_cache):
     dm = _data(data_cache, _with_inf_dense)
+    L.seed_everything(0)
+    strategy = SparseLiftStrategy(start_method="fork", executor=executor,
+                                  embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
+    t = trainer(2, strategy, limit_val_batches=0, callbacks=[UnchangedOnError(tmp_path)])
     with pytest.raises(Exception, match=r"non-finite values in training batch 5 .*rank 1: 1 in batch\.dense "
                                         r"\(feature 7, first at sample 3\), the loss is not finite") as error:
-        _fit(dm, executor=executor)
+        t.fit(tiny_model(dm), dm)
     assert NonFiniteError.__name__ in str(error.value) or isinstance(error.value, NonFiniteError)
+    # no update of that step reached any rank: tables, dense weights and optimizer state as before it
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)] == [True, True]
 
 
 class FinalState(L.Callback):

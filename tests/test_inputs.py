@@ -131,3 +131,22 @@ def test_model_without_embedding_bags(data_cache):
 
     with pytest.raises(Exception, match="found no torchrec EmbeddingBagCollection"):
         trainer(1).fit(Dense(), tiny_data(data_cache))
+
+
+def test_input_check_skips_only_what_it_checked_unchanged(monkeypatch):
+    from torch import nn
+
+    from lightning_sparselift import validation
+
+    calls = []
+    monkeypatch.setattr(validation, "check_kjt", lambda path, kjt, rows: calls.append(kjt) or check_kjt(path, kjt, rows))
+    hook, module = validation.InputCheck("ebc", ROWS, None, row_wise=False), nn.Module()
+    kjt = _kjt(["a", "b"], [0, 4], [1, 1])
+    hook(module, (kjt,), {})
+    hook(module, (kjt,), {})  # the executor's early start, then the module's call: checked once
+    assert len(calls) == 1
+    hook(module, (_kjt(["a", "b"], [0, 4], [1, 1]),), {})  # equal, but other tensors: checked
+    assert len(calls) == 2
+    kjt.values()[1] = 5  # changed in place since its check (a reused buffer): checked again
+    with pytest.raises(SparseInputError, match="id 5 of feature 'b'"):
+        hook(module, (kjt,), {})

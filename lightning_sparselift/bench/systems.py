@@ -190,7 +190,7 @@ def _shard(env: BenchEnv, validate_inputs: bool, sharding_types: Optional[dict[s
     wrapped = WithLoss(build_rec_model(env.scenario, env.seed))
     sharded = shard_model(wrapped, env.world_size, torch.device("cpu"), sharding_types,
                           EmbeddingOptimizer.parse(embedding_optimizer or env.scenario.embedding_optimizer()),
-                          dist.group.WORLD, validate_inputs)
+                          dist.group.WORLD, dist.group.WORLD if validate_inputs else None)
     dense = _dense_optimizer(env.scenario, sharded.dmp.parameters())
     return sharded.dmp, combine_optimizers(sharded.dmp, dense), wrapped, sharded.sparse_module_paths
 
