@@ -144,15 +144,19 @@ class SparseLiftStrategy(ParallelStrategy):
         calibrate: decide every feasible candidate by measuring it on real training steps
             (default); ``False`` applies every feasible candidate without measuring.
         plan_path: a JSON file for the execution plan: reused (no calibration) when it was made
-            for the same model, sharding plan, world size, backend and versions; otherwise
-            planned again and (over)written.
+            for the same model, sharding plan, world size, backend and versions and its graph is
+            what its accepted candidates give on this run's lift; otherwise planned again and
+            (over)written. The file is a cache: a bad one is logged and ignored, a failed write
+            warns.
         warmup_batches: training steps captured on TorchRec's path before lifting (>= 1 with the
             lifted executor).
         timeout: collective timeout (seconds or ``timedelta``).
         process_group_backend: ``gloo`` / ``nccl``; defaults from the device.
         start_method: ``popen`` (re-runs the script, like DDP), ``spawn`` or ``fork`` (notebooks).
-        validate_inputs: check every batch's KJT keys and id ranges before the sharded lookup
-            (fbgemm's CPU kernels would otherwise read out of bounds silently).
+        validate_inputs: check every batch's KJT (keys, dtypes, lengths against ids, id ranges)
+            before the sharded lookup (fbgemm's CPU kernels would otherwise read out of bounds
+            silently), and compare the ranks' inputs (batch sizes, dtypes) in one small
+            all-gather, so every rank raises the same error before a collective can mismatch.
         allow_optimizer_state_reset: when resuming into a different sharding plan, load the
             weights and restart the fused optimizer state instead of raising.
         non_finite: what a training step with non-finite values in the batch's floating-point
@@ -220,6 +224,7 @@ class SparseLiftStrategy(ParallelStrategy):
         self.allow_optimizer_state_reset = allow_optimizer_state_reset
         self.non_finite = non_finite
         self._step_check: Optional[StepCheck] = None
+        self._check_group: Any = None  # created with the process group (setup_environment)
         self.num_nodes = 1
         self._dmp: Optional[torch.nn.Module] = None
         self._tables: dict[str, Any] = {}
@@ -285,6 +290,10 @@ class SparseLiftStrategy(ParallelStrategy):
             _get_default_process_group_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        # The checks of every step (inputs compared across ranks, non-finite values) get their own
+        # process group: collectives on one group run in order, and on the training group they
+        # would wait behind the next batch's input all-to-alls that latency hiding leaves in flight.
+        self._check_group = torch.distributed.new_group(backend=self._process_group_backend, timeout=self._timeout)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -339,7 +348,8 @@ class SparseLiftStrategy(ParallelStrategy):
 
     def _shard(self, module: torch.nn.Module) -> torch.nn.Module:
         sharded = shard_model(module, self.world_size, self.root_device, self.sharding_types,
-                              self.embedding_optimizer, torch.distributed.group.WORLD, self.validate_inputs)
+                              self.embedding_optimizer, torch.distributed.group.WORLD,
+                              self._check_group if self.validate_inputs else None)
         self._tables = sharded.tables
         self.sparse_module_paths = sharded.sparse_module_paths
         return sharded.dmp
@@ -424,7 +434,8 @@ class SparseLiftStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # every rank checks the batch and the loss before backward applies any (fused) update
         if self._step_check is None:
-            self._step_check = StepCheck(torch.distributed.group.WORLD, self.non_finite)
+            self._step_check = StepCheck(self._check_group, self.non_finite, self.lightning_module,
+                                         self.sparse_module_paths)
         batch = args[0] if args else kwargs.get("batch")
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", -1)
         self._step_check.inspect(batch)
@@ -473,7 +484,14 @@ class SparseLiftStrategy(ParallelStrategy):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self.embedding_lr_schedule == "follow_dense":
             self._follow_dense_lr()
-        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def checked_closure() -> Any:  # (the closure runs forward and backward; the update follows it)
+            result = closure()
+            if self._step_check is not None:
+                self._step_check.before_update()
+            return result
+
+        return super().optimizer_step(optimizer, checked_closure, model, **kwargs)
 
     def _follow_dense_lr(self) -> None:
         dense = dict(self.optimizers[0].optimizers)["dense"]
