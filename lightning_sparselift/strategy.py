@@ -41,6 +41,7 @@ from lightning_sparselift import checkpoint as ckpt
 from lightning_sparselift.callbacks import LiftWarmup
 from lightning_sparselift.launcher import DenseOnlyMultiProcessingLauncher
 from lightning_sparselift.sharding import EmbeddingOptimizer, combine_optimizers, shard_model
+from lightning_sparselift.signals import SignalConnector
 from lightning_sparselift.step_check import NON_FINITE_POLICIES, StepCheck
 
 EXECUTORS = ("torchrec", "sparselift")
@@ -276,9 +277,11 @@ class SparseLiftStrategy(ParallelStrategy):
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            if not self.cluster_environment.creates_processes_externally:
-                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        # Under torchrun, SLURM, ... the rank processes exist already: as with popen, this launcher
+        # then only checks the settings against the environment and starts nothing (the fork/spawn
+        # launchers would start every rank again inside each rank).
+        if self._start_method == "popen" or self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = DenseOnlyMultiProcessingLauncher(self, start_method=self._start_method)
 
@@ -329,6 +332,10 @@ class SparseLiftStrategy(ParallelStrategy):
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        # the trainer registers its signal handlers after setup, through this connector: a SIGTERM
+        # handler that starts no collective (see lightning_sparselift.signals)
+        if not isinstance(trainer._signal_connector, SignalConnector):
+            trainer._signal_connector = SignalConnector(trainer)
         if trainer.accumulate_grad_batches != 1:
             raise MisconfigurationException(
                 f"SparseLiftStrategy cannot accumulate gradients (accumulate_grad_batches="

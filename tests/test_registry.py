@@ -1,5 +1,8 @@
 """Lightning integration: registry names, YAML class_path, the CLI."""
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -7,6 +10,7 @@ from pathlib import Path
 import lightning.pytorch as L
 import pytest
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 import lightning_sparselift
 from lightning_sparselift import SparseLiftStrategy
@@ -68,3 +72,58 @@ def test_spawn_launcher_is_ours():
     L.Trainer(strategy=strategy, accelerator="cpu", devices=2)
     assert isinstance(strategy.launcher, DenseOnlyMultiProcessingLauncher)
     assert lightning_sparselift.__version__
+
+
+TORCHRUN_SCRIPT = """
+import os, sys
+from pathlib import Path
+tests, data_cache, workers, strategy = sys.argv[1:5]
+(Path(workers) / str(os.getpid())).touch()  # torchrun starts each worker in its own process group
+sys.path.insert(0, tests)
+import lightning.pytorch as L
+import lightning_sparselift
+from helpers import tiny_data, tiny_model
+
+dm = tiny_data(Path(data_cache))
+trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=6, limit_val_batches=0,
+                    num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False)
+trainer.fit(tiny_model(dm), dm)
+print(f"TRAINED rank={trainer.global_rank} world={trainer.world_size} steps={trainer.global_step} "
+      f"executor={trainer.strategy.executor_in_use} pid={os.getpid()}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("name", ["sparselift_fork", "sparselift_spawn"])
+def test_fork_and_spawn_adopt_external_processes(name, monkeypatch):
+    # torchrun's variables: TorchElasticEnvironment is detected, the processes exist already
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
+                       "TORCHELASTIC_RUN_ID": "test", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    trainer = L.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
+    assert trainer.strategy.cluster_environment.creates_processes_externally
+    assert type(trainer.strategy.launcher) is _SubprocessScriptLauncher  # starts no process there
+
+
+def test_fork_launcher_under_torchrun_trains_once_per_rank(tmp_path, data_cache):
+    script, workers, log = tmp_path / "train.py", tmp_path / "workers", tmp_path / "torchrun.log"
+    script.write_text(TORCHRUN_SCRIPT)
+    workers.mkdir()
+    command = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node=2", str(script),
+               str(ROOT / "tests"), str(data_cache), str(workers), "sparselift_fork"]
+    with log.open("w") as out:
+        run = subprocess.Popen(command, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        run.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"torchrun with sparselift_fork did not finish within 120 s:\n{log.read_text()[-3000:]}")
+    finally:
+        # torchrun's group and each worker's (with the processes a worker forked, if any)
+        for group in [run.pid, *(int(worker.name) for worker in workers.iterdir())]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+        run.wait()
+    out = log.read_text()
+    assert run.returncode == 0, out[-3000:]
+    trained = sorted(line.split()[1:5] for line in out.splitlines() if line.startswith("TRAINED"))
+    assert trained == [[f"rank={r}", "world=2", "steps=6", "executor=sparselift"] for r in (0, 1)], out[-3000:]
