@@ -55,15 +55,16 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+from lightning_sparselift.state_json import StateEncoder, decode_state
 
 META_FILE = "sparselift.meta.json"
 TENSORS_FILE = "sparselift.tensors.pt"
 LEGACY_META_FILE = "sparselift.meta.pt"
 FORMAT = "sparselift-dcp-2"
 _DCP_METADATA = ".metadata"
-_TAG = "$sparselift"
 _CHUNK = 4 << 20
 
 
@@ -150,7 +151,7 @@ def commit(folder: Path, path: Path, lightning_state: dict[str, Any], fingerprin
     """Rank 0, once every rank's shards are in ``folder``: checksums, the commit record, and the
     rename to ``path``. Files are flushed to disk before the rename, so the previous checkpoint is
     deleted only once the new one is durable."""
-    encoder = _Encoder()
+    encoder = StateEncoder()
     lightning = encoder.encode(lightning_state, "checkpoint")
     sparselift = encoder.encode({"fingerprint": fingerprint, "plan": plan, "has_optimizer": has_optimizer},
                                 "sparselift")
@@ -231,8 +232,8 @@ def read_meta(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         raise CheckpointError(f"{path / TENSORS_FILE} holds more than plain tensors and is refused "
                               f"(unpickling it could run code)") from error
     try:
-        return _decode(record["lightning"], tensors), _decode(record["sparselift"], tensors)
-    except (KeyError, IndexError, TypeError) as error:
+        return decode_state(record["lightning"], tensors), decode_state(record["sparselift"], tensors)
+    except (KeyError, IndexError, TypeError, ValueError) as error:
         raise CheckpointError(f"{path / META_FILE} is malformed: {error!r}") from error
 
 
@@ -393,62 +394,3 @@ def _check_dcp_files(path: Path) -> None:
             except Exception as error:
                 raise CheckpointError(f"{path / info.relative_path}: value {fqn!r} is not plain data and is refused "
                                       f"(DCP unpickles it, which could run code)") from error
-
-
-# ---------------------------------------------------------------- Lightning's state as JSON
-class _Unencodable(Exception):
-    pass
-
-
-class _Encoder:
-    """JSON for Lightning's state: tuples, dicts with keys JSON cannot hold and tensors become
-    tagged objects (tensors go to ``tensors``); a dict entry holding anything else is left out
-    and named in ``dropped``."""
-
-    def __init__(self) -> None:
-        self.tensors: list[Tensor] = []
-        self.dropped: list[str] = []
-
-    def encode(self, value: Any, where: str) -> Any:
-        if value is None or isinstance(value, (bool, int, float, str)):
-            return value
-        if isinstance(value, Tensor):
-            self.tensors.append(value.detach().cpu())
-            return {_TAG: "tensor", "index": len(self.tensors) - 1}
-        if isinstance(value, tuple):
-            return {_TAG: "tuple", "items": [self.encode(v, f"{where}[{i}]") for i, v in enumerate(value)]}
-        if isinstance(value, list):
-            return [self.encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
-        if isinstance(value, dict):
-            return self._encode_dict(value, where)
-        raise _Unencodable(f"{where} ({type(value).__qualname__})")
-
-    def _encode_dict(self, value: dict[Any, Any], where: str) -> Any:
-        items = []
-        for key, item in value.items():
-            kept_tensors = len(self.tensors)
-            try:
-                items.append((self.encode(key, f"{where} key {key!r}"), self.encode(item, f"{where}[{key!r}]")))
-            except _Unencodable as error:
-                del self.tensors[kept_tensors:]
-                self.dropped.append(str(error))
-        if all(isinstance(key, str) and key != _TAG for key, _ in items):
-            return dict(items)
-        return {_TAG: "dict", "items": [[key, item] for key, item in items]}
-
-
-def _decode(value: Any, tensors: list[Tensor]) -> Any:
-    if isinstance(value, list):
-        return [_decode(v, tensors) for v in value]
-    if not isinstance(value, dict):
-        return value
-    kind = value.get(_TAG)
-    if kind is None:
-        return {key: _decode(item, tensors) for key, item in value.items()}
-    if kind == "tuple":
-        return tuple(_decode(v, tensors) for v in value["items"])
-    if kind == "dict":
-        return {_decode(key, tensors): _decode(item, tensors) for key, item in value["items"]}
-    if kind == "tensor":
-        return tensors[value["index"]]
-    raise CheckpointError(f"unknown tag {kind!r} in {META_FILE}")
