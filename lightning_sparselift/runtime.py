@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from lightning_sparselift.capture import copy_features, resolve_features, same_features
 from lightning_sparselift.cost.calibration import RegionClock
 from lightning_sparselift.lift import LiftedModule, ShardingGroup, SparseGraph
+from lightning_sparselift.validation import InputCheck
 
 
 @dataclass
@@ -287,8 +288,13 @@ class LiftedForward:
 
     def announce(self, features: Any) -> None:
         """The features the next training step will pass (None: unknown). With ``next_batch``
-        their input distribution starts after this step's call."""
+        their input distribution starts after this step's call, and their input check now (its
+        ranks' all-gather runs during this step's work until then)."""
         self._upcoming = features
+        if self.next_batch and features is not None:
+            for hook in self.module._forward_pre_hooks.values():
+                if isinstance(hook, InputCheck):
+                    hook.start(features, backward=True)
 
     def _start_next(self) -> None:
         features, self._upcoming = self._upcoming, None

@@ -80,64 +80,97 @@ def _summary(kjt: Any, problem: Optional[str]) -> torch.Tensor:
                         device=kjt.values().device)
 
 
-def check_across_ranks(module_path: str, kjt: Any, problem: Optional[str], group: Any,
-                       uneven_batches_ok: bool) -> None:
-    """Raise the same :class:`SparseInputError` on every rank when any rank's input has a
-    problem or the ranks' inputs cannot go through one collective together. Every rank must call
-    this for the same module call (it is a collective)."""
-    world = dist.get_world_size(group)
-    local = _summary(kjt, problem)
-    gathered = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(gathered, local, group=group)
-    rows = [g.tolist() for g in gathered]
-    if any(row[0] for row in rows):
-        problems: list[Any] = [None] * world
-        dist.all_gather_object(problems, problem, group=group)
-        raise SparseInputError(f"{module_path}: " + "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p))
-    sizes = [row[1] for row in rows]
-    if len(set(sizes)) > 1:
-        per_rank = ", ".join(f"rank {r}: {s}" for r, s in enumerate(sizes))
-        if 0 in sizes:
-            raise SparseInputError(f"{module_path}: some ranks have a batch with 0 samples and others not "
-                                   f"({per_rank}); drop empty batches on every rank alike (e.g. drop_last=True)")
-        if not uneven_batches_ok:
-            raise SparseInputError(f"{module_path}: ranks passed different batch sizes ({per_rank}), which row-wise "
-                                   f"sharded tables cannot take (TorchRec's row-wise backward needs one batch size); "
-                                   f"use the same batch size on every rank (drop_last=True) or no row-wise tables")
-    for column, name in ((2, "ids"), (3, "lengths")):
-        dtypes = {row[column] for row in rows}
-        if len(dtypes) > 1:
-            per_rank = ", ".join(f"rank {r}: {_INDEX_DTYPES[row[column]]}" for r, row in enumerate(rows))
-            raise SparseInputError(f"{module_path}: the KeyedJaggedTensor's {name} have different dtypes on different "
-                                   f"ranks ({per_rank}); use one dtype everywhere")
+class RankComparison:
+    """The ranks' comparison of one module call's input: every rank's summary in one all-gather
+    (started by the constructor, possibly as ``async_op``), judged by :meth:`finish`. Every rank
+    must create one for the same module call (it is a collective)."""
+
+    def __init__(self, kjt: Any, problem: Optional[str], group: Any, async_op: bool = False) -> None:
+        self.problem, self.group = problem, group
+        local = _summary(kjt, problem)
+        self.gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        self.work = dist.all_gather(self.gathered, local, group=group, async_op=async_op)
+
+    def finish(self, module_path: str, uneven_batches_ok: bool) -> None:
+        """Raise the same :class:`SparseInputError` on every rank when any rank's input has a
+        problem or the ranks' inputs cannot go through one collective together."""
+        if self.work is not None:
+            self.work.wait()
+        rows = [g.tolist() for g in self.gathered]
+        if any(row[0] for row in rows):
+            problems: list[Any] = [None] * len(rows)
+            dist.all_gather_object(problems, self.problem, group=self.group)
+            raise SparseInputError(f"{module_path}: " + "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems)
+                                                                  if p))
+        sizes = [row[1] for row in rows]
+        if len(set(sizes)) > 1:
+            per_rank = ", ".join(f"rank {r}: {s}" for r, s in enumerate(sizes))
+            if 0 in sizes:
+                raise SparseInputError(f"{module_path}: some ranks have a batch with 0 samples and others not "
+                                       f"({per_rank}); drop empty batches on every rank alike (e.g. drop_last=True)")
+            if not uneven_batches_ok:
+                raise SparseInputError(f"{module_path}: ranks passed different batch sizes ({per_rank}), which "
+                                       f"row-wise sharded tables cannot take (TorchRec's row-wise backward needs one "
+                                       f"batch size); use the same batch size on every rank (drop_last=True) or no "
+                                       f"row-wise tables")
+        for column, name in ((2, "ids"), (3, "lengths")):
+            dtypes = {row[column] for row in rows}
+            if len(dtypes) > 1:
+                per_rank = ", ".join(f"rank {r}: {_INDEX_DTYPES[row[column]]}" for r, row in enumerate(rows))
+                raise SparseInputError(f"{module_path}: the KeyedJaggedTensor's {name} have different dtypes on "
+                                       f"different ranks ({per_rank}); use one dtype everywhere")
 
 
 class InputCheck:
-    """The forward pre-hook that checks one sharded module's input. The lifted executor runs a
-    module's pre-hooks itself when it starts the module's work early (latency hiding) and the
-    module's own call runs them again on the same features: a KJT whose tensors were checked last
-    (the same objects, not changed in place since: same version counters; in the same mode) is
-    not checked again, which also spares the ranks one all-gather (every rank passes the same
-    objects around, so all skip alike)."""
+    """The forward pre-hook that checks one sharded module's input.
+
+    A KJT whose tensors were checked last (the same objects, not changed in place since: same
+    version counters; in the same mode) is not checked again: the lifted executor runs a module's
+    pre-hooks itself when it starts the module's work early (latency hiding) and the module's own
+    call runs them again on the same features. And when the executor knows a step ahead which
+    features a call will get (the next-batch schedule announces them), :meth:`start` checks them
+    then and leaves the ranks' all-gather in flight until that call, which only waits for it.
+    Every rank passes the same objects around, so all ranks decide alike."""
 
     def __init__(self, path: str, rows_per_feature: dict[str, int], group: Any, row_wise: bool) -> None:
         self.path, self.rows, self.group, self.row_wise = path, rows_per_feature, group, row_wise
-        self._checked: tuple = ()  # the KJT checked last: weak references to its tensors, and the rest of _key()
+        self._checked: Optional[tuple] = None  # the identity (see _identity) of the KJT checked last
+        self._started: Optional[tuple[tuple, RankComparison]] = None  # a check started ahead of its call
+
+    def start(self, kjt: Any, backward: bool) -> None:
+        """Begin checking ``kjt``, which a later call (in mode ``backward``) will pass."""
+        if self._compares_ranks():
+            comparison = RankComparison(kjt, kjt_problem(kjt, self.rows), self.group, async_op=True)
+            self._started = (self._identity(kjt, backward), comparison)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         kjt = args[0] if args else kwargs.get("features")
         # (only the row-wise backward needs one batch size: evaluation takes uneven batches)
         backward = module.training and torch.is_grad_enabled()
-        tensors = (kjt.values(), kjt.lengths())
-        key = (tuple(t._version for t in tensors), list(kjt.keys()), backward)
-        if self._checked and all(ref() is t for ref, t in zip(self._checked[0], tensors)) and self._checked[1] == key:
+        identity = self._identity(kjt, backward)
+        if self._checked is not None and _same_identity(self._checked, identity):
             return
-        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            check_across_ranks(self.path, kjt, kjt_problem(kjt, self.rows), self.group,
-                               uneven_batches_ok=not (self.row_wise and backward))
+        started, self._started = self._started, None
+        uneven_batches_ok = not (self.row_wise and backward)
+        if started is not None and _same_identity(started[0], identity):
+            started[1].finish(self.path, uneven_batches_ok)
+        elif self._compares_ranks():
+            RankComparison(kjt, kjt_problem(kjt, self.rows), self.group).finish(self.path, uneven_batches_ok)
         else:
             check_kjt(self.path, kjt, self.rows)
-        self._checked = (tuple(weakref.ref(t) for t in tensors), key)
+        self._checked = identity
+
+    def _compares_ranks(self) -> bool:
+        return dist.is_initialized() and dist.get_world_size(self.group) > 1
+
+    @staticmethod
+    def _identity(kjt: Any, backward: bool) -> tuple:
+        tensors = (kjt.values(), kjt.lengths())
+        return tuple(weakref.ref(t) for t in tensors), tuple(t._version for t in tensors), list(kjt.keys()), backward
+
+
+def _same_identity(a: tuple, b: tuple) -> bool:
+    return all(x() is not None and x() is y() for x, y in zip(a[0], b[0])) and a[1:] == b[1:]
 
 
 def install_input_checks(model: nn.Module, module_paths: list[str], tables: dict[str, Any], group: Any,
