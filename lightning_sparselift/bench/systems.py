@@ -445,7 +445,8 @@ ALL_SYSTEMS = [*SYSTEMS, LIGHTNING_SYSTEM]
 def bench_strategy_kwargs(env: BenchEnv) -> dict[str, Any]:
     """The strategy options of both sparselift systems."""
     return {
-        "validate_inputs": False,  # a debugging aid outside the sparse path
+        # off: the systems compare sparse paths (TorchRec checks nothing); benchmarks/checks_cost.py measures the checks
+        "validate_inputs": False,
         "embedding_optimizer": env.scenario.embedding_optimizer(),
         # capture inside the untimed warmup (the strategy's default is 3 steps)
         "warmup_batches": max(1, min(3, env.warmup_steps)),
