@@ -10,11 +10,12 @@ import os
 import traceback
 from contextlib import nullcontext
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 WARMUP_STEPS = 2
 LIFTED_STEPS = 3
@@ -112,6 +113,62 @@ def batches(rank: int, variant: dict[str, Any], steps: int) -> list[tuple]:
     return out
 
 
+# c10d ops as the dispatcher names them -> the collective they implement
+_COLLECTIVE_OPS = {
+    "alltoall_base_": "all_to_all_single",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "_allgather_base_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+}
+
+
+class CollectiveRecorder(TorchDispatchMode):
+    """Records the c10d collectives dispatched while active (they all pass the dispatcher, so the
+    ones TorchRec issues from its awaitables and autograd Functions are seen too), each as
+    ``(op, phase, module, dtype, bytes this member puts in)``. A collective issued during the
+    forward of one of ``modules`` (path -> module) is ``forward`` under that path; any other is
+    ``backward`` (module None)."""
+
+    def __init__(self, modules: Optional[dict[str, nn.Module]] = None) -> None:
+        super().__init__()
+        self.records: list[tuple[str, str, Optional[str], str, int]] = []
+        self.module: Optional[str] = None  # set while one of ``modules``' forward runs
+        self._modules = modules or {}
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> "CollectiveRecorder":
+        for path, module in self._modules.items():
+            self._handles.append(module.register_forward_pre_hook(lambda *_, path=path: setattr(self, "module", path)))
+            self._handles.append(module.register_forward_hook(lambda *_: setattr(self, "module", None)))
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        name = func.__name__.split(".")[0]
+        op = _COLLECTIVE_OPS.get(name) if func.namespace == "c10d" else None
+        if op is not None:
+            # the member's input: alltoall_base_(output, input, ...); _reduce_scatter_base_(output, input, ...);
+            # _allgather_base_(output, input, ...); allreduce_([tensors], ...); coalesced ops take lists
+            if name in ("alltoall_base_", "_reduce_scatter_base_", "_allgather_base_"):
+                tensors = [args[1]]
+            elif name in ("allreduce_", "allreduce_coalesced_"):
+                tensors = list(args[0])
+            else:
+                tensors = list(args[1])
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            phase = "forward" if self.module is not None else "backward"
+            self.records.append((op, phase, self.module, str(tensors[0].dtype).replace("torch.", ""), nbytes))
+        return func(*args, **(kwargs or {}))
+
+
 def local_state(model: nn.Module, fused: Any) -> dict[str, torch.Tensor]:
     out = {}
     for key, value in model.state_dict().items():
@@ -129,8 +186,9 @@ def local_state(model: nn.Module, fused: Any) -> dict[str, torch.Tensor]:
 
 def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: int,
           device: torch.device, optimizations: tuple[str, ...] = ()) -> dict[str, Any]:
-    from lightning_sparselift.capture import CollectiveRecorder, SparseCapture, gather_captures
-    from lightning_sparselift.lift import check_against_runtime, dense_parameter_bytes, lift
+    from lightning_sparselift.frontend.capture import SparseCapture, gather_captures
+    from lightning_sparselift.frontend.check import check_against_runtime
+    from lightning_sparselift.frontend.lift import dense_parameter_bytes, lift
     from lightning_sparselift.passes import select_passes
     from lightning_sparselift.runtime import install
     from lightning_sparselift.sharding import EmbeddingOptimizer, shard_model
@@ -159,11 +217,14 @@ def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: in
             installed.announce(next_batch)
         if capture is not None and step < WARMUP_STEPS:
             context = capture.step(moved, next_batch)
+            if step == WARMUP_STEPS - 1:  # the last captured step: what TorchRec issues, by module
+                recorder = CollectiveRecorder({p: model.get_submodule(p) for p in sharded.sparse_module_paths})
         elif lifted and step == WARMUP_STEPS + 1:
-            recorder = context = CollectiveRecorder()
+            recorder = CollectiveRecorder()
+            context = nullcontext()
         else:
             context = nullcontext()
-        with context:
+        with context, (recorder if recorder is not None else nullcontext()):
             logits, pooled = dmp(dense, a, b) if b is not None else dmp(dense, a)
             loss = nn.functional.binary_cross_entropy_with_logits(logits, labels)
             loss.backward()
@@ -172,12 +233,10 @@ def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: in
         dense_opt.step()
         dense_opt.zero_grad()
         if recorder is not None:
-            result["lifted_collectives"] = [(r.op, r.phase, r.module, r.dtype, r.bytes) for r in recorder.records]
+            result["captured_collectives" if step < WARMUP_STEPS else "lifted_collectives"] = recorder.records
         if capture is not None and step == WARMUP_STEPS - 1:
             captured = gather_captures(capture.result())
             capture.remove()
-            result["captured_collectives"] = [(r.op, r.phase, r.module, r.dtype, r.bytes)
-                                              for r in captured[rank].collectives[-1]]
             graph = lift(model, dmp.plan, sharded.sparse_module_paths, captured, dist.group.WORLD, device,
                          dense_parameter_bytes(dmp, sharded.sparse_module_paths))
             check_against_runtime(graph, model)
@@ -191,9 +250,9 @@ def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: in
             result["explain"] = graph.explain()
     result["final"] = local_state(dmp, dmp.fused_optimizer)
     if installed is not None:
-        result["torchrec_steps"] = {p: f.torchrec_steps for p, f in installed.forwards.items()}
-        result["early_steps"] = {p: f.early_steps for p, f in installed.forwards.items()}
-        result["prefetched_steps"] = {p: f.prefetched_steps for p, f in installed.forwards.items()}
+        result["torchrec_steps"] = {p: f.torchrec_steps for p, f in installed.executors.items()}
+        result["early_steps"] = {p: f.early_steps for p, f in installed.executors.items()}
+        result["prefetched_steps"] = {p: f.prefetched_steps for p, f in installed.executors.items()}
         installed.discard()
     return result
 

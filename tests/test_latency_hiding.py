@@ -12,9 +12,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from helpers import tiny_data, tiny_model, trainer
 from lightning_sparselift import SparseLiftStrategy
-from lightning_sparselift.capture import SparseCapture
+from lightning_sparselift.frontend.capture import SparseCapture
 from lightning_sparselift.cost.calibration import CalibrationProtocol, Calibrator
-from lightning_sparselift.lift import _next_batch_source
+from lightning_sparselift.frontend.lift import _next_batch_source
 from lightning_sparselift.strategy import LookaheadLoader
 
 

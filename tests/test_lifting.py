@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 import lifted_parity as lp
-from lightning_sparselift.lift import SparseGraph
+from lightning_sparselift.ir import SparseGraph
 
 ALL = lp.ALL
 
@@ -81,11 +81,11 @@ def _assert_identical(results: list[dict], case: str, variant: str, world: int) 
             graph = SparseGraph.from_dict(result[executor]["graph"])
             passes = lp.OPTIMIZED.get(executor, ())
             for m in graph.modules:
-                early = "early_start" in m.schedules
+                early = m.schedule.lookup_at == "root_forward"
                 assert early == ("latency_hiding" in passes and world > 1
                                  and any(g.sharding_type in ("table_wise", "column_wise") for g in m.groups))
                 assert result[executor]["early_steps"][m.path] == (lp.LIFTED_STEPS - int(short) if early else 0)
-                ahead = "next_batch" in m.schedules
+                ahead = m.schedule.input_issue == "previous_step"
                 assert ahead == (bool({"latency_hiding", "latency_hiding:next_batch"} & set(passes)) and world > 1
                                  and any(g.sharding_type != "data_parallel" for g in m.groups))
                 assert result[executor]["prefetched_steps"][m.path] == (lp.LIFTED_STEPS - 1 if ahead else 0)
@@ -129,7 +129,7 @@ def test_predicted_bytes_match_torchrec(runs, world, case, variant):
             run = result[executor]
             graph = SparseGraph.from_dict(run["graph"])
             if (lp.VARIANTS[variant].get("short_step") == lp.WARMUP_STEPS + 2
-                    and any("next_batch" in m.schedules for m in graph.modules)):
+                    and any(m.schedule.input_issue == "previous_step" for m in graph.modules)):
                 continue  # the recorded step distributes the next (uneven) batch: its splits exchange only
             ours = [c for c in run["lifted_collectives"] if c[0] != "all_reduce"]
             predicted = [n for n in graph.collectives() if n.op != "all_reduce"]
@@ -177,7 +177,7 @@ class SaveExecutor(L.Callback):
     def on_train_end(self, trainer, pl_module):
         s = trainer.strategy
         graph = s.sparse_graph
-        forwards = s.lifted_executor.forwards.values() if s.lifted_executor is not None else []
+        forwards = s.lifted_executor.executors.values() if s.lifted_executor is not None else []
         torch.save({"executor": s.executor_in_use, "fallback": s.executor_fallback_reason,
                     "graph": graph.to_dict() if graph is not None else None,
                     "early": [(f.early_starts, f.early_steps) for f in forwards],
@@ -205,8 +205,10 @@ def test_strategy_lifted_executor_matches_torchrec_executor(tmp_path, data_cache
         info = torch.load(tmp_path / "sparselift" / f"executor{rank}.pt", weights_only=False)
         assert info["executor"] == "sparselift" and info["fallback"] is None
         graph = SparseGraph.from_dict(info["graph"])
-        assert graph.modules[0].aggregated == ["input", "output"]
-        assert graph.modules[0].schedules == ["early_start", "next_batch"]
+        schedule = graph.modules[0].schedule
+        assert [e.packing for e in schedule.inputs] == ["bytes"]  # aggregated: one bucket of every group
+        assert [len(e.groups) for e in schedule.outputs if e.op == "all_to_all_single"] == [2]
+        assert schedule.lookup_at == "root_forward" and schedule.input_issue == "previous_step"
         # every training step after the 3 captured ones started early, once (Lightning calls the
         # LightningModule twice per step: the forward redirection, then training_step's self(batch))
         assert info["early"] == [(22, 22)]

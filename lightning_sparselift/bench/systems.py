@@ -290,7 +290,7 @@ def time_early_starts(installed: Any, timer: StageTimer) -> None:
     """Count latency hiding's early start (input dist, lookups, issuing the output all-to-all)
     as sparse forward in the stage breakdown: it runs before the sparse module's call, which is
     all the module hooks see."""
-    for forward in installed.forwards.values():
+    for forward in installed.executors.values():
         def timed(features: Any, start: Callable[[Any], None] = forward.start) -> None:
             with timer.sparse_region():
                 start(features)

@@ -64,8 +64,7 @@ class CalibrationProtocol:
 class Measurement:
     candidate: str
     observations_ms: list[list[float]]  # per rank: F(T1) - F(T0) of each measured pair
-    per_rank_ms: list[float]  # per rank: the minimum of its observations
-    increment_ms: float  # the maximum over ranks: what the decision uses
+    increment_ms: float  # the maximum over ranks of each rank's minimum: what the decision uses
 
 
 class Calibrator:
@@ -118,4 +117,4 @@ def rank_consistent_increment(candidate: str, increments: list[float], group: An
         gathered = [local]
     per_rank = [g.tolist() for g in gathered]
     minima = [min(obs) for obs in per_rank]
-    return Measurement(candidate, per_rank, minima, max(minima))
+    return Measurement(candidate, per_rank, max(minima))

@@ -36,9 +36,6 @@ class LookupModel:
 
     bandwidth_bytes_per_ms: float
 
-    def predict_ms(self, ids: float, dim: int, samples: int, element_size: int = 4) -> float:
-        return (ids * dim + samples * dim) * element_size / self.bandwidth_bytes_per_ms
-
     def copy_ms(self, nbytes: float) -> float:
         """Packing / unpacking: read and write ``nbytes``."""
         return 2 * nbytes / self.bandwidth_bytes_per_ms
@@ -52,12 +49,6 @@ class Priors:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Priors":
-        a2a = dict(data["all_to_all"])
-        a2a["samples"] = [tuple(s) for s in a2a["samples"]]
-        return cls(AlphaBeta(**a2a), LookupModel(**data["lookup"]), data["seconds"])
 
 
 def _fit(samples: list[tuple[int, float]]) -> tuple[float, float]:

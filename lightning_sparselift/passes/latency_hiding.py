@@ -38,14 +38,17 @@ moved and the arithmetic are unchanged: results stay bit-identical.
 
 from __future__ import annotations
 
-from lightning_sparselift.capture import describe_path
+from lightning_sparselift.frontend.capture import describe_path
 from lightning_sparselift.cost.calibration import CalibrationProtocol
 from lightning_sparselift.cost.priors import Priors
-from lightning_sparselift.lift import CollectiveNode, SparseGraph, member_bytes
-from lightning_sparselift.passes import Candidate, OptimizationPass
+from lightning_sparselift.ir import LiftedModule, SparseGraph, member_bytes
+from lightning_sparselift.ir.vocab import INPUT_ALL_TO_ALL, POOLED_ALL_TO_ALL
+from lightning_sparselift.passes.base import Candidate, OptimizationPass
 
-# the input distribution's payload all-to-alls (the splits exchange stays synchronous: their sizes depend on it)
-_PREFETCHED_ROLES = ("input_lengths", "input_values", "input_weights", "input_payload")
+# the collectives each schedule takes off the critical path (the splits exchange stays
+# synchronous: the payload's sizes depend on it)
+_HIDDEN_ROLES = {"early_start": ("output_pooled", "grad_pooled"),
+                 "next_batch": ("input_lengths", "input_values", "input_weights", "input_payload")}
 
 
 class LatencyHiding(OptimizationPass):
@@ -53,58 +56,46 @@ class LatencyHiding(OptimizationPass):
     roles = ("early_start", "next_batch")
     protocol = CalibrationProtocol(warmup_pairs=1, measured_pairs=2, region="step", settle_steps=1)
 
-    def candidates(self, graph: SparseGraph) -> list[Candidate]:
-        out = []
-        for m in graph.modules:
-            for schedule in self.roles:
-                reasons = ["one rank: no all-to-all to hide"] if graph.world_size == 1 else []
-                if schedule == "early_start":
-                    if m.root_input is None:
-                        reasons.append("the module's input was not among the root forward's arguments in the captured "
-                                       "steps (the model computes it), so it cannot start before the model reaches "
-                                       "the module")
-                    if not any(g.sharding_type in ("table_wise", "column_wise") for g in m.groups):
-                        reasons.append("no table/column-wise group: nothing asynchronous to overlap")
-                    hidden_roles = ("output_pooled", "grad_pooled")
-                else:
-                    if m.batch_input is None:
-                        reasons.append(m.next_batch_note)
-                    if all(g.sharding_type == "data_parallel" for g in m.groups):
-                        reasons.append("only data-parallel groups: no input distribution")
-                    hidden_roles = _PREFETCHED_ROLES
-                if schedule in m.schedules:
-                    reasons.append("already scheduled")
-                hidden = [n for n in graph.collectives() if n.module == m.path and n.op == "all_to_all_single"
-                          and n.role in hidden_roles]
-                out.append(Candidate(self.name, f"{schedule}@{m.path}", m.path, schedule, not reasons, reasons,
-                                     {"hidden_bytes": max(member_bytes(hidden, graph.world_size), default=0),
-                                      "hidden_collectives": len(hidden)}))
-        return out
+    def check(self, graph: SparseGraph, module: LiftedModule, role: str) -> tuple[list[str], dict[str, float]]:
+        s = module.schedule
+        reasons = ["one rank: no all-to-all to hide"] if graph.world_size == 1 else []
+        if role == "early_start":
+            if module.root_input is None:
+                reasons.append("the module's input was not among the root forward's arguments in the captured steps "
+                               "(the model computes it), so it cannot start before the model reaches the module")
+            if not any(k in POOLED_ALL_TO_ALL for k in module.kinds):
+                reasons.append("no table/column-wise group: nothing asynchronous to overlap")
+            if s.lookup_at == "root_forward":
+                reasons.append("already scheduled")
+        else:
+            if module.batch_input is None:
+                reasons.append(module.next_batch_note)
+            if not any(k in INPUT_ALL_TO_ALL for k in module.kinds):
+                reasons.append("only data-parallel groups: no input distribution")
+            if s.input_issue == "previous_step":
+                reasons.append("already scheduled")
+        hidden = [n for n in graph.collectives() if n.module == module.path and n.op == "all_to_all_single"
+                  and n.role in _HIDDEN_ROLES[role]]
+        return reasons, {"hidden_bytes": max(member_bytes(hidden, graph.world_size), default=0),
+                         "hidden_collectives": len(hidden)}
 
     def predict_ms(self, candidate: Candidate, priors: Priors) -> float:
         a2a = priors.all_to_all
         return -(candidate.cost_inputs["hidden_collectives"] * a2a.alpha_ms
                  + candidate.cost_inputs["hidden_bytes"] * a2a.beta_ms_per_byte)
 
-    def apply(self, graph: SparseGraph, candidate: Candidate) -> SparseGraph:
-        if not candidate.feasible:
-            raise ValueError(f"{candidate.id} is not feasible: {candidate.reasons}")
-        out = graph.copy()
-        m = out.module(candidate.module)
-        m.schedules = sorted(set(m.schedules) | {candidate.role})
-        notes = {"output_pooled": "; issued when the root forward begins, waited at the module call",
-                 "grad_pooled": "; started at the wait's backward, waited before the fused update"} \
-            if candidate.role == "early_start" else \
-            {role: "; for the next batch, issued after this step's module call, waited when the next step starts"
-             for role in _PREFETCHED_ROLES}
-        for node in out.nodes:
-            if isinstance(node, CollectiveNode) and node.module == m.path and node.role in notes:
-                node.layout += notes[node.role]
+    def rewrite(self, graph: SparseGraph, module: LiftedModule, candidate: Candidate) -> str:
+        s = module.schedule
         if candidate.role == "early_start":
-            out.provenance.append(f"latency_hiding: {m.path} starts at the root forward from "
-                                  f"{describe_path(m.root_input)}; its output and gradient all-to-alls overlap the "
-                                  f"dense compute in between")
-        else:
-            out.provenance.append(f"latency_hiding: {m.path} distributes the next batch's input "
-                                  f"({describe_path(m.batch_input, 'batch')} of the announced batch) during this step")
-        return out
+            for e in s.inputs:
+                if e.issue == s.lookup_at:
+                    e.issue = "root_forward"
+            for e in s.outputs:  # all-to-alls stay in flight until the module's call; reduce-scatters do not
+                e.wait = "module_call" if e.op == "all_to_all_single" else "root_forward"
+            s.lookup_at = "root_forward"
+            return (f"{module.path} starts at the root forward from {describe_path(module.root_input)}; its output "
+                    f"and gradient all-to-alls overlap the dense compute in between")
+        for e in s.inputs:
+            e.issue = "previous_step"
+        return (f"{module.path} distributes the next batch's input ({describe_path(module.batch_input, 'batch')} of "
+                f"the announced batch) during this step")

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from lightning_sparselift.cost.priors import Priors
-from lightning_sparselift.lift import SparseGraph
+from lightning_sparselift.ir import SparseGraph
 from lightning_sparselift.typed_json import decode, json_type
 
-PLAN_SCHEMA = "sparselift-plan/1"
+PLAN_SCHEMA = "sparselift-plan/2"  # 2: module schedules replace pass flags and layout notes
 
 
 class PlanFileError(ValueError):
@@ -88,7 +88,11 @@ class ExecutionPlan:
         """The plan ``data`` (parsed JSON) describes; :class:`PlanFileError` naming the first field of the
         wrong type (or a missing or unknown key)."""
         if not isinstance(data, dict) or data.get("schema") != PLAN_SCHEMA:
-            found = f"schema {data.get('schema')!r}" if isinstance(data, dict) else f"a JSON {json_type(data)}"
+            found = data.get("schema") if isinstance(data, dict) else None
+            if isinstance(found, str) and found.startswith("sparselift-plan/"):
+                raise PlanFileError(f"the plan has schema {found}, written by another version of lightning_sparselift; "
+                                    f"this version reads {PLAN_SCHEMA}")
+            found = f"schema {found!r}" if isinstance(data, dict) else f"a JSON {json_type(data)}"
             raise PlanFileError(f"not a {PLAN_SCHEMA} plan ({found})")
         try:
             plan = decode(cls, data)

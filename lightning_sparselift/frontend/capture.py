@@ -1,9 +1,9 @@
 """Capture: what the first real batches show about the sparse path.
 
 While TorchRec's own path runs the first ``warmup_batches`` training steps, a forward pre-hook on
-every sharded EmbeddingBagCollection records its input KeyedJaggedTensor (per feature: bag
-lengths, ids, weighted or not; the batch size) and a dispatch mode records every collective the
-step issues (op, bytes each member puts in, dtype, forward under which module or backward).
+every sharded EmbeddingBagCollection records its input KeyedJaggedTensor (keys, dtypes, weighted
+or not, the batch size; per feature: ids per step and bag length percentiles) and where it came
+from (the root forward's arguments, the step's batch, the batch announced as next).
 The result is plain data; :func:`gather_captures` makes every rank hold every rank's capture, so
 the graph lifted from it is the same everywhere.
 """
@@ -17,18 +17,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-# c10d ops as the dispatcher names them -> the collective they implement
-_COLLECTIVE_OPS = {
-    "alltoall_base_": "all_to_all_single",
-    "_reduce_scatter_base_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "_allgather_base_": "all_gather",
-    "allgather_into_tensor_coalesced_": "all_gather",
-    "allreduce_": "all_reduce",
-    "allreduce_coalesced_": "all_reduce",
-}
 _PERCENTILES = (50, 90, 99)
 
 
@@ -36,28 +25,19 @@ _PERCENTILES = (50, 90, 99)
 class FeatureStats:
     """One feature's bags on one rank over the captured steps."""
 
-    name: str
     steps: int
-    bags: int
     ids: int
-    max_length: int
     percentiles: dict[str, float]  # bag length percentiles: {"p50": ..., "p90": ..., "p99": ...}
-    empty_fraction: float
 
     @property
     def ids_per_step(self) -> float:
         return self.ids / max(self.steps, 1)
-
-    @property
-    def pooling_factor(self) -> float:
-        return self.ids / max(self.bags, 1)
 
 
 @dataclass
 class ModuleCapture:
     """One sharded module's input on one rank."""
 
-    path: str
     keys: list[str]
     weighted: bool
     batch_size: int
@@ -191,21 +171,10 @@ def describe_path(path: list[list], name: str = "") -> str:
 
 
 @dataclass
-class CollectiveRecord:
-    op: str  # all_to_all_single | reduce_scatter | all_gather | all_reduce
-    phase: str  # forward | backward
-    module: Optional[str]  # the sharded module whose forward issued it (None in backward)
-    dtype: str
-    bytes: int  # what this member puts into the collective (its input buffer)
-
-
-@dataclass
 class RankCapture:
     rank: int
     world_size: int
-    steps: int
     modules: dict[str, ModuleCapture]
-    collectives: list[list[CollectiveRecord]]  # per captured step, in issue order
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -214,60 +183,28 @@ class RankCapture:
     def from_dict(cls, data: dict[str, Any]) -> "RankCapture":
         modules = {p: ModuleCapture(**{**m, "features": {f: FeatureStats(**s) for f, s in m["features"].items()}})
                    for p, m in data["modules"].items()}
-        steps = [[CollectiveRecord(**c) for c in step] for step in data["collectives"]]
-        return cls(data["rank"], data["world_size"], data["steps"], modules, steps)
+        return cls(data["rank"], data["world_size"], modules)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-class CollectiveRecorder(TorchDispatchMode):
-    """Records the c10d collectives dispatched while active (they all pass the dispatcher, so the
-    ones TorchRec issues from its awaitables and autograd Functions are seen too)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[CollectiveRecord] = []
-        self.module: Optional[str] = None  # set while a sharded module's forward runs
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        op = _COLLECTIVE_OPS.get(func.__name__.split(".")[0]) if func.namespace == "c10d" else None
-        if op is not None:
-            self.records.append(self._record(op, func.__name__.split(".")[0], args))
-        return func(*args, **(kwargs or {}))
-
-    def _record(self, op: str, name: str, args: tuple) -> CollectiveRecord:
-        # the member's input: alltoall_base_(output, input, ...); _reduce_scatter_base_(output, input, ...);
-        # _allgather_base_(output, input, ...); allreduce_([tensors], ...); coalesced ops take lists
-        if name in ("alltoall_base_", "_reduce_scatter_base_", "_allgather_base_"):
-            tensors = [args[1]]
-        elif name == "allreduce_" or name == "allreduce_coalesced_":
-            tensors = list(args[0])
-        else:
-            tensors = list(args[1])
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        phase = "forward" if self.module is not None else "backward"
-        return CollectiveRecord(op, phase, self.module, _dtype_name(tensors[0].dtype), nbytes)
-
-
 class _FeatureAccumulator:
     def __init__(self) -> None:
         self.lengths: list[torch.Tensor] = []
 
-    def stats(self, name: str, steps: int) -> FeatureStats:
+    def stats(self, steps: int) -> FeatureStats:
         lengths = torch.cat(self.lengths) if self.lengths else torch.zeros(0, dtype=torch.long)
         as_float = lengths.double()
         percentiles = ({f"p{p}": float(torch.quantile(as_float, p / 100)) for p in _PERCENTILES}
                        if lengths.numel() else {f"p{p}": 0.0 for p in _PERCENTILES})
-        return FeatureStats(name=name, steps=steps, bags=int(lengths.numel()), ids=int(lengths.sum()),
-                            max_length=int(lengths.max()) if lengths.numel() else 0, percentiles=percentiles,
-                            empty_fraction=float((lengths == 0).double().mean()) if lengths.numel() else 0.0)
+        return FeatureStats(steps=steps, ids=int(lengths.sum()), percentiles=percentiles)
 
 
 class SparseCapture:
-    """Hooks on the sharded modules of ``model`` at ``module_paths`` that record their inputs and
-    the collectives of the steps run inside :meth:`step`."""
+    """Hooks on the sharded modules of ``model`` at ``module_paths`` that record their inputs in
+    the steps run inside :meth:`step`."""
 
     def __init__(self, model: nn.Module, module_paths: list[str], rank: int, world_size: int) -> None:
         """``model`` is the root whose forward the training step calls; its arguments are where a
@@ -275,8 +212,7 @@ class SparseCapture:
         self.rank = rank
         self.world_size = world_size
         self.steps = 0
-        self._recorder: Optional[CollectiveRecorder] = None
-        self._step_records: list[list[CollectiveRecord]] = []
+        self._active = False  # inside a captured training step
         self._inputs: dict[str, dict[str, Any]] = {}
         self._features: dict[str, dict[str, _FeatureAccumulator]] = defaultdict(lambda: defaultdict(_FeatureAccumulator))
         self._handles = [model.register_forward_pre_hook(self._root_hook, with_kwargs=True)]
@@ -292,13 +228,11 @@ class SparseCapture:
         for path in module_paths:
             module = model.get_submodule(path)
             self._handles.append(module.register_forward_pre_hook(self._pre_hook(path), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._post_hook))
 
     def _pre_hook(self, path: str):
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if self._recorder is None:
+            if not self._active:
                 return  # outside a captured training step (e.g. validation)
-            self._recorder.module = path
             kjt = args[0] if args else kwargs["features"]
             self._root_inputs[path].append(self._root_kjts.get(id(kjt)))
             batch_path = self._batch_kjts.get(id(kjt))
@@ -310,12 +244,8 @@ class SparseCapture:
         return hook
 
     def _root_hook(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._recorder is not None:
+        if self._active:
             self._root_kjts = find_kjts(args, kwargs)
-
-    def _post_hook(self, _module: nn.Module, _args: tuple, _output: Any) -> None:
-        if self._recorder is not None:
-            self._recorder.module = None
 
     def _observe(self, path: str, kjt: Any) -> None:
         if kjt.variable_stride_per_key():
@@ -338,10 +268,10 @@ class SparseCapture:
 
     @contextmanager
     def step(self, batch: Any = None, next_batch: Any = None) -> Iterator[None]:
-        """Record the collectives and inputs of one training step (forward and backward).
-        ``batch`` is what the training loop passes to its step (where the modules' inputs are
-        looked for), ``next_batch`` the batch the loop will pass next, if it knows it."""
-        self._recorder = CollectiveRecorder()
+        """Record the sparse modules' inputs in one training step. ``batch`` is what the training
+        loop passes to its step (where the modules' inputs are looked for), ``next_batch`` the
+        batch the loop will pass next, if it knows it."""
+        self._active = True
         self._batch_kjts = find_kjts((batch,), {}) if batch is not None else {}
         # copied now: a change made in place before the next step must show as a difference
         self._expected, self._announced = self._announced, {
@@ -349,11 +279,9 @@ class SparseCapture:
             for path in (find_kjts((next_batch,), {}) if next_batch is not None else {}).values()}
         self._calls.clear()
         try:
-            with self._recorder:
-                yield
+            yield
         finally:
-            self._step_records.append(self._recorder.records)
-            self._recorder = None
+            self._active = False
             self._batch_kjts = {}
             for path, calls in self._calls.items():
                 self._max_calls[path] = max(self._max_calls[path], calls)
@@ -367,12 +295,12 @@ class SparseCapture:
         for path, info in self._inputs.items():
             if "error" in info:
                 continue
-            features = {k: self._features[path][k].stats(k, self.steps) for k in info["keys"]}
-            modules[path] = ModuleCapture(path=path, features=features, root_input=common_path(self._root_inputs[path]),
+            features = {k: self._features[path][k].stats(self.steps) for k in info["keys"]}
+            modules[path] = ModuleCapture(features=features, root_input=common_path(self._root_inputs[path]),
                                           batch_input=common_path(self._batch_inputs[path]),
                                           announced_exact=self._announced_exact[path],
                                           calls_per_step=self._max_calls[path], **info)
-        return RankCapture(self.rank, self.world_size, self.steps, modules, self._step_records)
+        return RankCapture(self.rank, self.world_size, modules)
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -1,0 +1,196 @@
+"""Lifting: a sharded model's sparse path as a :class:`~lightning_sparselift.ir.SparseGraph`.
+
+TorchRec runs each sharded EmbeddingBagCollection as one opaque call. :func:`lift` rebuilds it
+as plain data: per module, its sharding groups (one per sharding type, as TorchRec groups them)
+with the exact layout the executor needs (feature order, features per rank, row blocks, output
+dims per rank, column order), and the identity schedule (TorchRec's own step). The layout is
+derived from public TorchRec structure (the ShardingPlan, the tables' EmbeddingBagConfigs,
+``create_grouped_sharding_infos`` / ``create_embedding_bag_sharding``);
+:func:`~lightning_sparselift.frontend.check.check_against_runtime` cross-checks it against the
+sharded module's own attributes. Anything not understood raises :class:`LiftError` naming the
+module, so the strategy can fall back to TorchRec's path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lightning_sparselift.frontend.capture import RankCapture, common_path
+from lightning_sparselift.ir.graph import LiftedModule, ShardingGroup, SparseGraph, TableShard
+from lightning_sparselift.ir.schedule import identity_schedule
+from lightning_sparselift.ir.vocab import LIFTED_SHARDING_TYPES, POOLED_ALL_TO_ALL
+
+
+class LiftError(RuntimeError):
+    """The sparse path of a module has a structure the lifted executor does not handle."""
+
+
+def _sharded_type() -> type:
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    return ShardedEmbeddingBagCollection
+
+
+def _table_shards(name: str, ps: Any, pooling: str, rows: int, dim: int) -> list[TableShard]:
+    if ps.sharding_type == "data_parallel":
+        return [TableShard(name, None, rows, dim, 0, 0, ps.compute_kernel, pooling)]
+    shards = []
+    for meta in ps.sharding_spec.shards:
+        shards.append(TableShard(name, meta.placement.rank(), int(meta.shard_sizes[0]), int(meta.shard_sizes[1]),
+                                 int(meta.shard_offsets[0]), int(meta.shard_offsets[1]), ps.compute_kernel, pooling))
+    return shards
+
+
+def _column_order(sharding: Any) -> list[int]:
+    """Column permutation that puts each table's column shards together in offset order, as
+    TorchRec's column-wise output dist does after its all-to-all; [] when it is the identity."""
+    names = sharding.uncombined_embedding_names()
+    dims = sharding.uncombined_embedding_dims()
+    metas = sharding.embedding_shard_metadata()
+    first: dict[str, int] = {}
+    for i, name in enumerate(names):
+        first.setdefault(name, i)
+    order = sorted(range(len(names)), key=lambda i: (first[names[i]], metas[i].shard_offsets[1] if metas[i] else 0))
+    starts = [sum(dims[:i]) for i in range(len(dims))]
+    columns = [c for i in order for c in range(starts[i], starts[i] + dims[i])]
+    return [] if columns == list(range(len(columns))) else columns
+
+
+def _lift_groups(path: str, sharded: nn.Module, module_plan: Any, env: Any, device: torch.device) -> list[ShardingGroup]:
+    from torchrec.modules.embedding_configs import PoolingType
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    configs = list(sharded._embedding_bag_configs)
+    meta_ebc = EmbeddingBagCollection(tables=configs, is_weighted=sharded._is_weighted, device=torch.device("meta"))
+    plan = dict(module_plan)
+    cls = _sharded_type()
+    infos_by_type = cls.create_grouped_sharding_infos(meta_ebc, plan, "embedding_bags.", None)
+    groups = []
+    by_name = {c.name: c for c in configs}
+    for index, (sharding_type, infos) in enumerate(infos_by_type.items()):
+        if sharding_type not in LIFTED_SHARDING_TYPES:
+            raise LiftError(f"{path}: sharding type {sharding_type!r} (tables {[i.embedding_config.name for i in infos]}) "
+                            f"is not supported by the lifted executor; supported: {LIFTED_SHARDING_TYPES}")
+        sharding = cls.create_embedding_bag_sharding(infos, env, device, permute_embeddings=True)
+        world = env.world_size
+        tables = []
+        for info in infos:
+            cfg = by_name[info.embedding_config.name]
+            pooling = cfg.pooling.name if hasattr(cfg.pooling, "name") else str(cfg.pooling)
+            if sharding_type == "row_wise" and cfg.pooling == PoolingType.MEAN:
+                raise LiftError(f"{path}: table {cfg.name!r} is row-wise with mean pooling (TorchRec divides after "
+                                f"the reduce-scatter); the lifted executor does not implement that")
+            tables.extend(_table_shards(cfg.name, plan[cfg.name], pooling, cfg.num_embeddings, cfg.embedding_dim))
+        features = list(sharding.feature_names())
+        features_per_rank: list[int] = []
+        block_sizes: list[int] = []
+        dim_sum_per_rank: list[int] = []
+        column_order: list[int] = []
+        if sharding_type in POOLED_ALL_TO_ALL:
+            features_per_rank = list(sharding.features_per_rank())
+            names_per_rank = sharding.embedding_names_per_rank()
+            dims = sharding.uncombined_embedding_dims() if sharding_type == "column_wise" else sharding.embedding_dims()
+            start = 0
+            for names in names_per_rank:
+                dim_sum_per_rank.append(sum(dims[start:start + len(names)]))
+                start += len(names)
+            if sharding_type == "column_wise":
+                column_order = _column_order(sharding)
+        elif sharding_type == "row_wise":
+            rows = {}
+            for info in infos:
+                for feature in info.embedding_config.feature_names:
+                    rows[feature] = info.embedding_config.num_embeddings
+            block_sizes = [(rows[f] + world - 1) // world for f in features]
+        groups.append(ShardingGroup(index, sharding_type, features, features_per_rank, block_sizes, dim_sum_per_rank,
+                                    column_order, list(sharding.embedding_names()), list(sharding.embedding_dims()),
+                                    tables))
+    return groups
+
+
+def _module_inputs(path: str, captures: list[RankCapture]) -> tuple[list[str], bool, str, str, list[int]]:
+    seen = [c.modules.get(path) for c in captures]
+    missing = [c.rank for c, m in zip(captures, seen) if m is None]
+    if missing:
+        raise LiftError(f"{path}: no input was captured on rank(s) {missing} (the module did not run in the "
+                        f"captured training steps)")
+    first = seen[0]
+    for m in seen[1:]:
+        if (m.keys, m.weighted, m.lengths_dtype, m.values_dtype) != (first.keys, first.weighted, first.lengths_dtype,
+                                                                      first.values_dtype):
+            raise LiftError(f"{path}: ranks see different input structures: {first.keys} {first.weighted} vs "
+                            f"{m.keys} {m.weighted}")
+    return first.keys, first.weighted, first.lengths_dtype, first.values_dtype, [m.batch_size for m in seen]
+
+
+def dense_parameter_bytes(model: nn.Module, module_paths: list[str]) -> int:
+    """Bytes of the trainable parameters outside the sharded modules (what DDP all-reduces)."""
+    def sparse(name: str) -> bool:
+        return any(f"{p}." in f".{name}" or name.startswith(f"{p}.") for p in module_paths)
+
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if p.requires_grad and not sparse(n))
+
+
+def _next_batch_source(captured: list[Any]) -> tuple[Optional[list[list[Any]]], str]:
+    """Where a module's input is in the batch the loop announces as next (every rank's capture),
+    or None and why that batch cannot stand for the next step's input."""
+    source = common_path([m.batch_input for m in captured])
+    if source is None:
+        return None, "the module's input was not found in the training step's batch on every rank (the model builds it)"
+    if max(m.calls_per_step for m in captured) > 1:
+        return None, "the module ran more than once in a training step"
+    checks = [e for m in captured for e in m.announced_exact]
+    if False in checks:
+        return None, ("the batch the training loop announced as next differed from the features the module received "
+                      "(something between the data loader and the model changes them)")
+    if True not in checks:
+        return None, "the training loop announced no next batch during capture (needs >= 2 captured steps)"
+    return source, ""
+
+
+def lift(model: nn.Module, sharding_plan: Any, module_paths: list[str], captures: list[RankCapture],
+         process_group: Any, device: torch.device, dense_param_bytes: int = 0) -> SparseGraph:
+    """The SRSV of the sharded modules at ``module_paths`` (paths in ``model``), in the order
+    their forwards ran in the captured steps."""
+    import fbgemm_gpu
+    import torchrec
+    from torchrec.distributed.types import ShardingEnv
+
+    env = ShardingEnv.from_process_group(process_group)
+    world = env.world_size
+    cls = _sharded_type()
+    ran = [p for p in captures[0].modules if p in module_paths]
+    order = ran + [p for p in module_paths if p not in ran]
+    modules = []
+    for path in order:
+        sharded = model.get_submodule(path)
+        if type(sharded) is not cls:
+            raise LiftError(f"{path}: {type(sharded).__name__} is not a plain ShardedEmbeddingBagCollection; the lifted "
+                            f"executor handles only that module type")
+        if getattr(sharded, "qcomm_codecs_registry", None):
+            raise LiftError(f"{path}: quantized communication codecs are not supported by the lifted executor")
+        keys, weighted, lengths_dtype, values_dtype, batch_sizes = _module_inputs(path, captures)
+        root_input = common_path([c.modules[path].root_input for c in captures])
+        batch_input, next_batch_note = _next_batch_source([c.modules[path] for c in captures])
+        if weighted != bool(sharded._is_weighted):
+            raise LiftError(f"{path}: the module is {'weighted' if sharded._is_weighted else 'unweighted'} but its "
+                            f"captured input {'has' if weighted else 'has no'} weights")
+        groups = _lift_groups(path, sharded, sharding_plan.plan[path], env, device)
+        names = [f for g in groups for f in g.features]
+        unknown = sorted(set(names) - set(keys))
+        if unknown:
+            raise LiftError(f"{path}: features {unknown} of the tables are missing from the input KJT keys {keys}")
+        feature_order = [] if names == keys else [keys.index(f) for f in names]
+        ids = [{k: c.modules[path].features[k].ids_per_step for k in keys} for c in captures]
+        percentiles = {k: captures[0].modules[path].features[k].percentiles for k in keys}
+        schedule = identity_schedule([g.sharding_type for g in groups], world, bool(feature_order))
+        modules.append(LiftedModule(path, keys, weighted, lengths_dtype, values_dtype, feature_order, groups,
+                                    batch_sizes, ids, percentiles, schedule, root_input=root_input,
+                                    batch_input=batch_input, next_batch_note=next_batch_note))
+    versions = {"torch": torch.__version__, "torchrec": getattr(torchrec, "__version__", "?"),
+                "fbgemm_gpu": getattr(fbgemm_gpu, "__version__", "?")}
+    return SparseGraph(world, str(torch.distributed.get_backend(process_group)) if world > 1 else "none",
+                       modules, dense_param_bytes, versions)

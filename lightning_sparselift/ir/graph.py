@@ -1,0 +1,166 @@
+"""The lifted graph (SRSV: Sparse Resource Semantic View) of a model's sparse path: per lifted
+module, its sharding groups with the exact layout the executor needs and the schedule it runs;
+the operations of one training step (:attr:`SparseGraph.nodes`) are derived from those."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from lightning_sparselift.ir.schedule import ModuleSchedule
+from lightning_sparselift.ir.vocab import LiftedShardingType
+
+GRAPH_VERSION = 2
+
+
+@dataclass
+class TableShard:
+    table: str
+    rank: Optional[int]  # None: replicated on every rank (data_parallel)
+    rows: int
+    dim: int
+    row_offset: int
+    col_offset: int
+    kernel: str  # TorchRec's compute kernel
+    pooling: str
+
+
+@dataclass
+class ShardingGroup:
+    """One sharding type of one module: what the executor needs to move its data exactly as
+    TorchRec does."""
+
+    index: int
+    sharding_type: LiftedShardingType
+    features: list[str]  # this group's KJT keys in send order (column-wise repeats a feature per shard)
+    features_per_rank: list[int]  # keys sent to each rank (all-to-all groups)
+    block_sizes: list[int]  # row_wise: rows per bucket, per feature
+    dim_sum_per_rank: list[int]  # pooled output columns each rank produces (table/column-wise)
+    column_order: list[int]  # output column permutation after the all-to-all; [] = identity
+    embedding_names: list[str]
+    embedding_dims: list[int]
+    tables: list[TableShard]
+
+    def keys_on_rank(self, rank: int) -> list[str]:
+        if self.sharding_type == "row_wise":
+            return list(self.features)
+        start = sum(self.features_per_rank[:rank])
+        return self.features[start:start + self.features_per_rank[rank]]
+
+
+@dataclass
+class LiftedModule:
+    path: str
+    keys: list[str]  # the input KJT's keys, in the order the model passes them
+    weighted: bool
+    lengths_dtype: str
+    values_dtype: str
+    feature_order: list[int]  # permutation of the input keys into group order; [] = identity
+    groups: list[ShardingGroup]
+    batch_size_per_rank: list[int]
+    ids_per_step: list[dict[str, float]]  # per member rank, per feature: mean ids per step
+    length_percentiles: dict[str, dict[str, float]]  # per feature (member 0): p50/p90/p99 bag length
+    schedule: ModuleSchedule
+    # where the input KJT is when the root forward begins (same on every rank and step), else None
+    root_input: Optional[list[list[Any]]] = None
+    # where the input KJT is in the training step's batch, when the batch the loop announces as
+    # next held exactly the features the module received in every captured step (else None, and
+    # next_batch_note says why): the next step's input distribution can then start a step early
+    batch_input: Optional[list[list[Any]]] = None
+    next_batch_note: str = ""
+
+    @property
+    def embedding_names(self) -> list[str]:
+        return [n for g in self.groups for n in g.embedding_names]
+
+    @property
+    def embedding_dims(self) -> list[int]:
+        return [d for g in self.groups for d in g.embedding_dims]
+
+    @property
+    def kinds(self) -> list[str]:
+        return [g.sharding_type for g in self.groups]
+
+    def group_ids(self, member: int, group: ShardingGroup, keys: Optional[list[str]] = None) -> float:
+        """Mean ids per step that ``member`` feeds into ``keys`` (default: all of the group's)."""
+        stats = self.ids_per_step[member]
+        return sum(stats[k] for k in (group.features if keys is None else keys))
+
+    def ids_to_each_rank(self, member: int, group: ShardingGroup, world: int) -> list[float]:
+        """Mean ids ``member`` sends to each rank in ``group``'s input all-to-all (row-wise: an
+        even split across row blocks, the ids' real spread is data-dependent)."""
+        if group.sharding_type == "row_wise":
+            return [self.group_ids(member, group) / world] * world
+        return [self.group_ids(member, group, group.keys_on_rank(r)) for r in range(world)]
+
+
+@dataclass
+class SparseGraph:
+    """Every lifted module of a model and how its step runs."""
+
+    world_size: int
+    backend: str
+    modules: list[LiftedModule]
+    dense_param_bytes: int
+    versions: dict[str, str]
+    version: int = GRAPH_VERSION
+    provenance: list[str] = field(default_factory=list)  # the passes applied, in order
+
+    def __post_init__(self) -> None:
+        if self.version != GRAPH_VERSION:
+            raise ValueError(f"sparse graph version {self.version} is not {GRAPH_VERSION}")
+
+    def module(self, path: str) -> LiftedModule:
+        for m in self.modules:
+            if m.path == path:
+                return m
+        raise KeyError(path)
+
+    @property
+    def nodes(self) -> list[Any]:
+        """The operations of one training step, as the schedules run them."""
+        from lightning_sparselift.ir.steps import step_nodes
+
+        return step_nodes(self)
+
+    def collectives(self, phase: Optional[str] = None) -> list[Any]:
+        """The step's collectives in issue order (``phase``: only forward or backward)."""
+        from lightning_sparselift.ir.steps import CollectiveNode
+
+        nodes = [n for n in self.nodes if isinstance(n, CollectiveNode)]
+        return sorted((n for n in nodes if phase is None or n.phase == phase), key=lambda n: n.order)
+
+    def to_dict(self) -> dict[str, Any]:
+        from lightning_sparselift.ir.serialize import graph_to_dict
+
+        return graph_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "SparseGraph":
+        """The graph ``data`` (parsed JSON) describes; ValueError naming the first field of the wrong type."""
+        from lightning_sparselift.ir.serialize import graph_from_dict
+
+        return graph_from_dict(data)
+
+    def copy(self) -> "SparseGraph":
+        return SparseGraph.from_dict(self.to_dict())
+
+    def to_json(self) -> str:
+        from lightning_sparselift.ir.serialize import graph_to_json
+
+        return graph_to_json(self)
+
+    def fingerprint(self) -> str:
+        from lightning_sparselift.ir.serialize import fingerprint
+
+        return fingerprint(self)
+
+    def explain(self) -> str:
+        from lightning_sparselift.ir.explain import explain
+
+        return explain(self)
+
+    def to_dot(self) -> str:
+        from lightning_sparselift.ir.explain import to_dot
+
+        return to_dot(self)

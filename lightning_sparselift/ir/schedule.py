@@ -1,0 +1,151 @@
+"""The schedule of a lifted module: how its training step runs. Passes write it; the runtime
+executes it (it builds its exchanges and kernels from it once, when a plan is installed).
+
+- input exchanges: buckets of sharding groups whose input distribution travels together (one
+  splits all-to-all, then the payload: TorchRec's one all-to-all per tensor, or one byte-packed
+  all-to-all), where they are issued (at the lookups, or a step ahead) and on which process group
+  (and, on CUDA, stream);
+- ``lookup_at``: where the lookups run and the output exchanges are issued (the module's call,
+  or the root forward's start);
+- output exchanges: buckets of groups whose lookup outputs travel back together (all-to-all of
+  pooled blocks, or row-wise reduce-scatter) and where the module's call waits for them; their
+  gradients run the same points in reverse (issued where the forward waited, waited where it was
+  issued, i.e. before the fused update);
+- regions: the kernel that runs each compute region.
+
+Example (one table-wise group, aggregation and latency hiding applied)::
+
+    lookup_at root_forward
+    input  [g0] bytes, issued previous_step
+    output [g0] all_to_all_single, waited module_call
+    region lookup [g0] kernel torchrec
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from lightning_sparselift.ir.vocab import INPUT_ALL_TO_ALL, POOLED_ALL_TO_ALL, REDUCE_SCATTER, Packing, Point, RegionName
+
+# the kernels TorchRec's own path runs, per region
+REFERENCE_KERNELS: dict[str, str] = {"permute": "torchrec", "bucketize": "fbgemm", "recat": "fbgemm",
+                                     "lookup": "torchrec", "output": "torchrec"}
+
+
+class ScheduleError(ValueError):
+    """A schedule that does not describe a step the runtime can execute."""
+
+
+@dataclass
+class InputExchange:
+    groups: list[int]
+    packing: Packing
+    issue: Point  # lookup_at (distributed when the lookups need it) or previous_step (a step ahead)
+    process_group: str = "world"
+    stream: Optional[str] = None
+
+    @property
+    def label(self) -> str:
+        return bucket_label(self.groups)
+
+
+@dataclass
+class OutputExchange:
+    groups: list[int]
+    op: Literal["all_to_all_single", "reduce_scatter"]
+    wait: Point  # lookup_at (synchronous) or module_call (left in flight from an early start)
+    process_group: str = "world"
+    stream: Optional[str] = None
+
+    @property
+    def label(self) -> str:
+        return bucket_label(self.groups)
+
+
+@dataclass
+class Region:
+    name: RegionName
+    groups: list[int]  # [] for the module-wide regions (permute, output)
+    kernel: str
+
+
+@dataclass
+class ModuleSchedule:
+    lookup_at: Point
+    inputs: list[InputExchange] = field(default_factory=list)
+    outputs: list[OutputExchange] = field(default_factory=list)
+    regions: list[Region] = field(default_factory=list)
+
+    def region(self, name: str, group: Optional[int] = None) -> Region:
+        for r in self.regions:
+            if r.name == name and (group is None or group in r.groups):
+                return r
+        raise KeyError((name, group))
+
+    @property
+    def input_issue(self) -> Point:
+        """Where the input distribution starts (one point per module: the executor starts it once)."""
+        return self.inputs[0].issue if self.inputs else self.lookup_at
+
+
+def bucket_label(groups: list[int]) -> str:
+    return "+".join(f"g{g}" for g in groups)
+
+
+def identity_schedule(kinds: list[str], world: int, permuted: bool) -> ModuleSchedule:
+    """TorchRec's step for a module whose groups have sharding types ``kinds``: each group's input
+    and output exchanged on its own, synchronously, at the module's call, by the reference kernels."""
+    exchanged = world > 1
+    inputs = [InputExchange([i], "per_tensor", "module_call") for i, k in enumerate(kinds)
+              if exchanged and k in INPUT_ALL_TO_ALL]
+    outputs = []
+    for i, kind in enumerate(kinds):
+        if exchanged and kind in POOLED_ALL_TO_ALL:
+            outputs.append(OutputExchange([i], "all_to_all_single", "module_call"))
+        elif exchanged and kind in REDUCE_SCATTER:
+            outputs.append(OutputExchange([i], "reduce_scatter", "module_call"))
+    regions = [Region("permute", [], REFERENCE_KERNELS["permute"])] if permuted else []
+    regions += [Region("bucketize", [i], REFERENCE_KERNELS["bucketize"]) for i, k in enumerate(kinds) if k == "row_wise"]
+    regions += [Region("recat", [g], REFERENCE_KERNELS["recat"]) for e in inputs for g in e.groups]
+    regions += [Region("lookup", [i], REFERENCE_KERNELS["lookup"]) for i in range(len(kinds))]
+    regions.append(Region("output", [], REFERENCE_KERNELS["output"]))
+    return ModuleSchedule("module_call", inputs, outputs, regions)
+
+
+def check_schedule(schedule: ModuleSchedule, kinds: list[str], world: int) -> list[str]:
+    """What makes ``schedule`` not executable for groups of sharding types ``kinds`` ([]: fine)."""
+    problems = []
+    exchanged = world > 1
+    if schedule.lookup_at not in ("module_call", "root_forward"):
+        problems.append(f"lookups at {schedule.lookup_at}: they run at the module call or the root forward")
+
+    def cover(buckets: list[list[int]], expected: list[int], what: str) -> None:
+        flat = [g for b in buckets for g in b]
+        if sorted(flat) != expected or len(set(flat)) != len(flat):
+            problems.append(f"{what} buckets {buckets} do not hold each of groups {expected} exactly once")
+
+    cover([e.groups for e in schedule.inputs],
+          [i for i, k in enumerate(kinds) if exchanged and k in INPUT_ALL_TO_ALL], "input")
+    issues = {e.issue for e in schedule.inputs}
+    if len(issues) > 1:
+        problems.append(f"input exchanges issued at different points {sorted(issues)}")
+    if issues - {schedule.lookup_at, "previous_step"}:
+        problems.append(f"input exchanges issued at {sorted(issues)}: at the lookups ({schedule.lookup_at}) or the "
+                        f"previous step")
+    for e in schedule.inputs:
+        if e.packing == "per_tensor" and len(e.groups) > 1:
+            problems.append(f"input bucket {e.label}: several groups travel together only byte-packed")
+    cover([e.groups for e in schedule.outputs if e.op == "all_to_all_single"],
+          [i for i, k in enumerate(kinds) if exchanged and k in POOLED_ALL_TO_ALL], "output all-to-all")
+    cover([e.groups for e in schedule.outputs if e.op == "reduce_scatter"],
+          [i for i, k in enumerate(kinds) if exchanged and k in REDUCE_SCATTER], "output reduce-scatter")
+    for e in schedule.outputs:
+        if e.op == "reduce_scatter" and (len(e.groups) != 1 or e.wait != schedule.lookup_at):
+            problems.append(f"output {e.label}: a row-wise reduce-scatter is one group's, waited where it is issued")
+        if e.wait not in (schedule.lookup_at, "module_call"):
+            problems.append(f"output {e.label} waited at {e.wait}: at the lookups or the module call")
+    lookups = [g for r in schedule.regions if r.name == "lookup" for g in r.groups]
+    if sorted(lookups) != list(range(len(kinds))):
+        problems.append(f"lookup regions cover groups {sorted(lookups)}, not each of {list(range(len(kinds)))} once")
+    return problems

@@ -1,0 +1,62 @@
+"""The words the graph, the passes and the runtime share: sharding types, collective roles, the
+points of a training step where work is issued and waited for, region names, and dtype sizes.
+Every list of kinds the code tests against is defined here once."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+# TorchRec's sharding types the lifted executor runs
+LiftedShardingType = Literal["table_wise", "column_wise", "row_wise", "data_parallel"]
+LIFTED_SHARDING_TYPES: tuple[str, ...] = get_args(LiftedShardingType)
+# every sharding type the strategy accepts (TorchRec's path runs the ones the executor does not)
+SHARDING_TYPES: tuple[str, ...] = LIFTED_SHARDING_TYPES + ("table_row_wise",)
+# kinds whose features travel to their owners through an input all-to-all
+INPUT_ALL_TO_ALL: tuple[str, ...] = ("table_wise", "column_wise", "row_wise")
+# kinds whose pooled outputs go back to the samples' ranks through an all-to-all
+POOLED_ALL_TO_ALL: tuple[str, ...] = ("table_wise", "column_wise")
+# kinds whose partial sums are reduce-scattered by sample block
+REDUCE_SCATTER: tuple[str, ...] = ("row_wise",)
+
+CollectiveRole = Literal[
+    "input_splits",  # per destination: lengths, values, (weights,) batch size each group sends
+    "input_lengths", "input_values", "input_weights",  # TorchRec's payload: one all-to-all per tensor
+    "input_payload",  # every tensor of a bucket's groups in one byte-packed all-to-all
+    "output_pooled", "grad_pooled",  # pooled embeddings and their gradients (table/column-wise)
+    "output_partial_sums", "grad_all_gather",  # row-wise: reduce-scatter, then all-gather in backward
+    "dp_table_grad", "dense_grad",  # gradients all-reduced by DDP (not issued by the executor)
+]
+COLLECTIVE_ROLES: tuple[str, ...] = get_args(CollectiveRole)
+
+# where a collective is issued or waited for, in a training step's order
+Point = Literal[
+    "previous_step",  # after the previous training step's call of the module
+    "root_forward",  # when the root module's forward begins
+    "module_call",  # the sparse module's own call
+    "module_call_backward",  # in backward, where the module call's output receives its gradient
+    "lookup_backward",  # in backward, just before the lookups' fused update
+    "ddp_backward",  # DDP's gradient buckets (outside the executor)
+]
+POINTS: tuple[str, ...] = get_args(Point)
+# in backward, autograd replays forward's points in reverse
+BACKWARD_OF: dict[str, str] = {"module_call": "module_call_backward", "root_forward": "lookup_backward"}
+
+RegionName = Literal["permute", "bucketize", "recat", "lookup", "output"]
+REGION_NAMES: tuple[str, ...] = get_args(RegionName)
+
+Packing = Literal["per_tensor", "bytes"]  # one collective per tensor (TorchRec's), or all in one byte buffer
+
+# element sizes of the dtypes a graph names (uint8: byte-packed payloads)
+DTYPE_BYTES = {"int32": 4, "int64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint8": 1}
+# each destination's chunk of a byte-packed buffer is padded to this many bytes
+PACK_ALIGNMENT = 8
+
+
+def dtype_name(dtype: object) -> str:
+    """``torch.int64`` -> ``"int64"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to the packing alignment."""
+    return -(-nbytes // PACK_ALIGNMENT) * PACK_ALIGNMENT

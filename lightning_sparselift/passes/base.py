@@ -1,0 +1,81 @@
+"""What every optimization pass is: it proposes :class:`Candidate` changes of a lifted graph with
+their feasibility and cost inputs, predicts each one's increment from the priors, says how it is
+calibrated, and rewrites the schedule of one module to apply it.
+
+:meth:`OptimizationPass.apply` is the shared prologue and epilogue (as torch.fx's
+``PassBase``: requires -> call -> ensures): it requires a feasible candidate, copies the graph
+(the input is never modified), lets the pass :meth:`~OptimizationPass.rewrite` the module's
+schedule, ensures the result is a schedule the runtime can execute, and stamps the provenance.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Optional
+
+from lightning_sparselift.cost.calibration import CalibrationProtocol
+from lightning_sparselift.cost.priors import Priors
+from lightning_sparselift.ir import LiftedModule, ScheduleError, SparseGraph, check_schedule
+
+
+@dataclass
+class Candidate:
+    """One change a pass proposes. ``feasible`` is False with ``reasons`` when a check fails."""
+
+    pass_name: str
+    name: str  # unique within the pass, e.g. "input@model.sparse_arch.embedding_bag_collection"
+    module: str
+    role: str  # the kind of change (one of the pass's ``roles``)
+    feasible: bool
+    reasons: list[str] = field(default_factory=list)
+    cost_inputs: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return f"{self.pass_name}:{self.name}"
+
+
+class OptimizationPass(ABC):
+    name: str
+    roles: tuple[str, ...]  # the kinds of candidate it proposes (``Candidate.role``)
+    protocol: CalibrationProtocol
+
+    def __init__(self, only: Optional[set[str]] = None) -> None:
+        self.only = only  # the roles the planner may use (None: all)
+
+    def candidates(self, graph: SparseGraph) -> list[Candidate]:
+        """Everything this pass could change in ``graph``, feasible or not (with the reasons)."""
+        out = []
+        for module in graph.modules:
+            for role in self.roles:
+                reasons, cost_inputs = self.check(graph, module, role)
+                out.append(Candidate(self.name, f"{role}@{module.path}", module.path, role, not reasons, reasons,
+                                     cost_inputs))
+        return out
+
+    @abstractmethod
+    def check(self, graph: SparseGraph, module: LiftedModule, role: str) -> tuple[list[str], dict[str, float]]:
+        """Why ``role`` cannot apply to ``module`` ([] when it can), and its cost inputs."""
+
+    @abstractmethod
+    def predict_ms(self, candidate: Candidate, priors: Priors) -> float:
+        """The prior's estimate of the step-time increment (negative: faster)."""
+
+    @abstractmethod
+    def rewrite(self, graph: SparseGraph, module: LiftedModule, candidate: Candidate) -> str:
+        """Change ``module.schedule`` (in ``graph``, a copy) as ``candidate`` says; returns what
+        was done, for the provenance."""
+
+    def apply(self, graph: SparseGraph, candidate: Candidate) -> SparseGraph:
+        """A new graph with ``candidate`` applied."""
+        if not candidate.feasible:
+            raise ValueError(f"{candidate.id} is not feasible: {candidate.reasons}")
+        out = graph.copy()
+        module = out.module(candidate.module)
+        note = self.rewrite(out, module, candidate)
+        problems = check_schedule(module.schedule, module.kinds, out.world_size)
+        if problems:
+            raise ScheduleError(f"{candidate.id} gives a schedule the runtime cannot execute: {'; '.join(problems)}")
+        out.provenance.append(f"{self.name}: {note}")
+        return out

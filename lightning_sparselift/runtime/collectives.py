@@ -1,0 +1,92 @@
+"""The output distribution's collectives as autograd Functions: each carries its backward
+collective (the gradient takes the reverse path, divided by world size as TorchRec's backward
+does), synchronous or split into an issue and a wait."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_sparselift.cost.calibration import RegionClock
+from lightning_sparselift.runtime.layout import PooledLayout
+
+
+def exchange(send: Tensor, recv_sizes: list[int], send_sizes: list[int], group: Any, async_op: bool = False
+              ) -> tuple[Tensor, Any]:
+    received = send.new_empty(sum(recv_sizes))
+    work = dist.all_to_all_single(received, send, recv_sizes, send_sizes, group=group, async_op=async_op)
+    return received, work
+
+
+class MergedPooledAllToAll(torch.autograd.Function):
+    """The output all-to-all of :class:`PooledLayout`, synchronous in both directions."""
+
+    @staticmethod
+    def forward(ctx: Any, layout: PooledLayout, clock: RegionClock, *locals_: Tensor) -> tuple[Tensor, ...]:
+        received, _ = exchange(*layout.send_outputs(locals_), layout.group)
+        ctx.layout, ctx.clock = layout, clock
+        return layout.unpack_outputs(received)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Optional[Tensor], ...]:
+        with ctx.clock.region():
+            received, _ = exchange(*ctx.layout.send_grads(grads), ctx.layout.group)
+            return (None, None, *ctx.layout.unpack_grads(received))
+
+
+class IssuePooledAllToAll(torch.autograd.Function):
+    """Starts the output all-to-all; :class:`WaitPooledAllToAll` finishes it. In backward the
+    roles swap: the wait's backward starts the gradient all-to-all and this backward waits for
+    it, so whatever autograd runs in between (the backward of compute that ran between issue and
+    wait in forward, e.g. the bottom MLP) overlaps the exchange."""
+
+    @staticmethod
+    def forward(ctx: Any, layout: PooledLayout, box: dict, clock: RegionClock, *locals_: Tensor) -> Tensor:
+        received, box["work"] = exchange(*layout.send_outputs(locals_), layout.group, async_op=True)
+        ctx.layout, ctx.box, ctx.clock = layout, box, clock
+        return received
+
+    @staticmethod
+    def backward(ctx: Any, _unused: Tensor) -> tuple[Optional[Tensor], ...]:
+        with ctx.clock.region():
+            ctx.box.pop("grad_work").wait()
+            return (None, None, None, *ctx.layout.unpack_grads(ctx.box.pop("grad_received")))
+
+
+class WaitPooledAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, received: Tensor, layout: PooledLayout, box: dict, clock: RegionClock) -> tuple[Tensor, ...]:
+        with clock.region():
+            box.pop("work").wait()
+        ctx.layout, ctx.box, ctx.shape = layout, box, received.shape
+        return layout.unpack_outputs(received)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Optional[Tensor], ...]:
+        ctx.box["grad_received"], ctx.box["grad_work"] = exchange(*ctx.layout.send_grads(grads), ctx.layout.group,
+                                                                   async_op=True)
+        # the issue's backward reads the gradient from the box; this one only orders autograd
+        return grads[0].new_empty(ctx.shape), None, None, None
+
+
+class PooledReduceScatter(torch.autograd.Function):
+    """Row-wise output dist: partial sums of every rank's rows, reduced and scattered by sample
+    block; the gradient is all-gathered and divided by world size."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Tensor, group: Any, clock: RegionClock) -> Tensor:
+        world = dist.get_world_size(group)
+        out = local.new_empty((local.size(0) // world, local.size(1)))
+        dist.reduce_scatter_tensor(out, local, group=group)
+        ctx.group, ctx.world, ctx.shape, ctx.clock = group, world, local.shape, clock
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+        with ctx.clock.region():
+            full = grad.new_empty(ctx.shape)
+            dist.all_gather_into_tensor(full, grad.contiguous(), group=ctx.group)
+            return full.div_(ctx.world), None, None

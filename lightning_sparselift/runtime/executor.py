@@ -1,0 +1,215 @@
+"""The per-step state of one lifted module: the ``forward`` installed on its sharded module.
+
+It runs the module's schedule: the input distribution (at the lookups, or started during the
+previous step for the batch the loop announced), TorchRec's lookup modules (so parameters, fused
+optimizer state, ``state_dict`` and checkpoints stay TorchRec's), and the output distribution
+(at the module's call, or issued when the root forward began and waited for here). Every step
+moves the same bytes in the same layouts as TorchRec and does the same arithmetic, so results
+are bit-identical. Which exchanges and kernels run is decided once, in :meth:`use`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_sparselift.frontend.capture import copy_features, same_features
+from lightning_sparselift.cost.calibration import RegionClock
+from lightning_sparselift.ir import LiftedModule, ModuleSchedule, ScheduleError, check_schedule
+from lightning_sparselift.runtime.input_dist import GroupRuntime, InputDistribution
+from lightning_sparselift.runtime.kernels import kernel
+from lightning_sparselift.runtime.output_dist import OutputDistribution, Pending
+from lightning_sparselift.validation import InputCheck
+
+
+@dataclass
+class _Started:
+    """Lookups run from an early start, their output all-to-alls in flight."""
+
+    features: Any
+    out: list[Tensor]
+    pending: list[Pending]
+
+
+@dataclass
+class _Prefetch:
+    """The next batch's input distribution, started during the step before."""
+
+    features: Any  # a copy of what was distributed (the batch may be changed in place before its step)
+    complete: Optional[Callable[[], list[Any]]]  # waits and returns each group's KJT; None: uneven batch sizes
+
+    def drain(self) -> None:
+        """Finish this rank's side of the exchange without using it."""
+        if self.complete is not None:
+            self.complete()
+
+
+class ModuleExecutor:
+    def __init__(self, spec: LiftedModule, sharded: nn.Module, world_size: int, rank: int,
+                 process_groups: dict[str, Any], device: torch.device, clock: RegionClock) -> None:
+        self.spec = spec
+        self.module = sharded
+        self.world, self.rank, self.device, self.clock = world_size, rank, device, clock
+        self.process_groups = process_groups
+        self.groups = [GroupRuntime.build(g, lookup, world_size, rank, device)
+                       for g, lookup in zip(spec.groups, sharded._lookups)]
+        # TorchRec's own forward, for the steps where ranks pass different batch sizes
+        self.torchrec_forward = type(sharded).forward.__get__(sharded)
+        self._started: Optional[_Started] = None
+        self._announced: Any = None  # the features of the next training step, as the loop announced them
+        self._prefetch: Optional[_Prefetch] = None
+        self.torchrec_steps = 0
+        self.early_steps = 0  # calls finished from an early start
+        self.early_starts = 0  # early starts that ran (one per step unless a start is discarded)
+        self.prefetches = 0  # next-batch input distributions started
+        self.prefetched_steps = 0  # training calls whose input distribution the step before started
+        self.use(spec.schedule)
+
+    def use(self, schedule: ModuleSchedule) -> None:
+        """Run ``schedule`` from the next step on: its exchanges and kernels are built here."""
+        problems = check_schedule(schedule, self.spec.kinds, self.world)
+        unknown = sorted({e.process_group for e in [*schedule.inputs, *schedule.outputs]} - set(self.process_groups))
+        if unknown:
+            problems.append(f"process group(s) {unknown} not created by the runtime (it has {sorted(self.process_groups)})")
+        streams = sorted({e.stream for e in [*schedule.inputs, *schedule.outputs] if e.stream is not None})
+        if streams:
+            problems.append(f"streams {streams}: the runtime issues every exchange on the current stream")
+        try:
+            lookups = [kernel("lookup", schedule.region("lookup", i).kernel) for i in range(len(self.groups))]
+            output = kernel("output", schedule.region("output").kernel)
+            inputs = InputDistribution(self.spec, schedule, self.groups, self.process_groups, self.world, self.device)
+        except (KeyError, LookupError) as error:
+            problems.append(str(error))
+        if problems:
+            raise ScheduleError(f"{self.spec.path}: cannot run the schedule: {'; '.join(problems)}")
+        # (work started under the previous schedule completes with its own exchanges: a next-batch
+        # distribution started during a calibration step is used by the step after it, on every rank)
+        self.schedule = schedule
+        self.inputs, self.lookups, self.output = inputs, lookups, output
+        self.outputs = OutputDistribution(schedule, self.groups, self.process_groups, self.rank, self.clock)
+        self.starts_early = schedule.lookup_at == "root_forward"
+        self.distributes_ahead = schedule.input_issue == "previous_step"
+
+    def _check(self, features: Any) -> None:
+        if features.variable_stride_per_key():
+            raise ValueError(f"{self.spec.path}: inputs with a variable batch size per feature (VBE) are not "
+                             f"supported by the lifted executor (use executor='torchrec')")
+        if list(features.keys()) != self.spec.keys:
+            raise ValueError(f"{self.spec.path}: the KJT keys {features.keys()} are not in the order of the captured "
+                             f"batches {self.spec.keys}; keep one key order for the whole run")
+
+    # ------------------------------------------------------------------ the module's call
+    def __call__(self, features: Any) -> Any:
+        self._check(features)
+        if self._started is not None and same_features(self._started.features, features):
+            started, self._started = self._started, None
+            self.early_steps += 1
+            result = self._finish(started.out, started.pending)
+        else:
+            self._discard_started()
+            ran = self._run(features, early=False)
+            if ran is None:
+                # every rank saw the same batch sizes in the splits exchange, so every rank takes this
+                # branch together: TorchRec's path handles per-rank batch sizes (e.g. a short last batch)
+                self.torchrec_steps += 1
+                result = self.torchrec_forward(features)
+            else:
+                result = self._finish(*ran)
+        if self.distributes_ahead and self._announced is not None and self._training():
+            self._start_next()
+        return result
+
+    def start(self, features: Any) -> None:
+        """The root forward began: run this step's input distribution and lookups now and leave
+        the output all-to-alls in flight; the module's call with the same ``features`` finishes it."""
+        if self._started is not None and same_features(self._started.features, features):
+            # the root forward ran again on the same input: Lightning calls the LightningModule for
+            # its forward redirection and again in training_step (with DDP's copy of the batch)
+            return
+        self._discard_started()
+        self._run_pre_hooks(features)
+        self._check(features)
+        ran = self._run(features, early=True)
+        self.early_starts += 1
+        if ran is not None:  # (None: uneven batch sizes; the call hands the step to TorchRec)
+            self._started = _Started(features, *ran)
+
+    def announce(self, features: Any) -> None:
+        """The features the next training step will pass (None: unknown). When the schedule
+        distributes a step ahead, their input distribution starts after this step's call, and
+        their input check now (its ranks' all-gather runs during this step's work until then)."""
+        self._announced = features
+        if self.distributes_ahead and features is not None:
+            for hook in self.module._forward_pre_hooks.values():
+                if isinstance(hook, InputCheck):
+                    hook.start(features, backward=True)
+
+    def _start_next(self) -> None:
+        features, self._announced = self._announced, None
+        if features.device() != self.device:
+            features = features.to(self.device, non_blocking=True)
+        self._run_pre_hooks(features)  # e.g. input validation, before its ids go to other ranks
+        self._check(features)
+        self._discard_prefetch()
+        with self.clock.region():
+            self._prefetch = _Prefetch(copy_features(features), self.inputs.start(features))
+        self.prefetches += 1
+
+    def _take_prefetch(self, features: Any) -> Optional[_Prefetch]:
+        """The input distribution the previous step started for this training step's ``features``."""
+        if self._prefetch is None or not self._training():
+            return None  # (an evaluation call in between leaves it for the next training step)
+        prefetch, self._prefetch = self._prefetch, None
+        if not same_features(prefetch.features, features):
+            prefetch.drain()
+            raise RuntimeError(
+                f"{self.spec.path}: this training step's features are not the ones the training loop announced as "
+                f"next (their input distribution started during the previous step): a hook, callback or the model "
+                f"changed the batch after it was announced. Plan without the next-batch schedule "
+                f"(optimizations=['aggregation', 'latency_hiding:early_start']) or stop changing the sparse "
+                f"features after loading.")
+        self.prefetched_steps += 1
+        return prefetch
+
+    def _training(self) -> bool:
+        return self.module.training and torch.is_grad_enabled()
+
+    def _run_pre_hooks(self, features: Any) -> None:
+        """The module's forward pre-hooks (e.g. input validation), for work started outside its call."""
+        for hook_id, hook in self.module._forward_pre_hooks.items():
+            if hook_id in self.module._forward_pre_hooks_with_kwargs:
+                hook(self.module, (features,), {})
+            else:
+                hook(self.module, (features,))
+
+    def _run(self, features: Any, early: bool) -> Optional[tuple[list[Tensor], list[Pending]]]:
+        with self.clock.region():
+            prefetch = self._take_prefetch(features)
+            complete = prefetch.complete if prefetch is not None else self.inputs.start(features)
+            if complete is None:
+                return None
+            locals_ = [lookup(g.lookup, kjt) for lookup, g, kjt in zip(self.lookups, self.groups, complete())]
+            return self.outputs.issue(locals_, features.stride(), early)
+
+    def _finish(self, out: list[Tensor], pending: list[Pending]) -> Any:
+        return self.output(self.spec.embedding_names, self.spec.embedding_dims, self.outputs.wait(out, pending))
+
+    # ------------------------------------------------------------------ started work not used
+    def _discard_started(self) -> None:
+        if self._started is not None:  # started but never consumed: complete the exchange, drop it
+            OutputDistribution.drain(self._started.pending)
+            self._started = None
+
+    def _discard_prefetch(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.drain()
+            self._prefetch = None
+
+    def discard(self) -> None:
+        """Complete and drop work started for a step that will not run (training ended)."""
+        self._discard_started()
+        self._discard_prefetch()
+        self._announced = None

@@ -1,0 +1,176 @@
+"""Input distribution as a module's schedule says: its features permuted into group order and
+split by group, row-wise groups bucketized, then for each input bucket one splits all-to-all
+(what every rank sends every other) and its payload: TorchRec's one all-to-all per tensor, or
+every tensor of the bucket's groups in one byte-packed all-to-all. The payload is issued when
+:meth:`InputDistribution.start` returns; the function it returns waits and builds each group's
+KJT for its lookup."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_sparselift.ir import LiftedModule, ModuleSchedule, ShardingGroup
+from lightning_sparselift.runtime.kernels import kernel
+from lightning_sparselift.runtime.packing import pack_by_destination, packed_sizes, unpack_by_source
+
+Received = tuple[Tensor, Tensor, Optional[Tensor]]  # lengths, values, weights
+Counts = tuple[list[int], list[int]]  # lengths and values per destination (or source) rank
+
+
+@dataclass
+class GroupRuntime:
+    """Tensors precomputed from a group's plain description."""
+
+    spec: ShardingGroup
+    lookup: nn.Module  # TorchRec's lookup module of the group (owns its tables and optimizer state)
+    local_keys: list[str]
+    recat: Optional[Tensor]
+    block_sizes: Optional[Tensor]
+    column_index: Optional[Tensor]
+
+    @classmethod
+    def build(cls, spec: ShardingGroup, lookup: nn.Module, world: int, rank: int, device: torch.device
+              ) -> "GroupRuntime":
+        keys = spec.keys_on_rank(rank) if spec.sharding_type != "data_parallel" else list(spec.features)
+        recat = None
+        if world > 1 and spec.sharding_type != "data_parallel" and keys:
+            n = len(keys)
+            recat = torch.tensor([i + j * n for i in range(n) for j in range(world)], dtype=torch.int32, device=device)
+        blocks = torch.tensor(spec.block_sizes, dtype=torch.int64, device=device) if spec.block_sizes else None
+        columns = torch.tensor(spec.column_order, dtype=torch.long, device=device) if spec.column_order else None
+        return cls(spec, lookup, keys, recat, blocks, columns)
+
+
+class _Bucket:
+    """One input exchange: its groups, process group and payload exchange."""
+
+    def __init__(self, groups: list[int], packed: bool, process_group: Any, world: int) -> None:
+        self.groups, self.packed, self.process_group, self.world = groups, packed, process_group, world
+
+    def exchange_splits(self, kjts: list[Any], counts: list[Counts]) -> list[list[list[int]]]:
+        """Per group, per source rank: [lengths, values, (weights,) batch size] it sends here,
+        all the bucket's groups in one all-to-all."""
+        rows = []
+        for kjt, (lengths, values) in zip(kjts, counts):
+            group_rows = [lengths, values] + ([values] if kjt.weights_or_none() is not None else [])
+            rows.append(torch.tensor(group_rows + [[kjt.stride()] * self.world], dtype=torch.int64).t())
+        send = torch.cat(rows, dim=1).contiguous() if len(rows) > 1 else rows[0].contiguous()  # [dst, columns]
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=self.process_group)
+        return [t.tolist() for t in received.split([r.size(1) for r in rows], dim=1)]
+
+    def issue_payload(self, kjts: list[Any], send: list[Counts], recv: list[Counts]) -> Callable[[], list[Received]]:
+        return (self._issue_packed if self.packed else self._issue_per_tensor)(kjts, send, recv)
+
+    def _issue_per_tensor(self, kjts: list[Any], send: list[Counts], recv: list[Counts]
+                          ) -> Callable[[], list[Received]]:
+        """TorchRec's payload exchange: one all-to-all each for lengths, values and weights."""
+        (kjt,), (out_counts,), (in_counts,) = kjts, send, recv
+        tensors = [(kjt.lengths(), out_counts[0], in_counts[0]), (kjt.values(), out_counts[1], in_counts[1])]
+        if kjt.weights_or_none() is not None:
+            tensors.append((kjt.weights(), out_counts[1], in_counts[1]))
+        outputs, works = [], []
+        for tensor, out_splits, in_splits in tensors:
+            out = tensor.new_empty(sum(in_splits))
+            works.append(dist.all_to_all_single(out, tensor, in_splits, out_splits, group=self.process_group,
+                                                async_op=True))
+            outputs.append(out)
+
+        def wait() -> list[Received]:
+            for work in works:
+                work.wait()
+            return [(outputs[0], outputs[1], outputs[2] if len(outputs) > 2 else None)]
+
+        return wait
+
+    def _issue_packed(self, kjts: list[Any], send: list[Counts], recv: list[Counts]) -> Callable[[], list[Received]]:
+        """Every group's lengths, values and weights in one byte-packed all-to-all."""
+        sections = []  # per group: [(tensor, send counts, recv counts)] for values, weights, lengths
+        for kjt, out_counts, in_counts in zip(kjts, send, recv):
+            group = [(kjt.values(), out_counts[1], in_counts[1])]
+            if kjt.weights_or_none() is not None:
+                group.append((kjt.weights(), out_counts[1], in_counts[1]))
+            group.append((kjt.lengths(), out_counts[0], in_counts[0]))
+            sections.append(group)
+        flat = [sec for group in sections for sec in group]
+        buffer, send_bytes = pack_by_destination([(t, c) for t, c, _ in flat], self.world)
+        recv_layout = [(t.dtype, got) for t, _, got in flat]
+        recv_bytes = packed_sizes(recv_layout, self.world)
+        received = buffer.new_empty(sum(recv_bytes))
+        work = dist.all_to_all_single(received, buffer, recv_bytes, send_bytes, group=self.process_group,
+                                      async_op=True)
+
+        def wait() -> list[Received]:
+            work.wait()
+            unpacked = unpack_by_source(received, recv_layout, recv_bytes)
+            out, i = [], 0
+            for group in sections:
+                out.append((unpacked[i + len(group) - 1], unpacked[i], unpacked[i + 1] if len(group) == 3 else None))
+                i += len(group)
+            return out
+
+        return wait
+
+
+class InputDistribution:
+    def __init__(self, spec: LiftedModule, schedule: ModuleSchedule, groups: list[GroupRuntime],
+                 process_groups: dict[str, Any], world: int, device: torch.device) -> None:
+        self.spec, self.groups, self.world = spec, groups, world
+        self.order = torch.tensor(spec.feature_order, dtype=torch.int32, device=device) if spec.feature_order else None
+        self.splits = [len(g.features) for g in spec.groups]
+        self.permute = kernel("permute", schedule.region("permute").kernel) if spec.feature_order else None
+        self.bucketize = {i: kernel("bucketize", schedule.region("bucketize", i).kernel)
+                          for i, g in enumerate(spec.groups) if g.sharding_type == "row_wise"}
+        self.recat = {i: kernel("recat", schedule.region("recat", i).kernel) for e in schedule.inputs for i in e.groups}
+        self.buckets = [_Bucket(e.groups, e.packing == "bytes", process_groups[e.process_group], world)
+                        for e in schedule.inputs]
+
+    @torch.no_grad()
+    def start(self, features: Any) -> Optional[Callable[[], list[Any]]]:
+        """Permute, bucketize, exchange the splits and issue the payload all-to-alls. Returns
+        what waits for them and builds the KJT each group's lookup reads; None when ranks passed
+        different batch sizes (every rank knows every rank's batch size from the splits, so all
+        return None together)."""
+        permuted = self.permute(features, self.spec.feature_order, self.order) if self.permute else features
+        parts = list(permuted.split(self.splits))
+        for i, bucketize in self.bucketize.items():
+            parts[i] = bucketize(parts[i], self.groups[i].block_sizes, self.world)
+        if not self.buckets:
+            return (lambda: parts) if features.stride() > 0 else None
+        kjts = [[parts[i] for i in b.groups] for b in self.buckets]
+        counts = [[self._send_counts(self.groups[i], parts[i]) for i in b.groups] for b in self.buckets]
+        received = [b.exchange_splits(k, c) for b, k, c in zip(self.buckets, kjts, counts)]
+        batch_sizes = {row[-1] for bucket in received for table in bucket for row in table}
+        if len(batch_sizes) > 1 or features.stride() == 0:
+            return None
+        recv = [[([row[0] for row in table], [row[1] for row in table]) for table in bucket] for bucket in received]
+        waits = [b.issue_payload(k, c, r) for b, k, c, r in zip(self.buckets, kjts, counts, recv)]
+
+        def complete() -> list[Any]:
+            with torch.no_grad():
+                out = list(parts)
+                for bucket, bucket_kjts, wait in zip(self.buckets, kjts, waits):
+                    for i, kjt, (lengths, values, weights) in zip(bucket.groups, bucket_kjts, wait()):
+                        g = self.groups[i]
+                        out[i] = self.recat[i](g.local_keys, g.recat, lengths, values, weights, kjt.stride(),
+                                               self.world)
+                return out
+
+        return complete
+
+    def _send_counts(self, g: GroupRuntime, kjt: Any) -> Counts:
+        """Lengths and values each destination rank gets from this rank's (key-major) KJT."""
+        per_rank = g.spec.features_per_rank if g.spec.sharding_type != "row_wise" else \
+            [len(g.spec.features)] * self.world
+        per_key = kjt.length_per_key()
+        lengths, values, start = [], [], 0
+        for n in per_rank:
+            lengths.append(n * kjt.stride())
+            values.append(sum(per_key[start:start + n]))
+            start += n
+        return lengths, values

@@ -1,0 +1,96 @@
+"""Installing the lifted executor: every lifted module's ``forward`` is replaced (on the instance,
+as TorchRec's own train pipelines do) by a :class:`~lightning_sparselift.runtime.executor.ModuleExecutor`,
+and a pre-hook on the root module starts the modules whose schedule looks up early. Switching
+plans hands each executor its module's new schedule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_sparselift.frontend.capture import resolve_features
+from lightning_sparselift.cost.calibration import RegionClock
+from lightning_sparselift.ir import SparseGraph
+from lightning_sparselift.runtime.executor import ModuleExecutor
+
+
+@dataclass
+class InstalledExecutor:
+    """What :func:`install` changed; :meth:`use` switches plans, :meth:`uninstall` restores
+    TorchRec's path."""
+
+    graph: SparseGraph
+    executors: dict[str, ModuleExecutor]
+    clock: RegionClock
+    _restore: list[Callable[[], None]]
+
+    def use(self, graph: SparseGraph) -> None:
+        """Run ``graph`` (the installed graph after passes: same modules, other schedules)."""
+        if sorted(m.path for m in graph.modules) != sorted(self.executors):
+            raise ValueError(f"graph modules {[m.path for m in graph.modules]} are not the installed "
+                             f"{sorted(self.executors)}")
+        for spec in graph.modules:
+            self.executors[spec.path].use(spec.schedule)
+        self.graph = graph
+
+    def announce(self, batch: Any) -> None:
+        """The batch the next training step will pass to the model (None: not known). Modules
+        whose schedule distributes a step ahead start its input distribution during this step."""
+        for executor in self.executors.values():
+            path = executor.spec.batch_input
+            executor.announce(resolve_features((batch,), {}, path, executor.spec.keys)
+                              if batch is not None and path is not None else None)
+
+    def discard(self) -> None:
+        """Training ended: complete and drop what was started for a step that will not run."""
+        for executor in self.executors.values():
+            executor.discard()
+
+    def uninstall(self) -> None:
+        self.discard()
+        for restore in self._restore:
+            restore()
+        self._restore.clear()
+
+
+def install(graph: SparseGraph, model: nn.Module, group: Any, device: torch.device) -> InstalledExecutor:
+    """Run every module of ``graph`` through a :class:`ModuleExecutor` from now on. ``model`` is
+    the root whose forward the training step calls (where early starts begin)."""
+    world = dist.get_world_size(group) if graph.world_size > 1 else 1
+    if world != graph.world_size:
+        raise ValueError(f"the graph was lifted for {graph.world_size} rank(s), the process group has {world}")
+    rank = dist.get_rank(group) if world > 1 else 0
+    clock = RegionClock(device)
+    process_groups = {"world": group}
+    executors, restore = {}, []
+    for spec in graph.modules:
+        sharded = model.get_submodule(spec.path)
+        executor = ModuleExecutor(spec, sharded, world, rank, process_groups, device, clock)
+        had_own = "forward" in sharded.__dict__
+        previous = sharded.__dict__.get("forward")
+        sharded.forward = executor
+
+        def undo(sharded: nn.Module = sharded, had_own: bool = had_own, previous: Any = previous) -> None:
+            if had_own:
+                sharded.forward = previous
+            else:
+                del sharded.forward
+
+        executors[spec.path] = executor
+        restore.append(undo)
+
+    def start_early(_root: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not (_root.training and torch.is_grad_enabled()):
+            return
+        for executor in executors.values():
+            if executor.starts_early and executor.spec.root_input is not None:
+                features = resolve_features(args, kwargs, executor.spec.root_input, executor.spec.keys)
+                if features is not None:  # (None: this call's arguments hold no such KJT there)
+                    executor.start(features)
+
+    restore.append(model.register_forward_pre_hook(start_early, with_kwargs=True).remove)
+    return InstalledExecutor(graph, executors, clock, restore)
