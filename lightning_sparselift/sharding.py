@@ -10,7 +10,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "data_parallel", "table_row_wise")
+from lightning_sparselift.ir.vocab import SHARDING_TYPES
+
 # The planner never proposes these on CPU; we build their plan ourselves.
 _CONSTRUCTED_ON_CPU = ("row_wise",)
 _GPU_ONLY = ("table_row_wise",)

@@ -11,12 +11,15 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
+from lightning_sparselift.ir.vocab import DTYPE_BYTES
+
 _TOP_OPS = 8
 STAGES = ("sparse_forward", "other_forward", "sparse_backward", "other_backward", "other")
 
-_DTYPE_BYTES = {"float": 4, "float32": 4, "double": 8, "float64": 8, "long": 8, "long int": 8, "int64": 8,
-                "int": 4, "int32": 4, "c10::Half": 2, "c10::BFloat16": 2, "short": 2, "unsigned char": 1,
-                "signed char": 1, "bool": 1}
+# the profiler names input dtypes by their C++ types
+_PROFILER_DTYPES = {"float": "float32", "double": "float64", "long": "int64", "long int": "int64", "int": "int32",
+                    "c10::Half": "float16", "c10::BFloat16": "bfloat16", "short": "int16", "unsigned char": "uint8",
+                    "signed char": "int8"}
 
 
 class StageTimer:
@@ -163,7 +166,7 @@ def record_collectives() -> Iterator[CollectiveLog]:
         nbytes = 0
         for shape, dtype in zip(event.input_shapes, event.input_dtypes or []):
             if shape:
-                nbytes += int(np.prod(shape)) * _DTYPE_BYTES.get(dtype, 4)
+                nbytes += int(np.prod(shape)) * DTYPE_BYTES.get(_PROFILER_DTYPES.get(dtype, dtype), 4)
         log.calls.append({"op": op, "bytes": nbytes})
     ranked = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:_TOP_OPS]
     log.top_ops = [{"op": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3, "calls": e.count} for e in ranked]

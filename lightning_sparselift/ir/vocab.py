@@ -47,7 +47,8 @@ REGION_NAMES: tuple[str, ...] = get_args(RegionName)
 Packing = Literal["per_tensor", "bytes"]  # one collective per tensor (TorchRec's), or all in one byte buffer
 
 # element sizes of the dtypes a graph names (uint8: byte-packed payloads)
-DTYPE_BYTES = {"int32": 4, "int64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint8": 1}
+DTYPE_BYTES = {"int8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+               "uint8": 1, "bool": 1}
 # each destination's chunk of a byte-packed buffer is padded to this many bytes
 PACK_ALIGNMENT = 8
 
