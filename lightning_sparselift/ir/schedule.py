@@ -38,12 +38,13 @@ class ScheduleError(ValueError):
 
 
 @dataclass
-class InputExchange:
+class Exchange:
+    """Sharding groups whose data travel together (a bucket), on one process group (and, on CUDA,
+    one stream)."""
+
     groups: list[int]
-    packing: Packing
-    issue: Point  # lookup_at (distributed when the lookups need it) or previous_step (a step ahead)
-    process_group: str = "world"
-    stream: Optional[str] = None
+    process_group: str = field(default="world", kw_only=True)
+    stream: Optional[str] = field(default=None, kw_only=True)
 
     @property
     def label(self) -> str:
@@ -51,16 +52,15 @@ class InputExchange:
 
 
 @dataclass
-class OutputExchange:
-    groups: list[int]
+class InputExchange(Exchange):
+    packing: Packing
+    issue: Point  # lookup_at (distributed when the lookups need it) or previous_step (a step ahead)
+
+
+@dataclass
+class OutputExchange(Exchange):
     op: Literal["all_to_all_single", "reduce_scatter"]
     wait: Point  # lookup_at (synchronous) or module_call (left in flight from an early start)
-    process_group: str = "world"
-    stream: Optional[str] = None
-
-    @property
-    def label(self) -> str:
-        return bucket_label(self.groups)
 
 
 @dataclass

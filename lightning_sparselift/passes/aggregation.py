@@ -85,11 +85,11 @@ class CommunicationAggregation(OptimizationPass):
         if candidate.role == "input":
             first = s.inputs[0]
             s.inputs = [InputExchange(sorted(g for e in s.inputs for g in e.groups), "bytes", first.issue,
-                                      first.process_group, first.stream)]
+                                      process_group=first.process_group, stream=first.stream)]
         else:
             pooled = [e for e in s.outputs if e.op == "all_to_all_single"]
             merged = OutputExchange(sorted(g for e in pooled for g in e.groups), "all_to_all_single", pooled[0].wait,
-                                    pooled[0].process_group, pooled[0].stream)
+                                    process_group=pooled[0].process_group, stream=pooled[0].stream)
             s.outputs = [merged] + [e for e in s.outputs if e.op != "all_to_all_single"]
         after = len([n for n in graph.collectives() if n.module == module.path and n.role in _ROLES[candidate.role]])
         return f"{candidate.role} collectives of {module.path} merged ({before} -> {after})"
