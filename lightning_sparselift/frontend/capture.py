@@ -18,6 +18,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from lightning_sparselift.ir.vocab import dtype_name
+
 _PERCENTILES = (50, 90, 99)
 
 
@@ -186,10 +188,6 @@ class RankCapture:
         return cls(data["rank"], data["world_size"], modules)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 class _FeatureAccumulator:
     def __init__(self) -> None:
         self.lengths: list[torch.Tensor] = []
@@ -260,8 +258,8 @@ class SparseCapture:
                                            f"then {keys})"}
             return
         self._inputs[path] = {"keys": keys, "weighted": kjt.weights_or_none() is not None, "batch_size": batch_size,
-                              "lengths_dtype": _dtype_name(kjt.lengths().dtype),
-                              "values_dtype": _dtype_name(kjt.values().dtype)}
+                              "lengths_dtype": dtype_name(kjt.lengths().dtype),
+                              "values_dtype": dtype_name(kjt.values().dtype)}
         lengths = kjt.lengths().detach().view(len(keys), batch_size).cpu() if keys else None
         for i, key in enumerate(keys):
             self._features[path][key].lengths.append(lengths[i].long())

@@ -21,7 +21,7 @@ from torch import nn
 from lightning_sparselift.frontend.capture import RankCapture, common_path
 from lightning_sparselift.ir.graph import LiftedModule, ShardingGroup, SparseGraph, TableShard
 from lightning_sparselift.ir.schedule import identity_schedule
-from lightning_sparselift.ir.vocab import LIFTED_SHARDING_TYPES, POOLED_ALL_TO_ALL
+from lightning_sparselift.ir.vocab import DTYPE_BYTES, LIFTED_SHARDING_TYPES, POOLED_ALL_TO_ALL
 
 
 class LiftError(RuntimeError):
@@ -173,6 +173,8 @@ def lift(model: nn.Module, sharding_plan: Any, module_paths: list[str], captures
         if getattr(sharded, "qcomm_codecs_registry", None):
             raise LiftError(f"{path}: quantized communication codecs are not supported by the lifted executor")
         keys, weighted, lengths_dtype, values_dtype, batch_sizes = _module_inputs(path, captures)
+        if {lengths_dtype, values_dtype} - set(DTYPE_BYTES):
+            raise LiftError(f"{path}: input dtypes {lengths_dtype}/{values_dtype} are not ones the graph knows")
         root_input = common_path([c.modules[path].root_input for c in captures])
         batch_input, next_batch_note = _next_batch_source([c.modules[path] for c in captures])
         if weighted != bool(sharded._is_weighted):

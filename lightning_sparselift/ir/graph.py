@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_sparselift.ir.schedule import ModuleSchedule
-from lightning_sparselift.ir.vocab import LiftedShardingType
+from lightning_sparselift.ir.vocab import Dtype, LiftedShardingType
 
 GRAPH_VERSION = 2
 
@@ -53,8 +53,8 @@ class LiftedModule:
     path: str
     keys: list[str]  # the input KJT's keys, in the order the model passes them
     weighted: bool
-    lengths_dtype: str
-    values_dtype: str
+    lengths_dtype: Dtype
+    values_dtype: Dtype
     feature_order: list[int]  # permutation of the input keys into group order; [] = identity
     groups: list[ShardingGroup]
     batch_size_per_rank: list[int]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Union
 
 from lightning_sparselift.ir.schedule import InputExchange
-from lightning_sparselift.ir.vocab import BACKWARD_OF, DTYPE_BYTES, Point, aligned
+from lightning_sparselift.ir.vocab import BACKWARD_OF, DTYPE_BYTES, POINTS, Point, aligned
 
 if TYPE_CHECKING:
     from lightning_sparselift.ir.graph import LiftedModule, SparseGraph
@@ -192,7 +192,8 @@ def _forward(step: _Step, m: "LiftedModule") -> None:
 def _backward(step: _Step, m: "LiftedModule") -> None:
     world, s, B = step.world, m.schedule, m.batch_size_per_rank
     start = {g.index: [f"{m.path}/output"] for g in m.groups}
-    for e in reversed(s.outputs):
+    # the gradients' collectives in the order backward issues them
+    for e in sorted(reversed(s.outputs), key=lambda e: POINTS.index(BACKWARD_OF[e.wait])):
         groups = [m.groups[i] for i in e.groups]
         if e.op == "all_to_all_single":
             op, role = "all_to_all_single", "grad_pooled"

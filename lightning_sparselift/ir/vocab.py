@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
+import torch
+
 # TorchRec's sharding types the lifted executor runs
 LiftedShardingType = Literal["table_wise", "column_wise", "row_wise", "data_parallel"]
 LIFTED_SHARDING_TYPES: tuple[str, ...] = get_args(LiftedShardingType)
@@ -46,9 +48,9 @@ REGION_NAMES: tuple[str, ...] = get_args(RegionName)
 
 Packing = Literal["per_tensor", "bytes"]  # one collective per tensor (TorchRec's), or all in one byte buffer
 
-# element sizes of the dtypes a graph names (uint8: byte-packed payloads)
-DTYPE_BYTES = {"int8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
-               "uint8": 1, "bool": 1}
+# the dtypes a graph names (uint8: byte-packed payloads), and their element sizes
+Dtype = Literal["int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64", "uint8", "bool"]
+DTYPE_BYTES: dict[str, int] = {name: getattr(torch, name).itemsize for name in get_args(Dtype)}
 # each destination's chunk of a byte-packed buffer is padded to this many bytes
 PACK_ALIGNMENT = 8
 

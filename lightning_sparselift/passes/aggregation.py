@@ -20,7 +20,8 @@ all-to-alls::
     after:  pooled(g0+g1)          ...  grad(g0+g1)
 
 Feasibility (the design table): every merged collective runs on the same process group; their
-dtypes differ at most by element type (the packing is a lossless byte-level reinterpretation);
+dtypes differ at most by element type (every dtype a graph names has a size in the vocabulary, and
+the packing is a lossless byte-level reinterpretation);
 the layout mapping unpacks exactly (sizes per destination are known from the splits); the
 collective order is fixed by the graph and identical on every rank (the fingerprint check).
 Row-wise reduce-scatters are not all-to-alls and stay as they are. Cost inputs: the collectives
@@ -34,7 +35,6 @@ from __future__ import annotations
 from lightning_sparselift.cost.calibration import CalibrationProtocol
 from lightning_sparselift.cost.priors import Priors
 from lightning_sparselift.ir import CollectiveNode, InputExchange, LiftedModule, OutputExchange, SparseGraph, member_bytes
-from lightning_sparselift.ir.vocab import DTYPE_BYTES
 from lightning_sparselift.passes.base import Candidate, OptimizationPass
 
 _ROLES = {"input": ("input_splits", "input_lengths", "input_values", "input_weights", "input_payload"),
@@ -68,9 +68,6 @@ class CommunicationAggregation(OptimizationPass):
         points = {e.issue for e in buckets} if role == "input" else {e.wait for e in buckets}
         if len(points) > 1:
             reasons.append(f"buckets {'issued' if role == 'input' else 'waited'} at different points {sorted(points)}")
-        unknown = sorted({n.dtype for n in nodes} - set(DTYPE_BYTES))
-        if unknown:
-            reasons.append(f"no lossless byte packing for dtype(s) {unknown}")
         copied = [n for n in nodes if n.role != "input_splits"]
         return reasons, {"collectives_removed": max(len(nodes) - 2, 0),
                          "packed_bytes": max(member_bytes(copied, graph.world_size), default=0)}

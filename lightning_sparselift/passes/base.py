@@ -69,8 +69,10 @@ class OptimizationPass(ABC):
 
     def apply(self, graph: SparseGraph, candidate: Candidate) -> SparseGraph:
         """A new graph with ``candidate`` applied."""
-        if not candidate.feasible:
-            raise ValueError(f"{candidate.id} is not feasible: {candidate.reasons}")
+        reasons = self.check(graph, graph.module(candidate.module), candidate.role)[0] if candidate.feasible \
+            else candidate.reasons
+        if reasons:  # (also on this graph: a candidate proposed on another one may no longer apply)
+            raise ValueError(f"{candidate.id} is not feasible: {reasons}")
         out = graph.copy()
         module = out.module(candidate.module)
         note = self.rewrite(out, module, candidate)

@@ -69,7 +69,7 @@ class LatencyHiding(OptimizationPass):
                 reasons.append("already scheduled")
         else:
             if module.batch_input is None:
-                reasons.append(module.next_batch_note)
+                reasons.append(module.next_batch_note or "the module's input was not found in the announced next batch")
             if not any(k in INPUT_ALL_TO_ALL for k in module.kinds):
                 reasons.append("only data-parallel groups: no input distribution")
             if s.input_issue == "previous_step":
