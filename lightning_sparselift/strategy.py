@@ -4,18 +4,20 @@ It shards every TorchRec ``EmbeddingBagCollection`` of the LightningModule with
 ``DistributedModelParallel`` (tables placed by TorchRec's planner, or by a constructed plan
 where the planner cannot place them), keeps the dense part data-parallel, runs the embedding
 optimizer fused into backward next to the user's dense optimizer, and saves sharded checkpoints.
-With ``executor="sparselift"`` (the default) the :class:`~lightning_sparselift.callbacks.LiftWarmup`
-callback runs SparseLift's loop on the first training steps (capture -> lift -> calibrate -> plan
--> install) and the lifted executor runs the plan for the rest of the run.
+With ``executor="sparselift"`` (the default) its hooks drive the
+:class:`~lightning_sparselift.session.SparseLiftSession` (capture -> lift -> plan -> install) on
+the first training steps, and the lifted executor runs the plan for the rest of the run:
+``on_train_start`` opens the session, ``on_train_batch_start`` begins each step (announcing the
+batch after it), ``optimizer_step`` ends it (``training_step`` with manual optimization), and
+``on_train_end`` / ``on_exception`` stop a session that has not finished.
 """
 
 from __future__ import annotations
 
-import copy
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -32,84 +34,27 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 from torch import Tensor
 
 from lightning_sparselift import checkpoint as ckpt
-from lightning_sparselift.callbacks import LiftWarmup
 from lightning_sparselift.launcher import DenseOnlyMultiProcessingLauncher
+from lightning_sparselift.lookahead import LookaheadLoader
 from lightning_sparselift.sharding import EmbeddingOptimizer, combine_optimizers, shard_model
 from lightning_sparselift.signals import SignalConnector
 from lightning_sparselift.step_check import NON_FINITE_POLICIES, StepCheck
 
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_sparselift.ir import SparseGraph
+    from lightning_sparselift.plan import ExecutionPlan
+    from lightning_sparselift.runtime import InstalledExecutor
+    from lightning_sparselift.session import SparseLiftSession
+
 EXECUTORS = ("torchrec", "sparselift")
-_END = object()
-
-
-class LookaheadLoader:
-    """The training dataloader, read one batch ahead: while a step trains on batch k, batch k+1
-    has been fetched, so the strategy can announce it to the lifted executor (the ``next_batch``
-    schedule distributes its sparse input during step k). Length, sampler, dataset and every
-    other attribute are the wrapped loader's; the batches and their order are unchanged.
-
-    A stateful wrapped loader (``state_dict`` / ``load_state_dict``: Lightning saves its state in
-    checkpoints and restores it on resume) is one batch ahead of the training loop, so its state
-    is reported as it was before the batch ahead was fetched: the position of the batch last
-    yielded, and a resume continues with the batch after it."""
-
-    def __init__(self, loader: Any) -> None:
-        self.loader = loader
-        self._recent: list[Any] = []  # the last batches yielded and the one fetched ahead
-        self._consumer_state: Optional[dict] = None  # the wrapped loader's state before the batch ahead was fetched
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "loader":  # not set yet (e.g. while unpickling)
-            raise AttributeError(name)
-        attribute = getattr(self.loader, name)
-        # only here, not as methods, so that they exist exactly when the wrapped loader has them
-        # (Lightning saves the state of loaders that have them, and warns about the others)
-        if name == "state_dict":
-            return self._state_dict
-        if name == "load_state_dict":
-            return self._load_state_dict
-        return attribute
-
-    def __iter__(self) -> Any:
-        iterator = iter(self.loader)
-        ahead = self._fetch(iterator)
-        self._recent = []
-        while ahead is not _END:
-            current, ahead = ahead, self._fetch(iterator)
-            self._recent = self._recent[-2:-1] + [current] + ([ahead] if ahead is not _END else [])
-            yield current
-        self._recent = []
-        self._consumer_state = None  # nothing is fetched ahead any more
-
-    def _fetch(self, iterator: Any) -> Any:
-        if hasattr(self.loader, "state_dict"):
-            # copied: the loader may go on changing the object it returned
-            self._consumer_state = copy.deepcopy(self.loader.state_dict())
-        return next(iterator, _END)
-
-    def _state_dict(self) -> dict:
-        return self.loader.state_dict() if self._consumer_state is None else self._consumer_state
-
-    def _load_state_dict(self, state: dict) -> None:
-        self.loader.load_state_dict(state)
-        self._consumer_state = None
-
-    def after(self, batch: Any) -> Any:
-        """The batch that follows ``batch`` (an object this loader yielded), if fetched; else None."""
-        for i, item in enumerate(self._recent[:-1]):
-            if item is batch:
-                return self._recent[i + 1]
-        return None
-
 START_METHODS = ("popen", "spawn", "fork")
 EMBEDDING_LR_SCHEDULES = ("constant", "follow_dense")
 
@@ -233,11 +178,12 @@ class SparseLiftStrategy(ParallelStrategy):
         # initial LRs, the reference of embedding_lr_schedule="follow_dense"
         self._dense_base_lr = 1.0
         self._embedding_base_lrs: list[float] = []
-        self._warmup: Optional[Any] = None  # SparseLift's loop; kept once done (its executor and plan)
+        self._session: Optional[SparseLiftSession] = None  # kept once done (its executor and plan)
         self._lookahead: Optional[LookaheadLoader] = None  # the training dataloader, read one batch ahead
         self._next_batch: Any = None  # the batch after the one being moved to the device for training
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="SparseLift (re-runs the script per rank)",
                                    override=True)
@@ -247,6 +193,7 @@ class SparseLiftStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ processes and collectives
     @property
+    @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
@@ -260,6 +207,7 @@ class SparseLiftStrategy(ParallelStrategy):
         return True
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
@@ -268,13 +216,16 @@ class SparseLiftStrategy(ParallelStrategy):
         return self._process_group_backend
 
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True
 
     @property
+    @override
     def lightning_restore_optimizer(self) -> bool:
         return False
 
+    @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         # Under torchrun, SLURM, ... the rank processes exist already: as with popen, this launcher
@@ -285,6 +236,7 @@ class SparseLiftStrategy(ParallelStrategy):
         else:
             self._launcher = DenseOnlyMultiProcessingLauncher(self, start_method=self._start_method)
 
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
@@ -304,10 +256,12 @@ class SparseLiftStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
+    @override
     def barrier(self, name: Optional[str] = None) -> None:
         if _distributed_is_initialized():
             torch.distributed.barrier()
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
@@ -315,20 +269,24 @@ class SparseLiftStrategy(ParallelStrategy):
         torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
         return box[0]
 
+    @override
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
                reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    @override
     def model_to_device(self) -> None:
         # Tables are created by the sharding on the right device; the dense part moves there in setup.
         pass
 
+    @override
     def tensor_init_context(self, empty_init: Optional[bool] = None):
         return nullcontext()
 
     # ------------------------------------------------------------------ sharding
+    @override
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -349,8 +307,6 @@ class SparseLiftStrategy(ParallelStrategy):
         self.model = self._dmp
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            if self.executor == "sparselift" and not any(isinstance(c, LiftWarmup) for c in trainer.callbacks):
-                trainer.callbacks.append(LiftWarmup())
         self.setup_precision_plugin()
 
     def _shard(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -369,52 +325,41 @@ class SparseLiftStrategy(ParallelStrategy):
         return self._dmp.plan
 
     @property
-    def _finished_warmup(self) -> Optional[Any]:
-        return self._warmup if self._warmup is not None and self._warmup.done else None
+    def session(self) -> Optional[SparseLiftSession]:
+        """SparseLift's compiler session (None with ``executor="torchrec"`` and before the first fit);
+        kept once done, with its executor and plan."""
+        return self._session
 
     @property
-    def sparse_graph(self) -> Optional[Any]:
-        """The lifted :class:`~lightning_sparselift.lift.SparseGraph` the executor runs, after the
-        plan's passes (None until the warmup finished, or when TorchRec's path is in use)."""
+    def sparse_graph(self) -> Optional[SparseGraph]:
+        """The lifted :class:`~lightning_sparselift.ir.SparseGraph` the executor runs, after the
+        plan's passes (None until a plan is installed, or when TorchRec's path is in use)."""
         return self.lifted_executor.graph if self.lifted_executor is not None else None
 
     @property
-    def lifted_executor(self) -> Optional[Any]:
-        """The installed :class:`~lightning_sparselift.runtime.InstalledExecutor` (None until the
-        warmup finished, or when TorchRec's path is in use)."""
-        return self._finished_warmup.installed if self._finished_warmup is not None else None
+    def lifted_executor(self) -> Optional[InstalledExecutor]:
+        """The installed :class:`~lightning_sparselift.runtime.InstalledExecutor` (None until a
+        plan is installed, or when TorchRec's path is in use)."""
+        return self._session.installed if self.execution_plan is not None else None
 
     @property
-    def execution_plan(self) -> Optional[Any]:
-        """The installed :class:`~lightning_sparselift.plan.ExecutionPlan` (None until the warmup
-        finished, or when TorchRec's path is in use)."""
-        return self._finished_warmup.plan if self._finished_warmup is not None else None
+    def execution_plan(self) -> Optional[ExecutionPlan]:
+        """The installed :class:`~lightning_sparselift.plan.ExecutionPlan` (None until a plan is
+        installed, or when TorchRec's path is in use)."""
+        return self._session.plan if self._session is not None else None
 
     @property
     def executor_fallback_reason(self) -> Optional[str]:
-        """Why TorchRec's path was kept (None while the lifted executor runs or before the warmup)."""
-        return self._finished_warmup.fallback_reason if self._finished_warmup is not None else None
+        """Why TorchRec's path was kept (None while the lifted executor runs or before the session decided)."""
+        return self._session.fallback_reason if self._session is not None else None
 
     @property
     def executor_in_use(self) -> str:
         """``sparselift`` once the lifted executor is installed (calibration included), else ``torchrec``."""
-        return "sparselift" if self._warmup is not None and self._warmup.installed is not None else "torchrec"
+        return "sparselift" if self._session is not None and self._session.installed is not None else "torchrec"
 
-    # ------------------------------------------------------------------ the lifted executor's warmup
-    def start_warmup(self) -> bool:
-        """Begin capturing (fit start); False when there is nothing to do: the loop is running or
-        installed the executor already. (One that ended on TorchRec's path is tried again.)"""
-        if self.executor != "sparselift":
-            return False
-        if self._warmup is not None and (not self._warmup.done or self._warmup.installed is not None):
-            return False
-        from lightning_sparselift.warmup import SparseLiftWarmup
-
-        self._warmup = SparseLiftWarmup(self.lightning_module, self._dmp.plan, self.sparse_module_paths,
-                                        self.warmup_batches, torch.distributed.group.WORLD, self.root_device,
-                                        self.optimizations, self.calibrate, self.plan_path)
-        return True
-
+    # ------------------------------------------------------------------ the SparseLift session
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if self.executor == "sparselift" and trainer is not None and trainer.training:
@@ -422,20 +367,35 @@ class SparseLiftStrategy(ParallelStrategy):
             return self._lookahead
         return dataloader
 
+    @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         # the loop passes the batch exactly as the training loader yielded it, so the lookahead knows what follows
         self._next_batch = self._lookahead.after(batch) if self._lookahead is not None else None
         return super().batch_to_device(batch, device, dataloader_idx)
 
-    def sparse_step(self, batch: Any) -> Any:
-        """The context a training step on ``batch`` runs in: SparseLift's loop while it runs (it
-        captures or calibrates), with the batch that follows announced to the executor."""
-        if self._warmup is None:
-            return nullcontext()
+    @override
+    def on_train_start(self) -> None:
+        self._check_equal_batch_counts("fit")
+        # an installed executor is kept across fits; a session that kept TorchRec's path tries again
+        if self.executor == "sparselift" and (self._session is None or self._session.installed is None):
+            from lightning_sparselift.session import SparseLiftSession
+
+            self._session = SparseLiftSession(self.lightning_module, self._dmp.plan, self.sparse_module_paths,
+                                              self.warmup_batches, torch.distributed.group.WORLD, self.root_device,
+                                              self.optimizations, self.calibrate, self.plan_path)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._session is None:
+            return
+        if batch_idx == 0:
+            # the previous epoch's last step may have announced a batch it never reached
+            # (limit_train_batches, on_train_batch_start returning -1): an epoch starts from scratch
+            self._discard_started_work()
         # announced as the loader yields it: the transfer hooks run once, when its step comes
         # (capture checked that the model receives exactly these features, else the schedule is
         # not proposed; the executor moves them to its device)
-        return self._warmup.step(batch, self._next_batch)
+        self._session.begin_step(batch, self._next_batch)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -447,26 +407,84 @@ class SparseLiftStrategy(ParallelStrategy):
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", -1)
         self._step_check.inspect(batch)
         output = super().training_step(*args, **kwargs)
-        return self._step_check.verdict(output, batch_idx, self.lightning_module.trainer.global_step)
+        output = self._step_check.verdict(output, batch_idx, self.lightning_module.trainer.global_step)
+        if not self.lightning_module.automatic_optimization:
+            self._end_step()  # the user's optimizer steps ran inside training_step
+        return output
 
     @property
     def skipped_steps(self) -> int:
         """Training steps skipped on every rank (empty batches everywhere; ``non_finite='skip'``)."""
         return self._step_check.skipped if self._step_check is not None else 0
 
-    def discard_started_work(self) -> None:
+    def _end_step(self) -> None:
+        """The step's forward, backward and optimizer step ran: the session records it and
+        advances; its progress is reported from here (a hook where Lightning allows logging)."""
+        if self._session is None:
+            return
+        finished = self._session.end_step()
+        self._report_events()
+        module = self.lightning_module
+        progress = self._session.calibration_progress
+        if progress is not None:
+            module.log("sparselift/calibration_step", float(progress[0]), prog_bar=True, rank_zero_only=True)
+        if finished:
+            self._report_round(module)
+
+    def _report_events(self) -> None:
+        for event in self._session.events:
+            rank_zero_info(f"SparseLift: {event}")
+        self._session.events.clear()
+
+    def _report_round(self, module: pl.LightningModule) -> None:
+        """A round's result: the plan explained (rank zero), its decisions as ``sparselift/...``
+        metrics to the Lightning logger and, with a logger that has a ``log_dir``, the plan to
+        ``<log_dir>/sparselift_plan.json``."""
+        session = self._session
+        if session.installed is None:
+            rank_zero_warn(f"SparseLift could not lift the sparse path, continuing on TorchRec's "
+                           f"(executor='torchrec'): {session.fallback_reason}")
+            return
+        plan = session.plan
+        rank_zero_info("SparseLift " + plan.explain())
+        metrics = {"sparselift/lift_s": session.lift_seconds,
+                   "sparselift/collectives_per_step": float(len(plan.graph.collectives())),
+                   "sparselift/calibration_steps": float(plan.calibration_steps),
+                   "sparselift/calibration_s": plan.calibration_s,
+                   "sparselift/planning_s": plan.planning_s,
+                   "sparselift/plan_reused": float(session.plan_reused)}
+        for decision in plan.decisions:
+            key = f"sparselift/{decision.candidate.replace(':', '/').replace('@', '/')}"
+            metrics[f"{key}/accepted"] = float(decision.accepted)
+            if decision.measured_ms is not None:
+                metrics[f"{key}/measured_ms"] = decision.measured_ms
+        module.log_dict(metrics, rank_zero_only=True)
+        trainer = module.trainer
+        log_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
+        if log_dir and trainer.is_global_zero:
+            plan.save_as_cache(f"{log_dir}/sparselift_plan.json")
+
+    def _stop_session(self, why: str) -> None:
+        """Training stopped: a session still running keeps what it has (see ``abandon``)."""
+        if self._session is not None and not self._session.done:
+            self._session.abandon(why)
+            self._report_events()
+
+    def _discard_started_work(self) -> None:
         """Complete and drop what the lifted executor started for a step that will not run (the
         batch announced last was never trained on: training ended, or the epoch was cut short)."""
-        if self._warmup is not None and self._warmup.installed is not None:
-            self._warmup.installed.discard()
+        if self._session is not None and self._session.installed is not None:
+            self._session.installed.discard()
 
+    @override
     def on_train_end(self) -> None:
-        self.discard_started_work()
+        self._stop_session(f"training ended after {self.lightning_module.trainer.global_step} step(s)")
+        self._discard_started_work()
 
-    @property
-    def warmup(self) -> Optional[Any]:
-        """The SparseLift loop while it runs (None before it starts and once it is done)."""
-        return self._warmup if self._warmup is not None and not self._warmup.done else None
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # no discard: it would wait for collectives that ranks which stopped may never join
+        self._stop_session(f"training stopped by {type(exception).__name__}")
 
     @property
     def fused_optimizer(self) -> Any:
@@ -476,6 +494,7 @@ class SparseLiftStrategy(ParallelStrategy):
         return self._dmp.fused_optimizer
 
     # ------------------------------------------------------------------ optimizers
+    @override
     def setup_optimizers(self, trainer: Any) -> None:
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
@@ -488,6 +507,7 @@ class SparseLiftStrategy(ParallelStrategy):
         self._embedding_base_lrs = [g["lr"] for g in self._dmp.fused_optimizer.param_groups]
         self.optimizers = [combine_optimizers(self._dmp, dense)]
 
+    @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self.embedding_lr_schedule == "follow_dense":
             self._follow_dense_lr()
@@ -498,7 +518,10 @@ class SparseLiftStrategy(ParallelStrategy):
                 self._step_check.before_update()
             return result
 
-        return super().optimizer_step(optimizer, checked_closure, model, **kwargs)
+        output = super().optimizer_step(optimizer, checked_closure, model, **kwargs)
+        if self.lightning_module.automatic_optimization:
+            self._end_step()  # the closure ran the step's forward and backward
+        return output
 
     def _follow_dense_lr(self) -> None:
         dense = dict(self.optimizers[0].optimizers)["dense"]
@@ -527,35 +550,40 @@ class SparseLiftStrategy(ParallelStrategy):
                 f"ranks have different numbers of {stage} batches ({[g.tolist() for g in gathered]}); sharded "
                 f"embeddings need every rank to run the same number of forwards: {fix}.")
 
-    def on_train_start(self) -> None:
-        self._check_equal_batch_counts("fit")
-
+    @override
     def on_validation_start(self) -> None:
         self._check_equal_batch_counts("validate")
 
+    @override
     def on_test_start(self) -> None:
         self._check_equal_batch_counts("test")
 
+    @override
     def on_predict_start(self) -> None:
         self._check_equal_batch_counts("predict")
 
     # ------------------------------------------------------------------ checkpoints
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # The weights go into the DCP shards in save_checkpoint.
         return {}
 
+    @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         return {}
 
+    @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         pass  # loaded in load_checkpoint
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         pass  # loaded in load_checkpoint
 
     def _fingerprint(self) -> dict[str, Any]:
         return ckpt.model_fingerprint(self._dmp, self._tables, self.sparse_module_paths)
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("SparseLiftStrategy.save_checkpoint does not take storage_options")
@@ -568,6 +596,7 @@ class SparseLiftStrategy(ParallelStrategy):
         self._on_rank_zero(ckpt.commit, folder, path, lightning_state, self._fingerprint(),
                            ckpt.plan_summary(self._dmp.plan), optimizer is not None)
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         # weights_only changes nothing: a checkpoint's metadata is JSON and weights-only tensors
         path = Path(self.broadcast(str(checkpoint_path)))
@@ -580,6 +609,7 @@ class SparseLiftStrategy(ParallelStrategy):
             self._follow_dense_lr()
         return lightning_state
 
+    @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
             ckpt.remove(Path(filepath))
@@ -598,6 +628,7 @@ class SparseLiftStrategy(ParallelStrategy):
             raise error
         return result
 
+    @override
     def teardown(self) -> None:
         assert self.cluster_environment is not None
         assert self.accelerator is not None

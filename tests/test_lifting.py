@@ -279,7 +279,7 @@ def test_saved_plan_is_reused_and_a_mismatching_plan_is_rejected(tmp_path, data_
     # step after a settle step on the same plan (the next-batch schedule acts across two steps)
     assert first["sparselift/plan_reused"] == 0 and first["sparselift/calibration_steps"] == 6 + 6 + 12 + 12
     plan = ExecutionPlan.load(plan_path)
-    assert json.loads(plan_path.read_text())["schema"] == "sparselift-plan/1"
+    assert json.loads(plan_path.read_text())["schema"] == "sparselift-plan/2"
     assert {d.candidate.split("@")[0] for d in plan.decisions} == {"aggregation:input", "aggregation:output",
                                                                     "latency_hiding:early_start",
                                                                     "latency_hiding:next_batch"}
@@ -308,8 +308,8 @@ def test_bad_plan_files_are_refused(tmp_path):
     with pytest.raises(PlanFileError, match="cannot read plan"):
         ExecutionPlan.load(tmp_path / "garbage.json")
     (tmp_path / "other.json").write_text('{"schema": "something-else"}')
-    with pytest.raises(PlanFileError, match="not a sparselift-plan/1 plan"):
+    with pytest.raises(PlanFileError, match="not a sparselift-plan/2 plan"):
         ExecutionPlan.load(tmp_path / "other.json")
-    (tmp_path / "partial.json").write_text('{"schema": "sparselift-plan/1", "fingerprint": {}}')
+    (tmp_path / "partial.json").write_text('{"schema": "sparselift-plan/2", "fingerprint": {}}')
     with pytest.raises(PlanFileError, match="malformed plan"):
         ExecutionPlan.load(tmp_path / "partial.json")

@@ -237,7 +237,8 @@ def _lightning_run(worker: _Worker) -> None:
             worker.warmup_all()
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-            if self.offset is None and batch_idx >= warm and trainer.strategy.warmup is None:
+            session = trainer.strategy.session
+            if self.offset is None and batch_idx >= warm and (session is None or session.done):
                 self.offset = batch_idx  # the first timed step: start the other systems' round 0 first
                 if trainer.strategy.lifted_executor is not None:
                     time_early_starts(trainer.strategy.lifted_executor, timer)

@@ -246,39 +246,38 @@ class SparseLift(LoopSystem):
         self._position = 0
 
     def setup(self) -> None:
-        from lightning_sparselift.warmup import SparseLiftWarmup
+        from lightning_sparselift.session import SparseLiftSession
 
         s = self.strategy
         self.model, self.optimizer, wrapped, paths = _shard(self.env, s.validate_inputs, s.sharding_types,
                                                             s.embedding_optimizer)
-        self.warmup = (SparseLiftWarmup(wrapped, self.model.plan, paths, s.warmup_batches, dist.group.WORLD,
-                                        torch.device("cpu"), s.optimizations, s.calibrate, s.plan_path)
-                       if s.executor == "sparselift" else None)
+        self.session = (SparseLiftSession(wrapped, self.model.plan, paths, s.warmup_batches, dist.group.WORLD,
+                                          torch.device("cpu"), s.optimizations, s.calibrate, s.plan_path)
+                        if s.executor == "sparselift" else None)
         self._timed_sharded(wrapped, self.optimizer)
 
     def step(self, step: int) -> None:
         # a continuous stream of batches (as TorchRec's pipelines read theirs), so the batch
         # announced as next is the one the next call trains on, across the runner's blocks
         position, self._position = self._position, self._position + 1
-        if self.warmup is None:
+        if self.session is None:
             return super().step(position)
-        running = not self.warmup.done
-        with self.warmup.step(self.env.local_batch(position), self.env.local_batch(position + 1)):
-            super().step(position)
-        if running and self.warmup.after_step():
-            if self.warmup.installed is None:
-                raise RuntimeError(f"sparselift: the sparse path could not be lifted: {self.warmup.fallback_reason}")
-            time_early_starts(self.warmup.installed, self.timer)
+        self.session.begin_step(self.env.local_batch(position), self.env.local_batch(position + 1))
+        super().step(position)
+        if self.session.end_step():  # the plan is installed (or TorchRec's path kept)
+            if self.session.installed is None:
+                raise RuntimeError(f"sparselift: the sparse path could not be lifted: {self.session.fallback_reason}")
+            time_early_starts(self.session.installed, self.timer)
 
     @property
     def ready(self) -> bool:
-        return self.warmup is None or self.warmup.done
+        return self.session is None or self.session.done
 
     def report(self) -> dict[str, Any]:
-        if self.warmup is None or self.warmup.installed is None:
+        if self.session is None or self.session.installed is None:
             return {"executor": "torchrec"}
-        graph, plan = self.warmup.installed.graph, self.warmup.plan
-        return {"executor": "sparselift", "lift_s": self.warmup.lift_seconds, "graph_fingerprint": graph.fingerprint(),
+        graph, plan = self.session.installed.graph, self.session.plan
+        return {"executor": "sparselift", "lift_s": self.session.lift_seconds, "graph_fingerprint": graph.fingerprint(),
                 "graph_collectives_per_step": len(graph.collectives()), "graph_explain": graph.explain(),
                 "calibration_s": plan.calibration_s, "calibration_steps": plan.calibration_steps,
                 "planning_s": plan.planning_s, "plan_explain": plan.explain(),

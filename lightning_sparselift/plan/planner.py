@@ -1,16 +1,37 @@
-"""The constraint-aware planner: asks each selected pass for its candidates, keeps the feasible
-ones ordered by their predicted gain (the priors), and decides each from its measured increment
-against the incumbent plan (or, without calibration, takes every feasible candidate)."""
+"""The constraint-aware planner and its loop on real training steps, in the style of TorchRec's
+proposer (``propose`` -> measure -> ``feedback(plan, perf)``).
+
+:class:`Planner` asks each selected pass for its candidates, keeps the feasible ones ordered by
+their predicted gain (the priors), and decides each from its measured increment against the
+incumbent plan (or, without calibration, takes every feasible candidate).
+
+:class:`PlanningLoop` is one planning round: it owns the :class:`ExecutionPlan` being built,
+says which graph the next training step runs (the candidate's trial or the incumbent, as the
+candidate's pass's calibration protocol schedules them), takes each step's measurement, and
+decides a candidate once its protocol is done. Whoever runs the steps (the session) installs the
+graphs; the loop never touches the runtime::
+
+    loop = PlanningLoop(planner, fingerprint, identity, group)
+    loop.propose()
+    while not loop.done:
+        executor.use(loop.next_graph())
+        step_ms, sparse_ms = run_one_training_step()
+        loop.feedback(step_ms, sparse_ms)
+    executor.use(loop.plan.graph)
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+import time
+from typing import TYPE_CHECKING, Any, Optional
 
-from lightning_sparselift.cost.calibration import Measurement
+from lightning_sparselift.cost.calibration import Calibrator, Measurement
 from lightning_sparselift.cost.priors import Priors
-from lightning_sparselift.lift import SparseGraph
 from lightning_sparselift.passes import Candidate, OptimizationPass
-from lightning_sparselift.plan.types import Decision, ExecutionPlan, PlanFileError
+from lightning_sparselift.plan.types import Decision, ExecutionPlan, PlanFileError, PlanFingerprint
+
+if TYPE_CHECKING:
+    from lightning_sparselift.ir import SparseGraph
 
 
 class Planner:
@@ -53,6 +74,11 @@ class Planner:
                         measurement.observations_ms if measurement else None,
                         measurement.increment_ms if measurement else None, accepted, reason)
 
+    def undecided(self, candidate: Candidate, why: str) -> Decision:
+        """The decision for a feasible candidate the loop stopped before calibrating: not accepted."""
+        return Decision(candidate.id, candidate.pass_name, candidate.module, candidate.role, True, [],
+                        self.predict_ms(candidate), None, None, False, f"not calibrated: {why}")
+
     def apply(self, graph: SparseGraph, candidate: Candidate) -> SparseGraph:
         return self.passes[candidate.pass_name].apply(graph, candidate)
 
@@ -60,7 +86,7 @@ class Planner:
         """The graph a saved ``plan`` runs, rebuilt from this run's identity ``graph``: the plan's accepted
         candidates applied in their order, each one a feasible candidate of the selected passes. The plan's
         own graph must have the same structure (fingerprint) as the result, so a plan file cannot bring a
-        module, an aggregation or a schedule that these passes would not produce on this graph. Raises
+        module or a pass's rewrite that these passes would not produce on this graph. Raises
         :class:`PlanFileError` naming the difference."""
         feasible, _ = self.propose(graph)
         unapplied = {c.id: c for c in feasible}
@@ -71,12 +97,117 @@ class Planner:
                                     f"selected optimizations on this run's graph (or is accepted twice)")
             graph = self.apply(graph, candidate)
         if plan.graph.fingerprint() != graph.fingerprint():
-            theirs, ours = _passes_applied(plan.graph), _passes_applied(graph)
             raise PlanFileError("the plan's graph is not what its accepted candidates give on this run's graph: "
-                                + (f"it has {theirs}; they give {ours}" if theirs != ours
-                                   else "its layouts or collectives differ"))
+                                + _difference(plan.graph, graph))
         return graph
 
 
-def _passes_applied(graph: SparseGraph) -> str:
-    return "; ".join(f"{m.path} aggregated {m.aggregated} schedules {m.schedules}" for m in graph.modules)
+def _difference(theirs: SparseGraph, ours: SparseGraph) -> str:
+    """What differs between a plan file's graph and the one its decisions give: the modules, else
+    the passes applied (their provenance), else the structure below them."""
+    their_modules, our_modules = [m.path for m in theirs.modules], [m.path for m in ours.modules]
+    if their_modules != our_modules:
+        return f"it has modules {their_modules}; this run's graph has {our_modules}"
+    if theirs.provenance != ours.provenance:
+        return f"it has the passes applied {theirs.provenance}; they give {ours.provenance}"
+    return "its layouts or collectives differ"
+
+
+class PlanningLoop:
+    """One planning round from ``identity`` (the lifted graph before any pass): propose, then
+    calibrate every feasible candidate on real training steps, one after the other, each on top
+    of the incumbent (the identity graph with the candidates accepted so far). Every rank runs
+    the same loop on the same steps; the measurements are reduced across ``group``, so every
+    decision is the same everywhere."""
+
+    def __init__(self, planner: Planner, fingerprint: PlanFingerprint, identity: SparseGraph, group: Any,
+                 events: Optional[list[str]] = None) -> None:
+        self.planner = planner
+        self.group = group
+        priors = planner.priors.to_dict() if planner.priors is not None else None
+        self.plan = ExecutionPlan(fingerprint, identity, priors=priors)  # its graph is the incumbent once done
+        self.incumbent = identity
+        self.trial: Optional[SparseGraph] = None  # the incumbent with the candidate being calibrated
+        self.events = events if events is not None else []  # what happened, for the caller to report
+        self.done = False
+        self._queue: list[Candidate] = []  # feasible candidates still to calibrate, the first one in calibration
+        self._calibrator: Optional[Calibrator] = None
+        self._calibration_start = 0.0
+
+    def propose(self, since: Optional[float] = None) -> None:
+        """Propose the candidates (without calibration: apply every feasible one, and the loop is
+        done). ``since``: when planning this round began (``time.perf_counter()``), if before the
+        call (the plan's ``planning_s`` counts from it)."""
+        start = time.perf_counter() if since is None else since
+        feasible, rejected = self.planner.propose(self.incumbent)
+        self.plan.decisions.extend(rejected)
+        if not self.planner.calibrate:
+            for candidate in feasible:
+                self.incumbent = self.planner.apply(self.incumbent, candidate)
+                self.plan.decisions.append(self.planner.decide(candidate, None))
+            feasible = []
+        self._queue = feasible
+        self.plan.planning_s += time.perf_counter() - start
+        self._calibration_start = time.perf_counter()
+        self._next_candidate()
+
+    def next_graph(self) -> SparseGraph:
+        """The graph the next training step runs (T1: the trial, or T0: the incumbent)."""
+        return self.trial if self._calibrator.next_uses_candidate() else self.incumbent
+
+    def feedback(self, step_ms: float, sparse_ms: float) -> None:
+        """The measurement of the step that ran :meth:`next_graph`: its whole wall time and the
+        executor's measured regions (the candidate's protocol says which one counts). Decides the
+        candidate once its protocol is done (a collective over ``group``)."""
+        calibrator = self._calibrator
+        calibrator.record(step_ms if calibrator.protocol.region == "step" else sparse_ms)
+        self.plan.calibration_steps += 1
+        if calibrator.done:
+            self._decide()
+
+    @property
+    def progress(self) -> Optional[tuple[int, int]]:
+        """(steps calibrated, steps planned) while calibrating."""
+        if self.done:
+            return None
+        remaining = sum(self.planner.passes[c.pass_name].protocol.steps for c in self._queue) \
+            - self._calibrator.recorded
+        return self.plan.calibration_steps, self.plan.calibration_steps + remaining
+
+    def abandon(self, why: str) -> None:
+        """Stop before every candidate is decided: the incumbent is the plan, the candidates left
+        are recorded as not calibrated (``why``)."""
+        self.plan.decisions.extend(self.planner.undecided(c, why) for c in self._queue)
+        self._queue, self._calibrator, self.trial = [], None, None
+        self.plan.graph = self.incumbent
+        self.done = True
+
+    def _next_candidate(self) -> None:
+        if not self._queue:
+            self._finish()
+            return
+        candidate = self._queue[0]
+        protocol = self.planner.passes[candidate.pass_name].protocol
+        self.trial = self.planner.apply(self.incumbent, candidate)
+        self._calibrator = Calibrator(candidate.id, protocol)
+        predicted = self.planner.predict_ms(candidate)
+        self.events.append(f"calibrating {candidate.id} ({protocol.steps} steps; predicted "
+                           f"{predicted:+.3f} ms)" if predicted is not None else f"calibrating {candidate.id}")
+
+    def _decide(self) -> None:
+        candidate = self._queue.pop(0)
+        measurement = self._calibrator.measurement(self.group)
+        decision = self.planner.decide(candidate, measurement)
+        self.plan.decisions.append(decision)
+        if decision.accepted:
+            self.incumbent = self.trial
+        self.events.append(f"{candidate.id}: measured {measurement.increment_ms:+.3f} ms -> "
+                           f"{'accepted' if decision.accepted else 'rejected'}")
+        self._calibrator, self.trial = None, None
+        self._next_candidate()
+
+    def _finish(self) -> None:
+        plan = self.plan
+        plan.calibration_s = time.perf_counter() - self._calibration_start if plan.calibration_steps else 0.0
+        plan.graph = self.incumbent
+        self.done = True

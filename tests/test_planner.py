@@ -1,0 +1,345 @@
+"""The planner's loop in one process, on a JSON graph fixture (no ranks, no runtime): propose,
+then per step the graph to run and its measurement, until every candidate is decided."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lightning_sparselift.cost.calibration import Measurement
+from lightning_sparselift.cost.priors import AlphaBeta, LookupModel, Priors
+from lightning_sparselift.ir import SparseGraph
+from lightning_sparselift.passes import select_passes
+from lightning_sparselift.plan import Decision, ExecutionPlan, PlanFileError, PlanFingerprint, Planner, PlanningLoop
+
+ALL = ["aggregation", "latency_hiding"]
+FIXTURE = Path(__file__).parent / "fixtures" / "graphs" / "table_and_column_wise_2ranks.json"
+
+
+def _identity() -> SparseGraph:
+    return SparseGraph.from_dict(json.loads(FIXTURE.read_text()))
+
+
+def _loop(optimizations: list[str], calibrate: bool = True) -> PlanningLoop:
+    identity = _identity()
+    fingerprint = PlanFingerprint(identity.fingerprint(), "sharding", 2, "gloo", {}, sorted(optimizations))
+    loop = PlanningLoop(Planner(select_passes(optimizations), None, calibrate), fingerprint, identity, None)
+    loop.propose()
+    return loop
+
+
+def _run(loop: PlanningLoop, step_ms) -> int:
+    """Feed the loop until it is done; ``step_ms(graph, trial)`` is a step's measured time."""
+    steps = 0
+    while not loop.done:
+        graph = loop.next_graph()
+        ms = step_ms(graph, graph is loop.trial)
+        loop.feedback(ms, ms)
+        steps += 1
+    return steps
+
+
+def test_every_candidate_is_calibrated_on_top_of_the_incumbent_and_kept_when_faster():
+    loop = _loop(ALL)
+    assert loop.progress == (0, 6 + 6 + 12 + 12)  # aggregation: 3 pairs; latency hiding: 3 pairs, each settled
+    seen = []
+
+    def step_ms(graph: SparseGraph, trial: bool) -> float:
+        seen.append(len(graph.provenance))
+        return 5.0 if trial else 10.0
+
+    assert _run(loop, step_ms) == 36 == loop.plan.calibration_steps
+    assert loop.progress is None
+    assert [(d.accepted, d.measured_ms) for d in loop.plan.decisions] == [(True, -5.0)] * 4
+    # each candidate's T0 steps run the incumbent, which holds every candidate accepted before it
+    assert sorted(set(seen)) == [0, 1, 2, 3, 4]
+    assert [p.split(":")[0] for p in loop.plan.graph.provenance] == ["aggregation", "aggregation",
+                                                                      "latency_hiding", "latency_hiding"]
+    assert loop.events[0].startswith("calibrating aggregation:input@")
+
+
+def test_a_slower_candidate_is_rejected_and_the_incumbent_stays():
+    loop = _loop(["aggregation"])
+    _run(loop, lambda graph, trial: 12.0 if trial else 10.0)
+    assert [d.accepted for d in loop.plan.decisions] == [False, False]
+    assert loop.plan.graph.fingerprint() == _identity().fingerprint()
+    assert "not faster" in loop.plan.decisions[0].reason
+
+
+def test_without_calibration_every_feasible_candidate_is_applied_at_once():
+    loop = _loop(ALL, calibrate=False)
+    assert loop.done and loop.progress is None and loop.plan.calibration_steps == 0
+    assert [d.accepted for d in loop.plan.decisions] == [True] * 4 and len(loop.plan.graph.provenance) == 4
+
+
+def test_an_abandoned_loop_keeps_its_incumbent_and_records_the_candidates_left():
+    loop = _loop(["aggregation"])
+    for _ in range(6):  # the first candidate's whole protocol: decided (accepted)
+        graph = loop.next_graph()
+        loop.feedback(0.0, 1.0 if graph is loop.trial else 2.0)
+    loop.feedback(0.0, 2.0)  # one step into the second
+    loop.abandon("training ended")
+    assert loop.done and loop.progress is None
+    assert [(d.accepted, d.reason) for d in loop.plan.decisions][1] == (False, "not calibrated: training ended")
+    assert len(loop.plan.graph.provenance) == 1
+
+
+def test_a_saved_graph_with_other_passes_is_named_by_its_provenance():
+    identity = _identity()
+    everything = _loop(ALL, calibrate=False).plan
+    aggregation_only = _loop(["aggregation"], calibrate=False).plan
+    aggregation_only.graph = everything.graph  # the decisions say aggregation only, the graph has more
+    with pytest.raises(PlanFileError, match=r"it has the passes applied \[.*'latency_hiding: .*\]; they give "
+                                            r"\['aggregation: [^\]]*'\]$"):
+        Planner(select_passes(["aggregation"]), None, calibrate=False).rebuild(aggregation_only, identity)
+
+
+# ------------------------------------------------------------------------------------------ propose / decide
+# on the other fixtures too, with hand-made priors and measurements (see test_passes.py for the
+# fixtures and their candidates' cost inputs)
+
+EBC = "model.sparse_arch.embedding_bag_collection"
+USER, ITEM = "model.user_ebc", "model.item_ebc"
+# 0.05 ms + 10 ns/byte per all-to-all; copies at 100 MB/s (copy_ms(n) = 2n / 1e5)
+PRIORS = Priors(AlphaBeta("all_to_all_single", "world[2]", 0.05, 1e-5, [(256, 0.05256)]), LookupModel(1e5), 0.25)
+NOTHING_TO_MERGE = ("1 table/column-wise bucket(s): nothing to merge (row-wise reduce-scatters and data-parallel "
+                    "groups have no all-to-all)")
+COMPUTED_INPUT = ("the module's input was not among the root forward's arguments in the captured steps (the model "
+                  "computes it), so it cannot start before the model reaches the module")
+NOT_IN_BATCH = "the module's input was not found in the training step's batch on every rank (the model builds it)"
+
+
+def _fixture(name: str) -> SparseGraph:
+    return SparseGraph.from_dict(json.loads((FIXTURE.parent / f"{name}.json").read_text()))
+
+
+def _proposed(planner: Planner, graph: SparseGraph) -> list[tuple[str, float]]:
+    return [(c.id, planner.predict_ms(c)) for c in planner.propose(graph)[0]]
+
+
+def test_propose_orders_the_feasible_candidates_by_predicted_gain():
+    two = _fixture("two_modules_2ranks")
+    expected = [
+        (f"aggregation:input@{ITEM}", pytest.approx(-4 * 0.05 + 2 * (2 * 232) / 1e5)),  # 4 collectives fewer
+        (f"latency_hiding:early_start@{USER}", pytest.approx(-(2 * 0.05 + 256 * 1e-5))),
+        (f"latency_hiding:next_batch@{USER}", pytest.approx(-(2 * 0.05 + 176 * 1e-5))),
+        (f"aggregation:input@{USER}", pytest.approx(-0.05 + 2 * (2 * 176) / 1e5)),  # one fewer, 176 B copied twice
+    ]
+    assert _proposed(Planner(select_passes(ALL), PRIORS, True), two) == expected
+    # the order comes from the priors, not from the order of the passes
+    assert _proposed(Planner(select_passes(["latency_hiding", "aggregation"]), PRIORS, True), two) == expected
+    # without priors: no predictions, candidates in the order the passes propose them
+    assert _proposed(Planner(select_passes(["latency_hiding", "aggregation"]), None, True), two) == [
+        (f"latency_hiding:early_start@{USER}", None), (f"latency_hiding:next_batch@{USER}", None),
+        (f"aggregation:input@{USER}", None), (f"aggregation:input@{ITEM}", None)]
+    # copies that cost more than the all-to-alls they save: predicted slower, tried last
+    slow_copies = Priors(PRIORS.all_to_all, LookupModel(1e3), 0.25)
+    assert [(c, ms > 0) for c, ms in _proposed(Planner(select_passes(ALL), slow_copies, True), two)] == [
+        (f"latency_hiding:early_start@{USER}", False), (f"latency_hiding:next_batch@{USER}", False),
+        (f"aggregation:input@{USER}", True), (f"aggregation:input@{ITEM}", True)]  # +0.654 ms, +0.728 ms
+    # the one-module fixture: latency hiding first (it hides as many all-to-alls as aggregation removes)
+    assert [c for c, _ in _proposed(Planner(select_passes(ALL), PRIORS, True), _identity())] == [
+        f"latency_hiding:early_start@{EBC}", f"latency_hiding:next_batch@{EBC}", f"aggregation:input@{EBC}",
+        f"aggregation:output@{EBC}"]
+
+
+def test_infeasible_candidates_are_rejected_with_their_reasons():
+    feasible, rejected = Planner(select_passes(ALL), PRIORS, True).propose(_fixture("two_modules_2ranks"))
+    assert rejected == [
+        Decision(f"aggregation:output@{USER}", "aggregation", USER, "output", False, [NOTHING_TO_MERGE], None, None,
+                 None, False, "infeasible: " + NOTHING_TO_MERGE),
+        Decision(f"aggregation:output@{ITEM}", "aggregation", ITEM, "output", False, [NOTHING_TO_MERGE], None, None,
+                 None, False, "infeasible: " + NOTHING_TO_MERGE),
+        Decision(f"latency_hiding:early_start@{ITEM}", "latency_hiding", ITEM, "early_start", False, [COMPUTED_INPUT],
+                 None, None, None, False, "infeasible: " + COMPUTED_INPUT),
+        Decision(f"latency_hiding:next_batch@{ITEM}", "latency_hiding", ITEM, "next_batch", False, [NOT_IN_BATCH],
+                 None, None, None, False, "infeasible: " + NOT_IN_BATCH)]
+    # one rank: nothing feasible, every candidate rejected with its reason
+    feasible, rejected = Planner(select_passes(ALL), PRIORS, True).propose(_fixture("table_wise_1rank"))
+    assert feasible == [] and [d.reason for d in rejected] == ["infeasible: one rank: nothing is exchanged"] * 2 + [
+        "infeasible: one rank: no all-to-all to hide"] * 2
+    # a role that was not selected is neither tried nor rejected
+    feasible, rejected = Planner(select_passes(["latency_hiding:early_start"]), PRIORS, True).propose(
+        _fixture("two_modules_2ranks"))
+    assert [c.id for c in feasible] == [f"latency_hiding:early_start@{USER}"]
+    assert [d.candidate for d in rejected] == [f"latency_hiding:early_start@{ITEM}"]
+
+
+def test_decide_accepts_a_candidate_only_when_the_slowest_rank_measured_it_faster():
+    planner = Planner(select_passes(ALL), PRIORS, True)
+    (c,) = [c for c in planner.propose(_fixture("two_modules_2ranks"))[0] if c.id == f"aggregation:input@{ITEM}"]
+    predicted = planner.predict_ms(c)
+    assert predicted == pytest.approx(-0.19072)
+    # rank 0's best pair -0.4, rank 1's -0.3: the step is as fast as its slowest rank
+    faster = planner.decide(c, Measurement(c.id, [[-0.4, -0.1], [-0.3, 0.2]], -0.3))
+    assert faster == Decision(c.id, "aggregation", ITEM, "input", True, [], predicted, [[-0.4, -0.1], [-0.3, 0.2]],
+                              -0.3, True, "faster: the slowest rank's best increment is -0.300 ms")
+    for increment in (0.0, 0.25):
+        slower = planner.decide(c, Measurement(c.id, [[increment], [-1.0]], increment))
+        assert (slower.accepted, slower.measured_ms, slower.reason) == (
+            False, increment, f"not faster: the slowest rank's best increment is {increment:+.3f} ms")
+    assert planner.decide(c, None) == Decision(c.id, "aggregation", ITEM, "input", True, [], predicted, None, None,
+                                               True, "accepted without calibration (calibrate=False)")
+    assert planner.undecided(c, "training ended") == Decision(c.id, "aggregation", ITEM, "input", True, [], predicted,
+                                                              None, None, False, "not calibrated: training ended")
+    assert Planner(select_passes(ALL), None, True).decide(c, None).predicted_ms is None
+
+
+# ------------------------------------------------------------------------------------------ the loop, measured
+
+class _Steps:
+    """One rank's training steps, timed from the graph each one runs (no processes): the sparse
+    regions take 1 ms per collective, 3 ms more when a module's pooled outputs are merged (their
+    copies); the step takes 20 ms plus those, 2 ms less with the lookups at the root forward, 1 ms
+    less with the input distributed a step ahead, but 5 ms more on the first step of such a plan
+    after one without (it distributes its own input too)."""
+
+    def __init__(self) -> None:
+        self.ran: list[SparseGraph] = []
+
+    def __call__(self, graph: SparseGraph) -> tuple[float, float]:
+        def ahead(g: SparseGraph) -> bool:
+            return any(m.schedule.input_issue == "previous_step" for m in g.modules)
+
+        sparse = float(len(graph.collectives()))
+        sparse += 3.0 * sum(len(e.groups) > 1 for m in graph.modules for e in m.schedule.outputs)
+        step = 20.0 + sparse - 2.0 * sum(m.schedule.lookup_at == "root_forward" for m in graph.modules)
+        if ahead(graph):
+            step += -1.0 + (5.0 if self.ran and not ahead(self.ran[-1]) else 0.0)
+        self.ran.append(graph)
+        return step, sparse
+
+
+def _calibrating_loop(graph: SparseGraph) -> PlanningLoop:
+    fingerprint = PlanFingerprint(graph.fingerprint(), "sharding", graph.world_size, graph.backend, {}, ALL)
+    loop = PlanningLoop(Planner(select_passes(ALL), PRIORS, calibrate=True), fingerprint, graph, None)
+    loop.propose()
+    return loop
+
+
+def test_the_loop_decides_each_candidate_from_its_protocol_steps_on_top_of_the_incumbent():
+    identity = _identity()
+    loop = _calibrating_loop(identity)
+    steps, trials, progress = _Steps(), [], [loop.progress]
+    while not loop.done:
+        graph = loop.next_graph()
+        assert graph is (loop.trial if loop._calibrator.next_uses_candidate() else loop.incumbent)
+        trials.append((len(graph.provenance), graph is loop.trial))
+        loop.feedback(*steps(graph))
+        progress.append(loop.progress)
+    early, ahead, packed, merged = (f"latency_hiding:early_start@{EBC}", f"latency_hiding:next_batch@{EBC}",
+                                    f"aggregation:input@{EBC}", f"aggregation:output@{EBC}")
+    # latency hiding: a settle step before each observed one (T0 T0 T1 T1), aggregation T0 T1; each
+    # candidate's T0 is the incumbent with the candidates accepted before it
+    assert trials == ([(0, False), (0, False), (1, True), (1, True)] * 3 + [(1, False), (1, False), (2, True), (2, True)] * 3
+                      + [(2, False), (3, True)] * 3 + [(3, False), (4, True)] * 3)
+    assert progress[:2] == [(0, 36), (1, 36)] and progress[12] == (12, 36) and progress[35] == (35, 36)
+    assert progress[-1] is None and loop.plan.calibration_steps == 36
+    # early start: 2 ms per step; next batch: 1 ms once settled (its first step's 5 ms are never
+    # observed); the merged input: 4 collectives fewer; the merged output: 2 fewer but 3 ms of copies
+    assert [(d.candidate, d.accepted, d.measured_ms, d.observations_ms) for d in loop.plan.decisions] == [
+        (early, True, -2.0, [[-2.0, -2.0]]), (ahead, True, -1.0, [[-1.0, -1.0]]),
+        (packed, True, -4.0, [[-4.0, -4.0]]), (merged, False, 1.0, [[1.0, 1.0]])]
+    assert [d.predicted_ms for d in loop.plan.decisions] == pytest.approx([-0.20768, -0.20512, -0.17952, -0.06928])
+    assert loop.plan.decisions[3].reason == "not faster: the slowest rank's best increment is +1.000 ms"
+    assert loop.events == [
+        f"calibrating {early} (12 steps; predicted -0.208 ms)", f"{early}: measured -2.000 ms -> accepted",
+        f"calibrating {ahead} (12 steps; predicted -0.205 ms)", f"{ahead}: measured -1.000 ms -> accepted",
+        f"calibrating {packed} (6 steps; predicted -0.180 ms)", f"{packed}: measured -4.000 ms -> accepted",
+        f"calibrating {merged} (6 steps; predicted -0.069 ms)", f"{merged}: measured +1.000 ms -> rejected"]
+    # the plan runs the accepted candidates, in their order, on the identity graph
+    expected = identity
+    for cid in (early, ahead, packed):
+        planner = loop.planner
+        (c,) = [c for c in planner.propose(identity)[0] if c.id == cid]
+        expected = planner.apply(expected, c)
+    assert loop.plan.graph == expected == loop.incumbent and loop.trial is None
+    assert loop.plan.priors == PRIORS.to_dict() and loop.plan.calibration_s >= 0.0
+    assert identity.provenance == [] and identity == _identity()  # the loop never modifies its graphs
+
+
+def test_a_plan_the_loop_made_is_saved_loaded_and_rebuilt(tmp_path):
+    loop = _calibrating_loop(_fixture("two_modules_2ranks"))
+    steps = _Steps()
+    while not loop.done:
+        loop.feedback(*steps(loop.next_graph()))
+    plan = loop.plan
+    assert [d.accepted for d in plan.decisions] == [False] * 4 + [True] * 4  # infeasible ones first
+    assert plan.calibration_steps == 6 + 12 + 12 + 6
+    plan.save(tmp_path / "plan.json")
+    loaded = ExecutionPlan.load(tmp_path / "plan.json")
+    assert loaded.to_dict() == json.loads(json.dumps(plan.to_dict()))
+    # rebuilt on this run's graph (other measured statistics: the same structure)
+    this_run = _fixture("two_modules_2ranks")
+    this_run.module(USER).ids_per_step[0]["a"] = 40.0
+    rebuilt = Planner(select_passes(ALL), None, calibrate=False).rebuild(loaded, this_run)
+    assert rebuilt.fingerprint() == plan.graph.fingerprint() and rebuilt.provenance == plan.graph.provenance
+    assert rebuilt.module(USER).ids_per_step[0]["a"] == 40.0  # this run's statistics, not the file's
+    assert rebuilt.modules[1] == plan.graph.modules[1]
+    text = plan.explain()
+    assert "infeasible aggregation:output@model.user_ebc" in text and text.count("ACCEPT") == 4
+    assert f"collectives per step: {len(plan.graph.collectives())}" in text
+
+
+@pytest.mark.parametrize("forge, match", [
+    (lambda plan: plan.decisions.append(Decision(f"latency_hiding:early_start@{ITEM}", "latency_hiding", ITEM,
+                                                 "early_start", True, [], None, None, None, True, "forged")),
+     rf"^the plan accepts latency_hiding:early_start@{ITEM}, which is not a feasible candidate of the selected "
+     r"optimizations on this run's graph \(or is accepted twice\)$"),
+    (lambda plan: plan.decisions.append(plan.accepted[0]), r"\(or is accepted twice\)$"),
+    (lambda plan: plan.graph.modules.reverse(),
+     rf"^the plan's graph is not what its accepted candidates give on this run's graph: it has modules "
+     rf"\['{ITEM}', '{USER}'\]; this run's graph has \['{USER}', '{ITEM}'\]$"),
+    (lambda plan: plan.decisions.remove(plan.accepted[-1]),
+     r"^the plan's graph is not what its accepted candidates give on this run's graph: it has the passes applied "
+     r"\[.*\]; they give \[.*\]$"),
+    (lambda plan: plan.graph.module(ITEM).groups[1].block_sizes.__setitem__(0, 5),
+     r"^the plan's graph is not what its accepted candidates give on this run's graph: its layouts or collectives "
+     r"differ$"),
+], ids=["infeasible-candidate", "accepted-twice", "modules", "provenance", "layouts"])
+def test_rebuild_refuses_a_plan_whose_graph_its_decisions_do_not_give(forge, match):
+    identity = _fixture("two_modules_2ranks")
+    fingerprint = PlanFingerprint(identity.fingerprint(), "sharding", 2, "gloo", {}, ALL)
+    loop = PlanningLoop(Planner(select_passes(ALL), PRIORS, calibrate=False), fingerprint, identity, None)
+    loop.propose()
+    assert loop.done and len(loop.plan.accepted) == 4
+    Planner(select_passes(ALL), None, calibrate=False).rebuild(loop.plan, _fixture("two_modules_2ranks"))  # as made
+    forge(loop.plan)
+    with pytest.raises(PlanFileError, match=match):
+        Planner(select_passes(ALL), None, calibrate=False).rebuild(loop.plan, _fixture("two_modules_2ranks"))
+
+
+def test_with_nothing_feasible_the_loop_is_done_at_once_on_the_identity():
+    graph = _fixture("table_wise_1rank")
+    loop = _calibrating_loop(graph)
+    assert loop.done and loop.progress is None and loop.trial is None and loop.events == []
+    assert loop.plan.graph == graph and loop.plan.calibration_steps == 0 and loop.plan.calibration_s == 0.0
+    assert [(d.feasible, d.accepted) for d in loop.plan.decisions] == [(False, False)] * 4
+
+
+def test_an_abandoned_loop_records_every_candidate_left_with_its_prediction():
+    loop = _calibrating_loop(_identity())
+    steps = _Steps()
+    for _ in range(12 + 5):  # early start decided, 5 steps into next batch
+        loop.feedback(*steps(loop.next_graph()))
+    assert loop.progress == (17, 36)
+    loop.abandon("the trainer stopped")
+    assert loop.done and loop.progress is None and loop.trial is None and loop.plan.calibration_steps == 17
+    assert [(d.candidate.split("@")[0], d.feasible, d.accepted, d.reason) for d in loop.plan.decisions] == [
+        ("latency_hiding:early_start", True, True, "faster: the slowest rank's best increment is -2.000 ms"),
+        ("latency_hiding:next_batch", True, False, "not calibrated: the trainer stopped"),
+        ("aggregation:input", True, False, "not calibrated: the trainer stopped"),
+        ("aggregation:output", True, False, "not calibrated: the trainer stopped")]
+    assert [d.predicted_ms for d in loop.plan.decisions[1:]] == pytest.approx([-0.20512, -0.17952, -0.06928])
+    assert loop.plan.graph is loop.incumbent and [p.split(":")[0] for p in loop.plan.graph.provenance] == [
+        "latency_hiding"]
+
+
+def test_a_saved_graph_with_other_modules_is_named_by_its_paths():
+    identity = _identity()
+    plan = _loop(ALL, calibrate=False).plan
+    plan.graph.modules[0].path = "../../../../etc/passwd"
+    with pytest.raises(PlanFileError, match=r"it has modules \['\.\./\.\./\.\./\.\./etc/passwd'\]; this run's graph has"):
+        Planner(select_passes(ALL), None, calibrate=False).rebuild(plan, identity)

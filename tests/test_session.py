@@ -1,0 +1,61 @@
+"""The compiler session is re-enterable: a planning round asked for after the first plan was
+installed calibrates again, on the following training steps, and installs its own plan."""
+
+from __future__ import annotations
+
+import lightning.pytorch as L
+import pytest
+import torch
+from torch import nn
+
+from helpers import tiny_data, tiny_model, trainer
+from lightning_sparselift import SparseLiftStrategy
+from lightning_sparselift.session import SparseLiftSession
+
+
+class PlanAgain(L.Callback):
+    """Asks for a second planning round right after the first plan is installed; saves, per rank,
+    every plan installed (the step after which it was) and the metrics at the end."""
+
+    def __init__(self, folder):
+        self.folder = folder
+        self.plans: list[tuple[int, object]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        plan = trainer.strategy.execution_plan
+        if plan is not None and (not self.plans or self.plans[-1][1] is not plan):
+            self.plans.append((batch_idx, plan))
+            if len(self.plans) == 1:
+                trainer.strategy.session.plan_again("the test asks for it")
+                with pytest.raises(RuntimeError, match="still in its plan phase"):
+                    trainer.strategy.session.plan_again("twice")
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save({"plans": [(step, plan.calibration_steps, len(plan.decisions)) for step, plan in self.plans],
+                    "executor": trainer.strategy.executor_in_use,
+                    "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
+                   self.folder / f"rank{trainer.global_rank}.pt")
+
+
+def test_planning_again_calibrates_and_installs_a_new_plan(tmp_path, data_cache):
+    dm = tiny_data(data_cache, num_train=1152)  # 18 steps: 3 captured, 6 calibrating, 6 calibrating again, 3
+    L.seed_everything(0)
+    strategy = SparseLiftStrategy(start_method="fork", optimizations=["aggregation"])
+    t = trainer(2, strategy, callbacks=[PlanAgain(tmp_path)], limit_val_batches=0)
+    t.fit(tiny_model(dm), dm)
+    for rank in range(2):
+        info = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert info["executor"] == "sparselift"
+        # aggregation: one feasible candidate (3 pairs), one infeasible; the second round proposes from
+        # the identity graph again
+        assert info["plans"] == [(8, 6, 2), (14, 6, 2)]
+        assert info["metrics"]["sparselift/calibration_steps"] == 6 and info["metrics"]["sparselift/plan_reused"] == 0
+
+
+def test_planning_again_needs_an_installed_plan():
+    session = SparseLiftSession(nn.Linear(1, 1), None, [], 1, None, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="still in its capture phase"):
+        session.plan_again("too early")
+    session.abandon("stopped")
+    with pytest.raises(RuntimeError, match="TorchRec's path is in use"):
+        session.plan_again("nothing lifted")
