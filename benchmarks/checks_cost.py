@@ -21,7 +21,8 @@ from pathlib import Path
 
 import lightning.pytorch as L
 
-from lightning_sparselift import CriteoDataModule, DLRMModule, SparseLiftStrategy, step_check
+from lightning_sparselift import CriteoDataModule, DLRMModule, SparseLiftStrategy
+from lightning_sparselift.lightning import step_check
 
 VARIANTS = {"all checks": (True, True), "no non-finite check": (True, False), "no checks": (False, False)}
 

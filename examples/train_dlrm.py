@@ -10,7 +10,7 @@ import argparse
 import lightning.pytorch as L
 
 from lightning_sparselift import CriteoDataModule, DLRMModule, SparseLiftStrategy
-from lightning_sparselift.callbacks import RunReport
+from lightning_sparselift.lightning.callbacks import RunReport
 
 
 def main() -> None:

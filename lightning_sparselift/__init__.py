@@ -4,7 +4,7 @@ recommendation models. Importing this package registers the strategy names ``spa
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_sparselift.strategy import SparseLiftStrategy
+from lightning_sparselift.lightning.strategy import SparseLiftStrategy
 
 SparseLiftStrategy.register_strategies(StrategyRegistry)
 

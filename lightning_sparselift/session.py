@@ -226,7 +226,7 @@ class SparseLiftSession:
     # ------------------------------------------------------------------ plan
     def _fingerprint(self, graph: SparseGraph) -> PlanFingerprint:
         import lightning_sparselift
-        from lightning_sparselift.checkpoint import plan_summary
+        from lightning_sparselift.lightning.checkpoint import plan_summary
 
         return PlanFingerprint(graph=graph.fingerprint(), sharding_plan=PlanFingerprint.hash(plan_summary(
             self.sharding_plan)), world_size=self.world, backend=graph.backend,

@@ -17,7 +17,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from helpers import local_state, tiny_data, tiny_model, trainer
 from lightning_sparselift import CriteoDataModule, RecBatch, SparseLiftStrategy
-from lightning_sparselift.step_check import NonFiniteError
+from lightning_sparselift.lightning.step_check import NonFiniteError
 from lightning_sparselift.validation import SparseInputError
 
 AT = 5  # after the 3 captured steps: the lifted executor runs (and has announced this batch a step ahead)

@@ -15,7 +15,7 @@ from lightning_sparselift import SparseLiftStrategy
 from lightning_sparselift.frontend.capture import SparseCapture
 from lightning_sparselift.cost.calibration import CalibrationProtocol, Calibrator
 from lightning_sparselift.frontend.lift import _next_batch_source
-from lightning_sparselift.lookahead import LookaheadLoader
+from lightning_sparselift.lightning.lookahead import LookaheadLoader
 
 
 def test_calibration_observes_the_step_after_each_settle_step():

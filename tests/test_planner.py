@@ -343,3 +343,29 @@ def test_a_saved_graph_with_other_modules_is_named_by_its_paths():
     plan.graph.modules[0].path = "../../../../etc/passwd"
     with pytest.raises(PlanFileError, match=r"it has modules \['\.\./\.\./\.\./\.\./etc/passwd'\]; this run's graph has"):
         Planner(select_passes(ALL), None, calibrate=False).rebuild(plan, identity)
+
+
+class _Exclusive(select_passes(["latency_hiding"])[0].__class__):
+    """Latency hiding where the next-batch schedule excludes an early start (a stand-in for two
+    candidates of which the first accepted makes the second infeasible)."""
+
+    def check(self, graph, module, role):
+        reasons, cost = super().check(graph, module, role)
+        if role == "next_batch" and module.schedule.lookup_at == "root_forward":
+            reasons = reasons + ["excluded by an early start"]
+        return reasons, cost
+
+
+@pytest.mark.parametrize("calibrate", [True, False])
+def test_a_candidate_that_an_accepted_one_made_infeasible_is_recorded_not_applied(calibrate):
+    identity = _identity()
+    fingerprint = PlanFingerprint(identity.fingerprint(), "sharding", 2, "gloo", {}, ["latency_hiding"])
+    loop = PlanningLoop(Planner([_Exclusive()], None, calibrate), fingerprint, identity, None)
+    loop.propose()
+    _run(loop, lambda graph, trial: 5.0 if trial else 10.0)
+    (early, ahead) = loop.plan.decisions
+    assert early.candidate.startswith("latency_hiding:early_start@") and early.accepted
+    assert ahead.candidate.startswith("latency_hiding:next_batch@") and not ahead.accepted and not ahead.feasible
+    assert "infeasible after the candidates accepted before it" in ahead.reason
+    assert "excluded by an early start" in ahead.reason
+    assert loop.plan.graph.module(identity.modules[0].path).schedule.input_issue == "root_forward"  # not a step ahead

@@ -14,7 +14,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 
 import lightning_sparselift
 from lightning_sparselift import SparseLiftStrategy
-from lightning_sparselift.launcher import DenseOnlyMultiProcessingLauncher
+from lightning_sparselift.lightning.launcher import DenseOnlyMultiProcessingLauncher
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from lightning_sparselift.cost.calibration import CalibrationProtocol
 from lightning_sparselift.cost.priors import Priors
-from lightning_sparselift.ir import CollectiveNode, InputExchange, LiftedModule, OutputExchange, SparseGraph, member_bytes
+from lightning_sparselift.ir import InputExchange, LiftedModule, OutputExchange, SparseGraph, member_bytes
 from lightning_sparselift.passes.base import Candidate, OptimizationPass
 
 _ROLES = {"input": ("input_splits", "input_lengths", "input_values", "input_weights", "input_payload"),

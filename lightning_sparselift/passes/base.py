@@ -19,6 +19,10 @@ from lightning_sparselift.cost.priors import Priors
 from lightning_sparselift.ir import LiftedModule, ScheduleError, SparseGraph, check_schedule
 
 
+class InfeasibleCandidate(ValueError):
+    """A candidate applied to a graph on which it is not feasible."""
+
+
 @dataclass
 class Candidate:
     """One change a pass proposes. ``feasible`` is False with ``reasons`` when a check fails."""
@@ -72,7 +76,7 @@ class OptimizationPass(ABC):
         reasons = self.check(graph, graph.module(candidate.module), candidate.role)[0] if candidate.feasible \
             else candidate.reasons
         if reasons:  # (also on this graph: a candidate proposed on another one may no longer apply)
-            raise ValueError(f"{candidate.id} is not feasible: {reasons}")
+            raise InfeasibleCandidate(f"{candidate.id} is not feasible: {reasons}")
         out = graph.copy()
         module = out.module(candidate.module)
         note = self.rewrite(out, module, candidate)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_sparselift.cost.calibration import Calibrator, Measurement
 from lightning_sparselift.cost.priors import Priors
-from lightning_sparselift.passes import Candidate, OptimizationPass
+from lightning_sparselift.passes import Candidate, InfeasibleCandidate, OptimizationPass
 from lightning_sparselift.plan.types import Decision, ExecutionPlan, PlanFileError, PlanFingerprint
 
 if TYPE_CHECKING:
@@ -143,8 +143,10 @@ class PlanningLoop:
         self.plan.decisions.extend(rejected)
         if not self.planner.calibrate:
             for candidate in feasible:
-                self.incumbent = self.planner.apply(self.incumbent, candidate)
-                self.plan.decisions.append(self.planner.decide(candidate, None))
+                applied = self._apply(candidate)
+                if applied is not None:
+                    self.incumbent = applied
+                    self.plan.decisions.append(self.planner.decide(candidate, None))
             feasible = []
         self._queue = feasible
         self.plan.planning_s += time.perf_counter() - start
@@ -188,11 +190,26 @@ class PlanningLoop:
             return
         candidate = self._queue[0]
         protocol = self.planner.passes[candidate.pass_name].protocol
-        self.trial = self.planner.apply(self.incumbent, candidate)
+        self.trial = self._apply(candidate)
+        if self.trial is None:
+            self._queue.pop(0)
+            self._next_candidate()
+            return
         self._calibrator = Calibrator(candidate.id, protocol)
         predicted = self.planner.predict_ms(candidate)
         self.events.append(f"calibrating {candidate.id} ({protocol.steps} steps; predicted "
                            f"{predicted:+.3f} ms)" if predicted is not None else f"calibrating {candidate.id}")
+
+    def _apply(self, candidate: Candidate) -> Optional[SparseGraph]:
+        """The incumbent with ``candidate`` applied; None, with the decision recorded, when the
+        candidates accepted since it was proposed made it infeasible."""
+        try:
+            return self.planner.apply(self.incumbent, candidate)
+        except InfeasibleCandidate as error:
+            self.plan.decisions.append(Decision(candidate.id, candidate.pass_name, candidate.module, candidate.role,
+                                                False, [str(error)], self.planner.predict_ms(candidate), None, None,
+                                                False, f"infeasible after the candidates accepted before it: {error}"))
+            return None
 
     def _decide(self) -> None:
         candidate = self._queue.pop(0)

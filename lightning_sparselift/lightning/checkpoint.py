@@ -58,7 +58,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from lightning_sparselift.state_json import StateEncoder, decode_state
+from lightning_sparselift.lightning.state_json import StateEncoder, decode_state
 
 META_FILE = "sparselift.meta.json"
 TENSORS_FILE = "sparselift.tensors.pt"
@@ -86,7 +86,7 @@ def _hyperparameters(optimizer: Any) -> list[dict[str, Any]]:
 
 def model_fingerprint(dmp: nn.Module, tables: dict[str, Any], sparse_prefixes: list[str]) -> dict[str, Any]:
     """What must match for a checkpoint to belong to this model: tables and dense shapes."""
-    from lightning_sparselift.launcher import dense_state_dict
+    from lightning_sparselift.lightning.launcher import dense_state_dict
 
     return {
         "tables": {name: [t.num_embeddings, t.embedding_dim] for name, t in sorted(tables.items())},

@@ -34,21 +34,20 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 from torch import Tensor
 
-from lightning_sparselift import checkpoint as ckpt
-from lightning_sparselift.launcher import DenseOnlyMultiProcessingLauncher
-from lightning_sparselift.lookahead import LookaheadLoader
+from lightning_sparselift.lightning import checkpoint as ckpt
+from lightning_sparselift.lightning.launcher import DenseOnlyMultiProcessingLauncher
+from lightning_sparselift.lightning.lookahead import LookaheadLoader
+from lightning_sparselift.lightning.report import report_events, report_round
 from lightning_sparselift.sharding import EmbeddingOptimizer, combine_optimizers, shard_model
-from lightning_sparselift.signals import SignalConnector
-from lightning_sparselift.step_check import NON_FINITE_POLICIES, StepCheck
+from lightning_sparselift.lightning.signals import SignalConnector
+from lightning_sparselift.lightning.step_check import NON_FINITE_POLICIES, StepCheck
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
-
     from lightning_sparselift.ir import SparseGraph
     from lightning_sparselift.plan import ExecutionPlan
     from lightning_sparselift.runtime import InstalledExecutor
@@ -291,7 +290,7 @@ class SparseLiftStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         # the trainer registers its signal handlers after setup, through this connector: a SIGTERM
-        # handler that starts no collective (see lightning_sparselift.signals)
+        # handler that starts no collective (see lightning_sparselift.lightning.signals)
         if not isinstance(trainer._signal_connector, SignalConnector):
             trainer._signal_connector = SignalConnector(trainer)
         if trainer.accumulate_grad_batches != 1:
@@ -423,52 +422,19 @@ class SparseLiftStrategy(ParallelStrategy):
         if self._session is None:
             return
         finished = self._session.end_step()
-        self._report_events()
+        report_events(self._session)
         module = self.lightning_module
         progress = self._session.calibration_progress
         if progress is not None:
             module.log("sparselift/calibration_step", float(progress[0]), prog_bar=True, rank_zero_only=True)
         if finished:
-            self._report_round(module)
-
-    def _report_events(self) -> None:
-        for event in self._session.events:
-            rank_zero_info(f"SparseLift: {event}")
-        self._session.events.clear()
-
-    def _report_round(self, module: pl.LightningModule) -> None:
-        """A round's result: the plan explained (rank zero), its decisions as ``sparselift/...``
-        metrics to the Lightning logger and, with a logger that has a ``log_dir``, the plan to
-        ``<log_dir>/sparselift_plan.json``."""
-        session = self._session
-        if session.installed is None:
-            rank_zero_warn(f"SparseLift could not lift the sparse path, continuing on TorchRec's "
-                           f"(executor='torchrec'): {session.fallback_reason}")
-            return
-        plan = session.plan
-        rank_zero_info("SparseLift " + plan.explain())
-        metrics = {"sparselift/lift_s": session.lift_seconds,
-                   "sparselift/collectives_per_step": float(len(plan.graph.collectives())),
-                   "sparselift/calibration_steps": float(plan.calibration_steps),
-                   "sparselift/calibration_s": plan.calibration_s,
-                   "sparselift/planning_s": plan.planning_s,
-                   "sparselift/plan_reused": float(session.plan_reused)}
-        for decision in plan.decisions:
-            key = f"sparselift/{decision.candidate.replace(':', '/').replace('@', '/')}"
-            metrics[f"{key}/accepted"] = float(decision.accepted)
-            if decision.measured_ms is not None:
-                metrics[f"{key}/measured_ms"] = decision.measured_ms
-        module.log_dict(metrics, rank_zero_only=True)
-        trainer = module.trainer
-        log_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
-        if log_dir and trainer.is_global_zero:
-            plan.save_as_cache(f"{log_dir}/sparselift_plan.json")
+            report_round(self._session, module)
 
     def _stop_session(self, why: str) -> None:
         """Training stopped: a session still running keeps what it has (see ``abandon``)."""
         if self._session is not None and not self._session.done:
             self._session.abandon(why)
-            self._report_events()
+            report_events(self._session)
 
     def _discard_started_work(self) -> None:
         """Complete and drop what the lifted executor started for a step that will not run (the

@@ -1,0 +1,48 @@
+"""What the strategy tells the user about its SparseLift session: events as they happen, and each
+planning round's result (the plan explained, its decisions as metrics, the plan file next to the
+logs)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_sparselift.session import SparseLiftSession
+
+
+def report_events(session: "SparseLiftSession") -> None:
+    for event in session.events:
+        rank_zero_info(f"SparseLift: {event}")
+    session.events.clear()
+
+
+def report_round(session: "SparseLiftSession", module: "pl.LightningModule") -> None:
+    """A round's result: the plan explained (rank zero), its decisions as ``sparselift/...``
+    metrics to the Lightning logger and, with a logger that has a ``log_dir``, the plan to
+    ``<log_dir>/sparselift_plan.json``. Called from a hook where Lightning allows logging."""
+    if session.installed is None:
+        rank_zero_warn(f"SparseLift could not lift the sparse path, continuing on TorchRec's "
+                       f"(executor='torchrec'): {session.fallback_reason}")
+        return
+    plan = session.plan
+    rank_zero_info("SparseLift " + plan.explain())
+    metrics = {"sparselift/lift_s": session.lift_seconds,
+               "sparselift/collectives_per_step": float(len(plan.graph.collectives())),
+               "sparselift/calibration_steps": float(plan.calibration_steps),
+               "sparselift/calibration_s": plan.calibration_s,
+               "sparselift/planning_s": plan.planning_s,
+               "sparselift/plan_reused": float(session.plan_reused)}
+    for decision in plan.decisions:
+        key = f"sparselift/{decision.candidate.replace(':', '/').replace('@', '/')}"
+        metrics[f"{key}/accepted"] = float(decision.accepted)
+        if decision.measured_ms is not None:
+            metrics[f"{key}/measured_ms"] = decision.measured_ms
+    module.log_dict(metrics, rank_zero_only=True)
+    trainer = module.trainer
+    log_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
+    if log_dir and trainer.is_global_zero:
+        plan.save_as_cache(f"{log_dir}/sparselift_plan.json")
