@@ -22,7 +22,6 @@ import copy
 import json
 import re
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
@@ -33,23 +32,12 @@ from lightning_sparselift.passes import Candidate
 from lightning_sparselift.passes.aggregation import CommunicationAggregation
 from lightning_sparselift.passes.latency_hiding import LatencyHiding
 
-FIXTURES = Path(__file__).parent / "fixtures" / "graphs"
+from graph_fixtures import COMPUTED_INPUT, EBC, FIXTURES, ITEM, NOT_IN_BATCH, NOTHING_TO_MERGE, USER, load
+
 NAMES = ["table_and_column_wise_2ranks", "table_wise_1rank", "row_wise_and_data_parallel_3ranks", "two_modules_2ranks"]
-EBC = "model.sparse_arch.embedding_bag_collection"
-USER, ITEM = "model.user_ebc", "model.item_ebc"
 AGG, LH = CommunicationAggregation(), LatencyHiding()
 MC, RF, PS = "module_call", "root_forward", "previous_step"
 MCB, LB, DDP = "module_call_backward", "lookup_backward", "ddp_backward"
-
-NOTHING_TO_MERGE = ("{} table/column-wise bucket(s): nothing to merge (row-wise reduce-scatters and data-parallel "
-                    "groups have no all-to-all)")
-COMPUTED_INPUT = ("the module's input was not among the root forward's arguments in the captured steps (the model "
-                  "computes it), so it cannot start before the model reaches the module")
-NOT_IN_BATCH = "the module's input was not found in the training step's batch on every rank (the model builds it)"
-
-
-def load(name: str) -> SparseGraph:
-    return SparseGraph.from_dict(json.loads((FIXTURES / f"{name}.json").read_text()))
 
 
 def candidate(graph: SparseGraph, cid: str) -> Candidate:

@@ -4,7 +4,6 @@ then per step the graph to run and its measurement, until every candidate is dec
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -14,12 +13,13 @@ from lightning_sparselift.ir import SparseGraph
 from lightning_sparselift.passes import select_passes
 from lightning_sparselift.plan import Decision, ExecutionPlan, PlanFileError, PlanFingerprint, Planner, PlanningLoop
 
+from graph_fixtures import COMPUTED_INPUT, EBC, ITEM, NOT_IN_BATCH, NOTHING_TO_MERGE, USER, load
+
 ALL = ["aggregation", "latency_hiding"]
-FIXTURE = Path(__file__).parent / "fixtures" / "graphs" / "table_and_column_wise_2ranks.json"
 
 
 def _identity() -> SparseGraph:
-    return SparseGraph.from_dict(json.loads(FIXTURE.read_text()))
+    return load("table_and_column_wise_2ranks")
 
 
 def _loop(optimizations: list[str], calibrate: bool = True) -> PlanningLoop:
@@ -100,19 +100,9 @@ def test_a_saved_graph_with_other_passes_is_named_by_its_provenance():
 # on the other fixtures too, with hand-made priors and measurements (see test_passes.py for the
 # fixtures and their candidates' cost inputs)
 
-EBC = "model.sparse_arch.embedding_bag_collection"
-USER, ITEM = "model.user_ebc", "model.item_ebc"
 # 0.05 ms + 10 ns/byte per all-to-all; copies at 100 MB/s (copy_ms(n) = 2n / 1e5)
 PRIORS = Priors(AlphaBeta("all_to_all_single", "world[2]", 0.05, 1e-5, [(256, 0.05256)]), LookupModel(1e5), 0.25)
-NOTHING_TO_MERGE = ("1 table/column-wise bucket(s): nothing to merge (row-wise reduce-scatters and data-parallel "
-                    "groups have no all-to-all)")
-COMPUTED_INPUT = ("the module's input was not among the root forward's arguments in the captured steps (the model "
-                  "computes it), so it cannot start before the model reaches the module")
-NOT_IN_BATCH = "the module's input was not found in the training step's batch on every rank (the model builds it)"
 
-
-def _fixture(name: str) -> SparseGraph:
-    return SparseGraph.from_dict(json.loads((FIXTURE.parent / f"{name}.json").read_text()))
 
 
 def _proposed(planner: Planner, graph: SparseGraph) -> list[tuple[str, float]]:
@@ -120,7 +110,7 @@ def _proposed(planner: Planner, graph: SparseGraph) -> list[tuple[str, float]]:
 
 
 def test_propose_orders_the_feasible_candidates_by_predicted_gain():
-    two = _fixture("two_modules_2ranks")
+    two = load("two_modules_2ranks")
     expected = [
         (f"aggregation:input@{ITEM}", pytest.approx(-4 * 0.05 + 2 * (2 * 232) / 1e5)),  # 4 collectives fewer
         (f"latency_hiding:early_start@{USER}", pytest.approx(-(2 * 0.05 + 256 * 1e-5))),
@@ -146,30 +136,30 @@ def test_propose_orders_the_feasible_candidates_by_predicted_gain():
 
 
 def test_infeasible_candidates_are_rejected_with_their_reasons():
-    feasible, rejected = Planner(select_passes(ALL), PRIORS, True).propose(_fixture("two_modules_2ranks"))
+    feasible, rejected = Planner(select_passes(ALL), PRIORS, True).propose(load("two_modules_2ranks"))
     assert rejected == [
-        Decision(f"aggregation:output@{USER}", "aggregation", USER, "output", False, [NOTHING_TO_MERGE], None, None,
-                 None, False, "infeasible: " + NOTHING_TO_MERGE),
-        Decision(f"aggregation:output@{ITEM}", "aggregation", ITEM, "output", False, [NOTHING_TO_MERGE], None, None,
-                 None, False, "infeasible: " + NOTHING_TO_MERGE),
+        Decision(f"aggregation:output@{USER}", "aggregation", USER, "output", False, [NOTHING_TO_MERGE.format(1)], None, None,
+                 None, False, "infeasible: " + NOTHING_TO_MERGE.format(1)),
+        Decision(f"aggregation:output@{ITEM}", "aggregation", ITEM, "output", False, [NOTHING_TO_MERGE.format(1)], None, None,
+                 None, False, "infeasible: " + NOTHING_TO_MERGE.format(1)),
         Decision(f"latency_hiding:early_start@{ITEM}", "latency_hiding", ITEM, "early_start", False, [COMPUTED_INPUT],
                  None, None, None, False, "infeasible: " + COMPUTED_INPUT),
         Decision(f"latency_hiding:next_batch@{ITEM}", "latency_hiding", ITEM, "next_batch", False, [NOT_IN_BATCH],
                  None, None, None, False, "infeasible: " + NOT_IN_BATCH)]
     # one rank: nothing feasible, every candidate rejected with its reason
-    feasible, rejected = Planner(select_passes(ALL), PRIORS, True).propose(_fixture("table_wise_1rank"))
+    feasible, rejected = Planner(select_passes(ALL), PRIORS, True).propose(load("table_wise_1rank"))
     assert feasible == [] and [d.reason for d in rejected] == ["infeasible: one rank: nothing is exchanged"] * 2 + [
         "infeasible: one rank: no all-to-all to hide"] * 2
     # a role that was not selected is neither tried nor rejected
     feasible, rejected = Planner(select_passes(["latency_hiding:early_start"]), PRIORS, True).propose(
-        _fixture("two_modules_2ranks"))
+        load("two_modules_2ranks"))
     assert [c.id for c in feasible] == [f"latency_hiding:early_start@{USER}"]
     assert [d.candidate for d in rejected] == [f"latency_hiding:early_start@{ITEM}"]
 
 
 def test_decide_accepts_a_candidate_only_when_the_slowest_rank_measured_it_faster():
     planner = Planner(select_passes(ALL), PRIORS, True)
-    (c,) = [c for c in planner.propose(_fixture("two_modules_2ranks"))[0] if c.id == f"aggregation:input@{ITEM}"]
+    (c,) = [c for c in planner.propose(load("two_modules_2ranks"))[0] if c.id == f"aggregation:input@{ITEM}"]
     predicted = planner.predict_ms(c)
     assert predicted == pytest.approx(-0.19072)
     # rank 0's best pair -0.4, rank 1's -0.3: the step is as fast as its slowest rank
@@ -261,7 +251,7 @@ def test_the_loop_decides_each_candidate_from_its_protocol_steps_on_top_of_the_i
 
 
 def test_a_plan_the_loop_made_is_saved_loaded_and_rebuilt(tmp_path):
-    loop = _calibrating_loop(_fixture("two_modules_2ranks"))
+    loop = _calibrating_loop(load("two_modules_2ranks"))
     steps = _Steps()
     while not loop.done:
         loop.feedback(*steps(loop.next_graph()))
@@ -272,7 +262,7 @@ def test_a_plan_the_loop_made_is_saved_loaded_and_rebuilt(tmp_path):
     loaded = ExecutionPlan.load(tmp_path / "plan.json")
     assert loaded.to_dict() == json.loads(json.dumps(plan.to_dict()))
     # rebuilt on this run's graph (other measured statistics: the same structure)
-    this_run = _fixture("two_modules_2ranks")
+    this_run = load("two_modules_2ranks")
     this_run.module(USER).ids_per_step[0]["a"] = 40.0
     rebuilt = Planner(select_passes(ALL), None, calibrate=False).rebuild(loaded, this_run)
     assert rebuilt.fingerprint() == plan.graph.fingerprint() and rebuilt.provenance == plan.graph.provenance
@@ -300,19 +290,19 @@ def test_a_plan_the_loop_made_is_saved_loaded_and_rebuilt(tmp_path):
      r"differ$"),
 ], ids=["infeasible-candidate", "accepted-twice", "modules", "provenance", "layouts"])
 def test_rebuild_refuses_a_plan_whose_graph_its_decisions_do_not_give(forge, match):
-    identity = _fixture("two_modules_2ranks")
+    identity = load("two_modules_2ranks")
     fingerprint = PlanFingerprint(identity.fingerprint(), "sharding", 2, "gloo", {}, ALL)
     loop = PlanningLoop(Planner(select_passes(ALL), PRIORS, calibrate=False), fingerprint, identity, None)
     loop.propose()
     assert loop.done and len(loop.plan.accepted) == 4
-    Planner(select_passes(ALL), None, calibrate=False).rebuild(loop.plan, _fixture("two_modules_2ranks"))  # as made
+    Planner(select_passes(ALL), None, calibrate=False).rebuild(loop.plan, load("two_modules_2ranks"))  # as made
     forge(loop.plan)
     with pytest.raises(PlanFileError, match=match):
-        Planner(select_passes(ALL), None, calibrate=False).rebuild(loop.plan, _fixture("two_modules_2ranks"))
+        Planner(select_passes(ALL), None, calibrate=False).rebuild(loop.plan, load("two_modules_2ranks"))
 
 
 def test_with_nothing_feasible_the_loop_is_done_at_once_on_the_identity():
-    graph = _fixture("table_wise_1rank")
+    graph = load("table_wise_1rank")
     loop = _calibrating_loop(graph)
     assert loop.done and loop.progress is None and loop.trial is None and loop.events == []
     assert loop.plan.graph == graph and loop.plan.calibration_steps == 0 and loop.plan.calibration_s == 0.0
