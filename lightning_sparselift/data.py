@@ -1,5 +1,6 @@
 """Criteo-like recommendation data: a synthetic generator with a planted signal, a reader for the
-npy files that ``torchrec.datasets.criteo`` writes, and a LightningDataModule over both.
+npy files that ``torchrec.datasets.criteo`` writes (and, through :mod:`lightning_sparselift.criteo`,
+for raw Criteo TSV files converted by it), and a LightningDataModule over them.
 
 Batches are assembled by slicing memory-mapped arrays (one dataset item is one whole batch), so
 loading is a handful of ``np`` slices per step and never part of the measured model execution.
@@ -14,7 +15,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import numpy as np
@@ -23,6 +24,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
+
+from lightning_sparselift.criteo import convert_tsv_files, split_rows
 
 # Criteo Kaggle (Display Advertising Challenge) cardinalities of the 26 categorical features.
 CRITEO_KAGGLE_CARDINALITIES: tuple[int, ...] = (
@@ -347,33 +350,112 @@ def load_or_generate(spec: SyntheticSpec, cache_dir: Path) -> tuple[RecArrays, n
     return arrays, load["probability"]
 
 
+class OneHotRecArrays:
+    """One id per feature, row-major as ``torchrec.datasets.criteo`` writes it: dense [N, 13],
+    ids [N, F], labels [N] (or [N, 1]). A batch transposes only its own rows, so memory-mapped
+    files are never loaded whole. With ``id_modulus`` the ids are taken modulo the table sizes
+    the way TorchRec's ``InMemoryBinaryCriteoIterDataPipe(hashes=...)`` does (``sparse % hashes``).
+    """
+
+    def __init__(self, dense: np.ndarray, sparse: np.ndarray, labels: np.ndarray, feature_names: Sequence[str],
+                 id_modulus: Optional[Sequence[int]] = None):
+        labels = labels.reshape(-1)
+        n = dense.shape[0]
+        if sparse.ndim != 2 or sparse.shape != (n, len(feature_names)) or labels.shape[0] != n:
+            raise ValueError(f"inconsistent Criteo npy shapes: dense {dense.shape}, sparse {sparse.shape}, "
+                             f"labels {labels.shape}; expected sparse (N, {len(feature_names)})")
+        if id_modulus is not None and len(id_modulus) != len(feature_names):
+            raise ValueError(f"{len(id_modulus)} table sizes for {len(feature_names)} features")
+        self.dense, self.sparse, self.labels = dense, sparse, labels
+        self.feature_names = list(feature_names)
+        self.id_modulus = None if id_modulus is None else np.asarray(id_modulus, dtype=np.int64).reshape(1, -1)
+
+    def __len__(self) -> int:
+        return int(self.dense.shape[0])
+
+    def batch(self, start: int, end: int) -> RecBatch:
+        ids = np.array(self.sparse[start:end], dtype=np.int64)  # a copy, never a view of the file
+        if self.id_modulus is not None:
+            ids %= self.id_modulus
+        values = torch.from_numpy(np.ascontiguousarray(ids.T).reshape(-1))
+        lengths = torch.ones(values.numel(), dtype=torch.int32)
+        return RecBatch(
+            dense=torch.from_numpy(np.array(self.dense[start:end], dtype=np.float32)),
+            sparse=KeyedJaggedTensor.from_lengths_sync(keys=self.feature_names, values=values, lengths=lengths),
+            labels=torch.from_numpy(np.array(self.labels[start:end], dtype=np.float32)),
+            weights=torch.ones(end - start, dtype=torch.float32),
+        )
+
+
+class ConcatRecArrays:
+    """Several column stores read as one (e.g. consecutive day files): a batch that crosses a
+    boundary is the concatenation of the parts' batches, as TorchRec's in-memory Criteo reader
+    fills a batch across files."""
+
+    def __init__(self, parts: Sequence[Any]):
+        self.parts = [p for p in parts if len(p) > 0]
+        if not self.parts:
+            raise ValueError("no rows in any part")
+        self.feature_names = list(self.parts[0].feature_names)
+        self.bounds = np.cumsum([0] + [len(p) for p in self.parts])
+
+    def __len__(self) -> int:
+        return int(self.bounds[-1])
+
+    def batch(self, start: int, end: int) -> RecBatch:
+        pieces = []
+        for part, lo, hi in zip(self.parts, self.bounds[:-1], self.bounds[1:]):
+            s, e = max(start, int(lo)), min(end, int(hi))
+            if s < e:
+                pieces.append(part.batch(s - int(lo), e - int(lo)))
+        return pieces[0] if len(pieces) == 1 else _cat_batches(pieces)
+
+
+def _cat_batches(batches: Sequence[RecBatch]) -> RecBatch:
+    keys = batches[0].sparse.keys()
+    values, lengths = [], []
+    for key in keys:
+        for b in batches:
+            jt = b.sparse[key]
+            values.append(jt.values())
+            lengths.append(jt.lengths())
+    return RecBatch(
+        dense=torch.cat([b.dense for b in batches]),
+        sparse=KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths)),
+        labels=torch.cat([b.labels for b in batches]),
+        weights=torch.cat([b.weights for b in batches]),
+    )
+
+
 def read_criteo_npy(prefix: str | Path, num_embeddings_per_feature: Sequence[int],
-                    feature_names: Sequence[str] = FEATURE_NAMES) -> RecArrays:
+                    feature_names: Sequence[str] = FEATURE_NAMES,
+                    rows: Optional[tuple[int, int]] = None) -> OneHotRecArrays:
     """Read the ``<prefix>_dense.npy`` / ``_sparse.npy`` / ``_labels.npy`` triple that
     ``torchrec.datasets.criteo.BinaryCriteoUtils`` writes (dense already log-transformed,
-    one id per feature). Ids are taken modulo the table sizes, as TorchRec's reader does."""
+    one id per feature), memory-mapped. Ids are taken modulo the table sizes, as TorchRec's
+    reader does. ``rows=(start, end)`` reads only those rows (TorchRec's ``load_npy_range``)."""
     prefix = str(prefix)
     paths = {k: Path(f"{prefix}_{k}.npy") for k in ("dense", "sparse", "labels")}
     missing = [str(p) for p in paths.values() if not p.exists()]
     if missing:
         raise FileNotFoundError(f"Criteo npy files not found: {missing}")
-    dense = np.load(paths["dense"], mmap_mode="r")
-    sparse = np.load(paths["sparse"], mmap_mode="r")
-    labels = np.load(paths["labels"], mmap_mode="r").reshape(-1)
-    n = dense.shape[0]
-    if sparse.shape != (n, len(feature_names)) or labels.shape[0] != n:
-        raise ValueError(f"inconsistent Criteo npy shapes: dense {dense.shape}, sparse {sparse.shape}, "
-                         f"labels {labels.shape}; expected sparse (N, {len(feature_names)})")
     if len(num_embeddings_per_feature) != len(feature_names):
         raise ValueError(f"{len(num_embeddings_per_feature)} table sizes for {len(feature_names)} features")
-    # One id per (feature, sample): feature-major values are the transposed id matrix.
-    values = np.ascontiguousarray(np.asarray(sparse).T).reshape(-1)
-    lengths = np.ones((len(feature_names), n), dtype=np.int32)
-    return RecArrays(dense, labels, lengths, values, feature_names, id_modulus=num_embeddings_per_feature)
+    if rows is None:
+        arrays = {k: np.load(p, mmap_mode="r") for k, p in paths.items()}
+    else:
+        from torchrec.datasets.criteo import BinaryCriteoUtils
+
+        start, end = rows
+        arrays = {k: BinaryCriteoUtils.load_npy_range(str(p), start, end - start, mmap_mode=True)
+                  for k, p in paths.items()}
+    return OneHotRecArrays(arrays["dense"], arrays["sparse"], arrays["labels"], feature_names,
+                           id_modulus=num_embeddings_per_feature)
 
 
 class CriteoDataModule(pl.LightningDataModule):
-    """Criteo-shaped data for DLRM training: synthetic (default) or TorchRec's npy format.
+    """Criteo-shaped data for DLRM training: synthetic (default), TorchRec's npy format or raw
+    Criteo TSV files.
 
     Args:
         batch_size: samples per rank per step.
@@ -390,6 +472,13 @@ class CriteoDataModule(pl.LightningDataModule):
         seed: determines the whole dataset.
         criteo_npy_dir: a folder with ``day_*`` / ``train`` / ``val`` / ``test`` npy triples written
             by ``torchrec.datasets.criteo``; when set, synthetic generation is skipped.
+        criteo_tsv: raw Criteo TSV files (Kaggle ``train.txt``, Terabyte ``day_N``), converted once
+            by TorchRec's ``BinaryCriteoUtils.tsv_to_npys`` into ``<cache_dir>/criteo_tsv/`` (keyed by
+            path, size and mtime) and read like ``criteo_npy_dir``. A list of files in day order:
+            train on all but the last, validate on the first half of the last, test on its second
+            half (TorchRec's Terabyte split); one file: its last 1/7 of rows held out and halved
+            (val, test). Or ``{"train": [...], "val": [...], "test": [...]}``. See
+            :mod:`lightning_sparselift.criteo`.
         cache_dir: where generated data is stored (default ``$SPARSELIFT_CACHE`` or
             ``~/.cache/lightning_sparselift``).
     """
@@ -411,9 +500,13 @@ class CriteoDataModule(pl.LightningDataModule):
         criteo_npy_dir: Optional[str] = None,
         cache_dir: Optional[str] = None,
         num_workers: int = 0,
+        criteo_tsv: Optional[Union[str, list[str], dict[str, Union[str, list[str]]]]] = None,
     ):
         super().__init__()
         self.save_hyperparameters()
+        if criteo_tsv is not None and criteo_npy_dir is not None:
+            raise ValueError("set criteo_npy_dir or criteo_tsv, not both")
+        self._tsv = None if criteo_tsv is None else _tsv_layout(criteo_tsv)
         if rows_per_feature is not None:
             sizes = [int(x) for x in rows_per_feature]
         else:
@@ -426,12 +519,15 @@ class CriteoDataModule(pl.LightningDataModule):
             pooling = [1.0] * len(sizes)
         if len(pooling) != len(sizes):
             raise ValueError(f"{len(pooling)} pooling factors for {len(sizes)} tables")
+        if self._tsv is not None and (len(sizes) != len(FEATURE_NAMES) or any(p != 1.0 for p in pooling)):
+            raise ValueError(f"Criteo TSV files hold one id for each of {len(FEATURE_NAMES)} features: criteo_tsv "
+                             f"needs {len(FEATURE_NAMES)} table sizes (got {len(sizes)}) and no multi-hot pooling")
         self.table_sizes = sizes
         self.pooling_factors = pooling
         self.feature_names = list(FEATURE_NAMES[: len(sizes)]) if len(sizes) <= len(FEATURE_NAMES) \
             else [f"cat_{i}" for i in range(len(sizes))]
         self.num_dense = NUM_DENSE
-        self._splits: dict[str, RecArrays] = {}
+        self._splits: dict[str, Any] = {}
         self._probability: dict[str, np.ndarray] = {}
 
     @property
@@ -451,15 +547,51 @@ class CriteoDataModule(pl.LightningDataModule):
             feature_names=tuple(self.feature_names),
         )
 
+    @property
+    def _real_data(self) -> bool:
+        return self.hparams.criteo_npy_dir is not None or self._tsv is not None
+
     def prepare_data(self) -> None:
-        if self.hparams.criteo_npy_dir is None:
+        if self._tsv is not None:
+            files = self._tsv[1] if self._tsv[0] == "days" else [f for fs in self._tsv[1].values() for f in fs]
+            convert_tsv_files(list(dict.fromkeys(files)), self.cache_dir)  # once; cached afterwards
+        elif self.hparams.criteo_npy_dir is None:
             for split in ("train", "val", "test"):
                 load_or_generate(self._spec(split), self.cache_dir)
 
-    def split(self, name: str) -> RecArrays:
+    def _tsv_split(self, name: str) -> Any:
+        """Split ``name`` of the TSV files: converted (or found in the cache), then memory-mapped."""
+        mode, files = self._tsv
+        if mode == "splits":
+            if name not in files:
+                raise ValueError(f"criteo_tsv names no files for split {name!r} (it has {sorted(files)})")
+            converted = convert_tsv_files(files[name], self.cache_dir)
+            parts = [(c, 0, c.rows) for c in converted]
+        else:
+            if len(files) == 1:
+                (only,) = convert_tsv_files(files, self.cache_dir)
+                train_end, val_end = split_rows(only.rows)
+                bounds = {"train": (0, train_end), "val": (train_end, val_end), "test": (val_end, only.rows)}
+                parts = [(only, *bounds[name])]
+            elif name == "train":
+                parts = [(c, 0, c.rows) for c in convert_tsv_files(files[:-1], self.cache_dir)]
+            else:
+                (last,) = convert_tsv_files(files[-1:], self.cache_dir)
+                half = math.ceil(last.rows / 2)  # TorchRec: val is the first half of the last day (rounded up)
+                parts = [(last, 0, half) if name == "val" else (last, half, last.rows)]
+        arrays = [read_criteo_npy(c.prefix, self.table_sizes, self.feature_names, rows=(s, e))
+                  for c, s, e in parts if e > s]
+        if not arrays:
+            raise ValueError(f"the {name} split of criteo_tsv has no rows "
+                             f"({', '.join(f'{c.source}: {c.rows} rows' for c, _, _ in parts)})")
+        return arrays[0] if len(arrays) == 1 else ConcatRecArrays(arrays)
+
+    def split(self, name: str) -> RecArrays | OneHotRecArrays | ConcatRecArrays:
         """The column store of split ``train`` / ``val`` / ``test`` (loaded on first use)."""
         if name not in self._splits:
-            if self.hparams.criteo_npy_dir is not None:
+            if self._tsv is not None:
+                self._splits[name] = self._tsv_split(name)
+            elif self.hparams.criteo_npy_dir is not None:
                 self._splits[name] = read_criteo_npy(Path(self.hparams.criteo_npy_dir) / name,
                                                      self.table_sizes, self.feature_names)
             else:
@@ -472,7 +604,7 @@ class CriteoDataModule(pl.LightningDataModule):
         """ROC-AUC of the generator's true click probability on ``split``: no model can beat it."""
         from torchmetrics.functional.classification import binary_auroc
 
-        if self.hparams.criteo_npy_dir is not None:
+        if self._real_data:
             raise ValueError("the Bayes-optimal AUC is only known for synthetic data")
         labels = torch.from_numpy(np.array(self.split(split).labels)).long()
         return float(binary_auroc(torch.from_numpy(np.array(self._probability[split])), labels))
@@ -508,4 +640,23 @@ class CriteoDataModule(pl.LightningDataModule):
 
 def _identity(x):
     return x
+
+
+def _tsv_layout(spec: Any) -> tuple[str, Any]:
+    """``("days", [files])`` or ``("splits", {split: [files]})`` from the ``criteo_tsv`` option."""
+    if isinstance(spec, (str, os.PathLike)):
+        return "days", [str(spec)]
+    if isinstance(spec, dict):
+        unknown = set(spec) - {"train", "val", "test"}
+        if unknown or not spec:
+            raise ValueError(f"criteo_tsv splits must be among train/val/test, got {sorted(map(str, spec))}")
+        out = {k: [str(v)] if isinstance(v, (str, os.PathLike)) else [str(f) for f in v] for k, v in spec.items()}
+        empty = [k for k, v in out.items() if not v]
+        if empty:
+            raise ValueError(f"criteo_tsv split(s) {empty} list no files")
+        return "splits", out
+    files = [str(f) for f in spec]
+    if not files:
+        raise ValueError("criteo_tsv lists no files")
+    return "days", files
 
