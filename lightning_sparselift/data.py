@@ -39,7 +39,7 @@ DLRMV2_POOLING_FACTORS: tuple[int, ...] = (
 NUM_DENSE = 13
 FEATURE_NAMES: tuple[str, ...] = tuple(f"cat_{i}" for i in range(len(CRITEO_KAGGLE_CARDINALITIES)))
 
-_FORMAT_VERSION = 2
+_FORMAT_VERSION = 3  # 3: the planted dense weights come from model_seed (shared by the splits)
 
 
 def table_sizes(cardinalities: Sequence[int], max_rows: Optional[int]) -> list[int]:
@@ -256,7 +256,8 @@ class SyntheticSpec:
     zipf_exponent: float = 1.05
     signal_strength: float = 1.0
     base_rate_logit: float = -1.2
-    seed: int = 0
+    seed: int = 0  # the samples
+    model_seed: int = 0  # the planted model's dense weights (the id effects are fixed hashes)
     num_dense: int = NUM_DENSE
     feature_names: tuple[str, ...] = field(default=FEATURE_NAMES)
 
@@ -309,7 +310,7 @@ def generate_synthetic(spec: SyntheticSpec) -> dict[str, np.ndarray]:
     n, num_features = spec.num_samples, len(spec.num_embeddings_per_feature)
     dense = rng.lognormal(mean=0.0, sigma=1.0, size=(n, spec.num_dense)).astype(np.float32)
     dense = np.log1p(dense)  # the usual Criteo preprocessing: log(1 + x)
-    w = rng.standard_normal(spec.num_dense)
+    w = np.random.default_rng(spec.model_seed).standard_normal(spec.num_dense)
     standardized = (dense - dense.mean(axis=0)) / (dense.std(axis=0) + 1e-6)
     z = standardized @ w
     lengths = np.empty((num_features, n), dtype=np.int32)
@@ -537,13 +538,13 @@ class CriteoDataModule(pl.LightningDataModule):
 
     def _spec(self, split: str) -> SyntheticSpec:
         size = {"train": self.hparams.num_train, "val": self.hparams.num_val, "test": self.hparams.num_test}[split]
-        # The same planted model for every split (same hash effects and dense weights come from
-        # `seed`); the samples differ through a per-split seed offset.
+        # The same planted model for every split (the id effects are fixed hashes, the dense
+        # weights come from `seed`); the samples differ through a per-split seed offset.
         return SyntheticSpec(
             num_samples=int(size), num_embeddings_per_feature=tuple(self.table_sizes),
             pooling_factors=tuple(self.pooling_factors), length_distribution=self.hparams.length_distribution,
             zipf_exponent=self.hparams.zipf_exponent, signal_strength=self.hparams.signal_strength,
-            seed=self.hparams.seed * 1000 + {"train": 0, "val": 1, "test": 2}[split],
+            seed=self.hparams.seed * 1000 + {"train": 0, "val": 1, "test": 2}[split], model_seed=self.hparams.seed,
             feature_names=tuple(self.feature_names),
         )
 

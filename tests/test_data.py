@@ -39,6 +39,24 @@ def test_generation_is_deterministic_and_cached(tmp_path):
     assert (a["lengths"][1] == 0).any(), "poisson lengths should give empty bags"
 
 
+def _planted_dense_weights(split: dict) -> np.ndarray:
+    """The dense weights behind a split's labels, solved from its true probabilities (no ids)."""
+    logit = np.log(split["probability"] / (1 - split["probability"])).astype(np.float64)
+    dense = split["dense"].astype(np.float64)
+    standardized = (dense - dense.mean(axis=0)) / (dense.std(axis=0) + 1e-6)
+    design = np.hstack([standardized, np.ones((len(logit), 1))])
+    return np.linalg.lstsq(design, logit, rcond=None)[0][:-1]
+
+
+def test_every_split_of_a_datamodule_has_the_same_planted_model(data_cache):
+    dm = CriteoDataModule(batch_size=64, num_train=512, num_val=512, num_test=64, cache_dir=str(data_cache), seed=3)
+    specs = {split: SyntheticSpec(**{**dm._spec(split).__dict__, "pooling_factors": (0.0,) * 26}) for split in
+             ("train", "val")}  # no ids: the labels follow the dense part alone
+    train, val = (generate_synthetic(spec) for spec in specs.values())
+    assert not np.array_equal(train["dense"], val["dense"])
+    np.testing.assert_allclose(_planted_dense_weights(train), _planted_dense_weights(val), rtol=1e-3, atol=1e-3)
+
+
 def test_multi_hot_pooling_factors(data_cache):
     dm = CriteoDataModule(batch_size=64, num_train=256, num_val=64, num_test=64, multi_hot=True,
                           cache_dir=str(data_cache))
