@@ -3,6 +3,8 @@
     sparselift fit --config configs/dlrm_synthetic.yaml
     sparselift validate --config configs/tiny.yaml --ckpt_path path/to/checkpoint.ckpt
     sparselift bench --scenario dlrm --world-size 2 --json out.json
+    sparselift plan explain PLAN.json
+    sparselift plan diff A.json B.json
 """
 
 from __future__ import annotations
@@ -25,15 +27,23 @@ class SparseLiftCLI(LightningCLI):
         parser.link_arguments("data.num_dense", "model.dense_in_features", apply_on="instantiate")
 
 
-def main(args: Optional[list[str]] = None) -> None:
-    args = list(args if args is not None else sys.argv[1:])
-    if args[:1] == ["bench"]:
+def main(args: Optional[list[str]] = None) -> Optional[int]:
+    """The ``sparselift`` command; returns the exit status of ``sparselift plan`` (the console
+    script exits with it)."""
+    argv = list(args if args is not None else sys.argv[1:])
+    if argv[:1] == ["bench"]:
         from lightning_sparselift.bench.cli import main as bench
 
-        return bench(args[1:])
+        return bench(argv[1:])
+    if argv[:1] == ["plan"]:
+        from lightning_sparselift.plan.cli import main as plan
+
+        return plan(argv[1:])
+    # From the command line (args None) LightningCLI reads sys.argv itself: handing it sys.argv[1:]
+    # as ``args`` too makes it warn that both were given.
     SparseLiftCLI(DLRMModule, CriteoDataModule, args=args,
                   save_config_kwargs={"overwrite": True})
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

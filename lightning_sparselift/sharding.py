@@ -132,19 +132,22 @@ def build_sharding_plan(model: nn.Module, sharder: Any, world_size: int, device_
     whole plan is constructed: requested types as given, other tables table-wise on the least
     loaded rank (by rows x dim).
     """
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
     from torchrec.distributed.sharding_plan import (
         column_wise, construct_module_sharding_plan, data_parallel, row_wise, table_wise,
     )
     from torchrec.distributed.types import ShardingPlan
+
+    from lightning_sparselift.torchrec_parts import DenseAndInputReservation, planner_topology
 
     tables = describe_tables(model)
     constructed = device_type == "cpu" and any(k in _CONSTRUCTED_ON_CPU for k in sharding_types.values())
     if not constructed:
         constraints = {t: ParameterConstraints(sharding_types=[k]) for t, k in sharding_types.items()}
         planner = EmbeddingShardingPlanner(
-            topology=Topology(world_size=world_size, compute_device=device_type),
+            topology=planner_topology(world_size, device_type),
             batch_size=batch_size, constraints=constraints, debug=False,
+            storage_reservation=DenseAndInputReservation(),
         )
         if process_group is not None and world_size > 1:
             return planner.collective_plan(model, [sharder], process_group)
@@ -191,6 +194,8 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
 
+    from lightning_sparselift.torchrec_parts import DenseDataParallelWrapper
+
     ebcs = find_embedding_bag_collections(module)
     if not ebcs:
         raise ValueError(f"SparseLiftStrategy found no torchrec EmbeddingBagCollection in {type(module).__name__}; "
@@ -201,7 +206,7 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
     sharder = EmbeddingBagCollectionSharder()
     plan = build_sharding_plan(module, sharder, world_size, device.type, checked, process_group)
     dmp = DistributedModelParallel(module, env=ShardingEnv.from_process_group(process_group), device=device,
-                                   plan=plan, sharders=[sharder])
+                                   plan=plan, sharders=[sharder], data_parallel_wrapper=DenseDataParallelWrapper())
     if input_check_group is not None:
         from lightning_sparselift.validation import install_input_checks
 

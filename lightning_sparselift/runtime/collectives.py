@@ -80,7 +80,9 @@ class PooledReduceScatter(torch.autograd.Function):
     def forward(ctx: Any, local: Tensor, group: Any, clock: RegionClock) -> Tensor:
         world = dist.get_world_size(group)
         out = local.new_empty((local.size(0) // world, local.size(1)))
-        dist.reduce_scatter_tensor(out, local, group=group)
+        # reduce_scatter_single is what torch 2.13's deprecated reduce_scatter_tensor forwards
+        # to (same backend call, gloo and NCCL): same result, no FutureWarning.
+        dist.reduce_scatter_single(out, local, group=group)
         ctx.group, ctx.world, ctx.shape, ctx.clock = group, world, local.shape, clock
         return out
 
@@ -88,5 +90,6 @@ class PooledReduceScatter(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
         with ctx.clock.region():
             full = grad.new_empty(ctx.shape)
-            dist.all_gather_into_tensor(full, grad.contiguous(), group=ctx.group)
+            # all_gather_single: what the deprecated all_gather_into_tensor forwards to
+            dist.all_gather_single(full, grad.contiguous(), group=ctx.group)
             return full.div_(ctx.world), None, None
