@@ -19,13 +19,25 @@ does it from its hooks, the benchmark's bare loop around its steps.
    makes the measured region faster on the slowest rank;
 4. install: the round's plan runs from then on and is saved to ``plan_path`` (a failed write
    warns: the file is a cache). :meth:`~SparseLiftSession.plan_again` starts another round from
-   the lifted (identity) graph, calibrated and installed the same way.
+   the lifted (identity) graph, calibrated and installed the same way;
+5. verify (``verify_steps``): a calibrated plan that differs from the identity plan is measured
+   against it on a window of interleaved real training steps
+   (:class:`~lightning_sparselift.plan.verification.SteadyStateCheck`); slower beyond noise, the
+   identity plan is installed instead (rolled back, with the numbers logged);
+6. steady state: every ``drift_check_every`` steps the ranks compare the workload of the lifted
+   modules' calls with the statistics the plan was decided on
+   (:class:`~lightning_sparselift.plan.verification.DriftWatch`); when it moved beyond
+   ``drift_ratio`` (e.g. bags longer than ``drift_ratio`` x the planned p99, another batch size)
+   the session plans again from the live statistics, at most once per
+   ``min_steps_between_replans`` steps. A reused plan file is checked against this run's captured
+   statistics the same way before it is installed.
 
 Every decision is the same on every rank: inputs are all-gathered, measurements reduced.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Any, ContextManager, Optional
 
@@ -33,34 +45,50 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_sparselift.cost.decision import DecisionRule
 from lightning_sparselift.frontend.capture import SparseCapture, gather_captures
 from lightning_sparselift.frontend.check import check_against_runtime
 from lightning_sparselift.frontend.lift import LiftError, dense_parameter_bytes, lift
 from lightning_sparselift.plan.planner import Planner, PlanningLoop
 from lightning_sparselift.plan.types import ExecutionPlan, PlanFileError, PlanFingerprint
+from lightning_sparselift.plan.verification import (
+    DriftEvent, DriftWatch, PlanVerification, SteadyStateCheck, check_steady_options, drift_findings,
+    finding_statistics, settle_steps_for, workload_of,
+)
 from lightning_sparselift.runtime import InstalledExecutor, install
 
 if TYPE_CHECKING:
     from lightning_sparselift.ir import SparseGraph
 
 
+DRIFT_CHECK_EVERY = 10  # steps between two drift checks (one small all-gather each)
+
+
 class SparseLiftSession:
     """Phases: ``capture`` (TorchRec's path, captured), ``plan`` (a planning round calibrates on
-    the lifted executor), ``done`` (a plan installed, or TorchRec's path kept)."""
+    the lifted executor), ``verify`` (the installed plan is measured against the identity plan),
+    ``done`` (a plan installed, or TorchRec's path kept; the drift watch runs in ``verify`` and
+    ``done``)."""
 
     def __init__(self, model: nn.Module, sharding_plan: Any, module_paths: list[str], warmup_batches: int,
                  group: Any, device: torch.device, optimizations: Optional[list[str]] = None, calibrate: bool = True,
-                 plan_path: Optional[str] = None) -> None:
+                 plan_path: Optional[str] = None, decision_rule: DecisionRule = DecisionRule(),
+                 verify_steps: int = 40, replan_on_drift: bool = True, drift_ratio: float = 5.0,
+                 min_steps_between_replans: int = 500, drift_check_every: int = DRIFT_CHECK_EVERY,
+                 check_group: Any = None) -> None:
+        """``check_group``: a process group for the drift checks and the verification's exchange
+        (default ``group``): a group of their own does not wait behind exchanges left in flight."""
         from lightning_sparselift.passes import select_passes
 
         if warmup_batches < 1:
             raise ValueError("the lifted executor needs warmup_batches >= 1: TorchRec builds its dists on the first "
                              "forward, and the lift is checked against them")
+        check_steady_options(verify_steps, drift_ratio, min_steps_between_replans, drift_check_every)
         self.model, self.sharding_plan, self.paths = model, sharding_plan, module_paths
         self.warmup_batches, self.group, self.device = warmup_batches, group, device
         self.passes = select_passes(optimizations or [])
         self.optimizations = sorted(optimizations or [])
-        self.calibrate, self.plan_path = calibrate, plan_path
+        self.calibrate, self.plan_path, self.decision_rule = calibrate, plan_path, decision_rule
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.capture: Optional[SparseCapture] = SparseCapture(model, module_paths, self.rank, self.world)
@@ -76,6 +104,27 @@ class SparseLiftSession:
         self._capture_step: Optional[ContextManager[None]] = None  # the captured step in progress
         self._in_step = False
         self._step_start = 0.0
+        # steady state: verification and drift
+        self.verify_steps, self.replan_on_drift, self.drift_ratio = int(verify_steps), bool(replan_on_drift), \
+            float(drift_ratio)
+        self.min_steps_between_replans, self.drift_check_every = int(min_steps_between_replans), int(drift_check_every)
+        self.check_group = check_group if check_group is not None else group
+        self.steps = 0  # training steps ended since the session began
+        self.started = time.perf_counter()
+        self.overhead_s = 0.0  # lift, planning, calibration and verification time of the phases finished
+        self.verification: Optional[PlanVerification] = None  # the installed plan's last steady-state check
+        self.verifications: list[PlanVerification] = []  # every steady-state check, in order
+        self.drift_events: list[DriftEvent] = []
+        self.trigger: Optional[DriftEvent] = None  # why the installed plan's round ran (None: the first one)
+        self.rollbacks = 0
+        self.metrics: dict[str, float] = {}  # logger metrics not reported yet (the caller takes them)
+        self.warnings: list[str] = []  # warnings not reported yet
+        self.watch: Optional[DriftWatch] = None
+        self._check: Optional[SteadyStateCheck] = None  # the steady-state check in progress
+        self._verify_start = 0.0
+        self._round_started = 0  # self.steps when the last planning round began
+        self._drift_noted: Optional[str] = None  # the deferred / ignored drift already reported
+        self._decided_on: Optional[SparseGraph] = None  # a reused plan file's graph (its statistics)
 
     @property
     def done(self) -> bool:
@@ -104,14 +153,20 @@ class SparseLiftSession:
             self.installed.use(self.loop.next_graph())
             self.installed.clock.take()
             self._step_start = time.perf_counter()
+        elif self.phase == "verify":
+            self.installed.use(self.plan.graph if self._check.next_uses_plan() else self.identity)
+            self._step_start = time.perf_counter()
 
     def end_step(self) -> bool:
         """After the step begun last (its forward, backward and optimizer step ran): record it and
         advance. True when this step finished a round: the plan is installed, or TorchRec's path
-        kept (see :attr:`fallback_reason`)."""
+        kept (see :attr:`fallback_reason`). What the steady state brings later (a steady-state
+        check's result, a rollback, drift) comes through :attr:`events`, :attr:`warnings` and
+        :attr:`metrics`."""
         if not self._in_step:
             return False
         self._in_step = False
+        self.steps += 1
         if self.phase == "capture":
             self._leave_capture_step()
             if self.capture.steps < self.warmup_batches:
@@ -120,20 +175,29 @@ class SparseLiftSession:
             self._lift_and_install()
             self.capture = None  # (kept while lifting: if the lift raises, abandon() keeps TorchRec's path)
             self.lift_seconds = time.perf_counter() - start
+            self.overhead_s += self.lift_seconds
             if self.installed is None:
                 self.phase = "done"
                 return True
-            self._plan(reuse_saved=True)
-        elif self.phase == "plan":
+            return self._plan(reuse_saved=True)
+        if self.phase == "plan":
             step_ms = (time.perf_counter() - self._step_start) * 1e3
             sparse_ms = self.installed.clock.take()
             self.installed.use(self.loop.incumbent)
             self.loop.feedback(step_ms, sparse_ms)
             if self.loop.done:
                 self._finish()
-        else:
+                return True
             return False
-        return self.phase == "done"
+        if self.installed is None:
+            return False
+        if self.phase == "verify":
+            step_ms = (time.perf_counter() - self._step_start) * 1e3
+            self.installed.use(self.plan.graph)
+            self._check.record(step_ms)
+            if self._check.done:
+                self._conclude_verification()
+        return self._watch_step()
 
     def _drop_step(self) -> None:
         """Close a step begun but never ended: it did not train (Lightning skips the batch when
@@ -146,17 +210,22 @@ class SparseLiftSession:
             self._leave_capture_step()
         elif self.phase == "plan":
             self.installed.use(self.loop.incumbent)
+        elif self.phase == "verify":
+            self.installed.use(self.plan.graph)
 
     def _leave_capture_step(self) -> None:
         step, self._capture_step = self._capture_step, None
         step.__exit__(None, None, None)
 
     # ------------------------------------------------------------------ rounds
-    def plan_again(self, reason: str) -> None:
+    def plan_again(self, reason: str, trigger: Optional[DriftEvent] = None) -> None:
         """Start a new planning round from the lifted (identity) graph: the next steps calibrate
         the candidates on top of it as the first round did, and its plan is installed (and saved
         to ``plan_path``, which is not read: the round exists to measure again). Call it between
-        steps, on every rank at the same step (the priors are measured with collectives)."""
+        steps, on every rank at the same step (the priors are measured with collectives). A
+        steady-state check in progress is stopped (not judged)."""
+        if self.phase == "verify" and not self._in_step:
+            self._stop_verification(f"planning again ({reason})")
         if self.phase != "done":
             raise RuntimeError(f"SparseLift cannot plan again ({reason}): the session is still in its {self.phase} "
                                f"phase")
@@ -167,7 +236,37 @@ class SparseLiftSession:
             raise RuntimeError(f"SparseLift cannot plan again ({reason}) during a training step")
         self.events.append(f"planning again: {reason}")
         self.plan_reused = False
+        self.trigger = trigger
         self._plan(reuse_saved=False)
+
+    def explain(self) -> str:
+        """The installed plan explained, then what happened to it in steady state: its steady-state
+        checks, rollbacks, workload drift and re-planning, and what the compiler cost so far."""
+        if self.plan is None:
+            return f"SparseLift session in its {self.phase} phase" + (
+                f"; TorchRec's path kept: {self.fallback_reason}" if self.fallback_reason else "")
+        lines = [self.plan.explain()]
+        if self.trigger is not None:
+            lines.append(f"planned because of the workload drift at step {self.trigger.step} ({self.trigger.action})"
+                         if self.trigger in self.drift_events else f"planned because of {self.trigger.describe()}")
+        lines += [f"verification {i + 1}: {v.describe()}" for i, v in enumerate(self.verifications)]
+        lines += [f"drift: {e.describe()}" for e in self.drift_events]
+        lines.append(f"compiler time so far: {self.overhead_s:.2f} s ({self.calibration_fraction:.2%} of "
+                     f"{time.perf_counter() - self.started:.1f} s, {self.steps} training steps); "
+                     f"{self.rollbacks} rollback(s), {self.replans} re-plan(s) on drift")
+        return "\n".join(lines)
+
+    @property
+    def replans(self) -> int:
+        """Planning rounds started because the workload drifted."""
+        return sum(e.action.startswith("re-planned") for e in self.drift_events)
+
+    @property
+    def calibration_fraction(self) -> float:
+        """Lift, planning, calibration and steady-state verification time as a fraction of the time
+        since the session began (the phases finished so far)."""
+        elapsed = time.perf_counter() - self.started
+        return self.overhead_s / elapsed if elapsed > 0 else 0.0
 
     def abandon(self, why: str) -> None:
         """Training stopped before the session finished: keep TorchRec's path (still capturing) or
@@ -184,6 +283,8 @@ class SparseLiftSession:
             self.plan = loop.plan
             self.installed.use(loop.plan.graph)
             self.events.append(f"calibration incomplete ({why}); the plan so far stays installed and is not saved")
+        elif self.phase == "verify":
+            self._stop_verification(why)
         self.phase = "done"
 
     # ------------------------------------------------------------------ lift
@@ -220,6 +321,7 @@ class SparseLiftSession:
                                f"plan with the same input features.")
         self.identity = graph
         self.installed = install(graph, self.model, self.group, self.device)
+        self.installed.observe(self._observe)
         self.events.append(f"lifted {len(graph.modules)} sparse module(s) after {self.warmup_batches} captured "
                            f"step(s); lifted executor installed ({len(graph.collectives())} collectives per step)")
 
@@ -238,14 +340,19 @@ class SparseLiftSession:
         rebuilt from ``identity`` (this run's lift): the file's own graph is only compared, never run."""
         from pathlib import Path
 
+        findings: list = []
         try:
             if not self.plan_path or not Path(self.plan_path).exists():
                 status: Any = "missing"
             else:
                 plan = ExecutionPlan.load(self.plan_path)
                 plan.check(fingerprint)
+                decided_on = plan.graph  # the file's graph: the statistics the plan was decided on
                 plan.graph = Planner(self.passes, None, calibrate=False).rebuild(plan, identity)
                 status = plan.graph.fingerprint()
+                findings = drift_findings(workload_of(decided_on), workload_of(identity), self.drift_ratio)
+                if findings:
+                    status = "drift: " + "; ".join(f.text for f in findings)
         except PlanFileError as error:
             status = f"error: {error}"
         except Exception as error:  # still only a cache miss, and every rank must reach the all-gather below
@@ -253,35 +360,54 @@ class SparseLiftSession:
         statuses = self._all_gather(status)
         if all(s == "missing" for s in statuses):
             return None
+        if len(set(statuses)) == 1 and statuses[0].startswith("drift: "):
+            event = DriftEvent(self.steps, statuses[0][len("drift: "):].split("; "),
+                               finding_statistics(findings), f"the plan at {self.plan_path} is not reused")
+            self.drift_events.append(event)
+            self.trigger = event
+            self.events.append(f"not reusing the plan at {self.plan_path}: it was decided on other workload "
+                               f"statistics than this run's captured ones ({statuses[0][len('drift: '):]}); "
+                               f"planning again")
+            return None
         if len(set(statuses)) == 1 and not statuses[0].startswith("error: "):
+            self._decided_on = decided_on
             return plan
         reasons = sorted({s for s in statuses if s.startswith("error: ") or s == "missing"})
+        if any(s.startswith("drift: ") for s in statuses):
+            reasons.append("workload drift on some ranks: " + "; ".join(sorted({s[len("drift: "):] for s in statuses
+                                                                               if s.startswith("drift: ")})))
         self.events.append(f"not reusing the plan at {self.plan_path} ({'; '.join(reasons) or 'ranks read different plans'}); "
                            f"planning again")
         return None
 
-    def _plan(self, reuse_saved: bool) -> None:
+    def _plan(self, reuse_saved: bool) -> bool:
+        """Start a planning round (or install the saved plan); True when a plan was installed."""
         from lightning_sparselift.cost.priors import measure_priors
 
         start = time.perf_counter()
+        self.watch = None
+        self._round_started = self.steps
         fingerprint = self._fingerprint(self.identity)
         saved = self._saved_plan(fingerprint, self.identity) if reuse_saved else None
         if saved is not None:
             self.plan = saved
             self.plan_reused = True
             self.installed.use(saved.graph)
-            self.phase = "done"
             self.events.append(f"reusing the plan at {self.plan_path} (no calibration): "
                                f"{len(saved.accepted)} optimization(s), {len(saved.graph.collectives())} collectives "
                                f"per step")
-            return
+            self.overhead_s += time.perf_counter() - start
+            self._steady(saved, self._decided_on)
+            return True
         priors = measure_priors(self.group, self.device) if self.passes and self.calibrate else None
-        self.loop = PlanningLoop(Planner(self.passes, priors, self.calibrate), fingerprint, self.identity, self.group,
+        self.loop = PlanningLoop(Planner(self.passes, priors, self.calibrate, self.decision_rule), fingerprint, self.identity, self.group,
                                  self.events)
         self.phase = "plan"
         self.loop.propose(since=start)
         if self.loop.done:
             self._finish()
+            return True
+        return False
 
     def _finish(self) -> None:
         loop, self.loop = self.loop, None
@@ -296,3 +422,147 @@ class SparseLiftSession:
         self.events.append(f"plan installed: {len(plan.accepted)} of {len(plan.decisions)} candidate(s) accepted, "
                            f"{len(plan.graph.collectives())} collectives per step; calibration "
                            f"{plan.calibration_steps} steps / {plan.calibration_s:.2f} s" + saved)
+        self.overhead_s += plan.planning_s + plan.calibration_s
+        self._steady(plan, self.identity)
+
+    # ------------------------------------------------------------------ steady state
+    def _steady(self, plan: ExecutionPlan, decided_on: SparseGraph) -> None:
+        """``plan`` was installed, decided on ``decided_on``'s statistics: watch for drift from
+        them and, when it is calibrated and not the identity plan, verify it."""
+        plan.trigger = self.trigger
+        self.verification = None
+        self.watch = DriftWatch(decided_on, self.rank, self.world, self.drift_check_every, self.drift_ratio)
+        self._drift_noted = None
+        self.metrics["sparselift/calibration_fraction"] = self.calibration_fraction
+        if not (self.verify_steps and self.calibrate) or plan.graph.fingerprint() == self.identity.fingerprint():
+            self.phase = "done"
+            return
+        self._check = SteadyStateCheck(self.verify_steps, settle_steps_for(plan.graph))
+        self._verify_start = time.perf_counter()
+        self.phase = "verify"
+        self.events.append(f"verifying the plan against the identity plan on {self._check.steps} interleaved training "
+                           f"steps ({self._check.measured_pairs} measured pairs, settle "
+                           f"{self._check.settle_steps})")
+
+    def _stop_verification(self, why: str) -> None:
+        check, self._check = self._check, None
+        self.overhead_s += time.perf_counter() - self._verify_start
+        self.verification = PlanVerification(check.recorded, check.settle_steps, 0, 0,
+                                             self.decision_rule.confidence, self._predicted(self.plan),
+                                             self._calibrated(self.plan), None, None, None, None, "incomplete",
+                                             False, note=f"stopped: {why}")
+        self.verifications.append(self.verification)
+        self.plan.verification = self.verification
+        self.events.append(f"steady-state check stopped after {check.recorded} of {check.steps} steps ({why}); the "
+                           f"plan stays installed")
+        self.phase = "done"
+
+    @staticmethod
+    def _predicted(plan: ExecutionPlan) -> Optional[float]:
+        accepted = plan.accepted
+        return sum(d.predicted_ms for d in accepted) if accepted and all(
+            d.predicted_ms is not None for d in accepted) else None
+
+    @staticmethod
+    def _calibrated(plan: ExecutionPlan) -> Optional[float]:
+        accepted = plan.accepted
+        return sum(d.measured_ms for d in accepted) if accepted and all(
+            d.measured_ms is not None for d in accepted) else None
+
+    def _conclude_verification(self) -> None:
+        """The window ran: judge the pairs (the same on every rank), keep or roll back."""
+        from statistics import median
+
+        from lightning_sparselift.cost.calibration import judge_pairs
+
+        check, self._check = self._check, None
+        measurement = judge_pairs(check.pairs(), self.check_group, self.decision_rule.confidence, 1)
+        e = measurement.estimate
+        slowest = [[max(rank[i][0] for rank in measurement.observations_ms),
+                    max(rank[i][1] for rank in measurement.observations_ms)]
+                   for i in range(len(measurement.observations_ms[0]))]
+        plan = self.plan
+        finite = e.increment_ms == e.increment_ms  # not NaN
+        verification = PlanVerification(
+            check.steps, check.settle_steps, e.pairs, e.outliers, self.decision_rule.confidence,
+            self._predicted(plan), self._calibrated(plan), e.increment_ms if finite else None,
+            list(e.interval_ms), e.noise_ms, median(t0 for t0, _ in slowest) if slowest else None, e.verdict,
+            e.verdict == "slower", slowest)
+        self.verification = verification
+        self.verifications.append(verification)
+        plan.verification = verification
+        self.phase = "done"
+        summary = verification.describe()
+        if verification.rolled_back:
+            self.rollbacks += 1
+            why = (f"rolled back by the steady-state check: the plan's step was {e.increment_ms:+.3f} ms "
+                   f"[{e.interval_ms[0]:+.3f}, {e.interval_ms[1]:+.3f}] vs the identity plan")
+            rolled = dataclasses.replace(plan, graph=self.identity, decisions=[
+                dataclasses.replace(d, accepted=False, reason=f"{why} (calibration: {d.reason})") if d.accepted else d
+                for d in plan.decisions])
+            self.plan = rolled
+            self.installed.use(self.identity)
+            self.warnings.append(f"SparseLift rolled back to the identity plan: the installed plan "
+                                 f"({', '.join(d.candidate for d in plan.accepted)}) was slower than the identity "
+                                 f"plan in steady state: {summary}")
+        self.events.append(summary)
+        if self.plan_path and self.rank == 0:
+            self.plan.save_as_cache(self.plan_path)
+        self.overhead_s += time.perf_counter() - self._verify_start
+        m = self.metrics
+        for key, value in (("predicted_ms", verification.predicted_ms), ("calibrated_ms", verification.calibrated_ms),
+                           ("measured_ms", verification.measured_ms), ("noise_ms", verification.noise_ms),
+                           ("identity_step_ms", verification.identity_step_ms)):
+            if value is not None:
+                m[f"sparselift/verify/{key}"] = float(value)
+        low, high = verification.interval_ms or [None, None]
+        if low is not None and abs(low) != float("inf"):
+            m["sparselift/verify/low_ms"], m["sparselift/verify/high_ms"] = float(low), float(high)
+        m["sparselift/verify/pairs"] = float(verification.pairs)
+        m["sparselift/verify/verdict"] = {"faster": -1.0, "undecided": 0.0, "slower": 1.0}[e.verdict]
+        m["sparselift/verify/rolled_back"] = float(verification.rolled_back)
+        m["sparselift/calibration_fraction"] = self.calibration_fraction
+
+    def _observe(self, path: str, features: Any) -> None:
+        if self.watch is not None and self.phase in ("verify", "done"):
+            self.watch.observe(path, features)
+
+    def _watch_step(self) -> bool:
+        """A steady-state step ended: every ``drift_check_every`` steps, compare the workload with
+        what the plan was decided on (a collective: every rank checks at the same step). True when
+        drift made a new plan installed at once (a round without calibration)."""
+        watch = self.watch
+        if watch is None or not watch.end_step():
+            return False
+        findings, _live = watch.check(self.check_group, self.device)
+        self.metrics["sparselift/calibration_fraction"] = self.calibration_fraction
+        if not findings:
+            return False
+        texts = [f.text for f in findings]
+        statistics = finding_statistics(findings)
+        key = "; ".join(texts)
+        if not self.replan_on_drift:
+            if self._drift_noted is None:
+                self._drift_noted = key
+                event = DriftEvent(self.steps, texts, statistics, "not re-planned (replan_on_drift=False)")
+                self.drift_events.append(event)
+                self.warnings.append(f"SparseLift: {event.describe()}")
+            return False
+        allowed_at = self._round_started + self.min_steps_between_replans
+        if self.steps < allowed_at:
+            if self._drift_noted is None:
+                self._drift_noted = key
+                event = DriftEvent(self.steps, texts, statistics, f"re-planning deferred to step {allowed_at} "
+                                                                  f"(min_steps_between_replans)")
+                self.drift_events.append(event)
+                self.events.append(event.describe())
+            return False
+        event = DriftEvent(self.steps, texts, statistics, "re-planned on the live statistics")
+        self.drift_events.append(event)
+        self.metrics["sparselift/drift/replans"] = float(self.replans)
+        self.metrics["sparselift/drift/step"] = float(self.steps)
+        self.metrics.update({f"sparselift/drift/{k}": v for k, v in statistics.items()})
+        live = watch.live_graph(self.identity, self.check_group)
+        self.identity = live
+        self.plan_again(event.describe(), trigger=event)
+        return self.loop is None

@@ -33,9 +33,9 @@ def test_all_systems_side_by_side(tmp_path, data_cache):
             assert set(r[key]) == {"median", "p25", "p75"}
             assert r[key]["p25"] <= r[key]["median"] <= r[key]["p75"]
         assert len(r["step_times_ms"]) == 2 * 2
-        # SparseLift's capture and calibration stay in the (extended) untimed warmup
+        # SparseLift's capture, calibration and steady-state check stay in the (extended) untimed warmup
         if name != "sparselift-lightning":
-            assert len(r["warmup_ms"]) == 1 + r.get("calibration_steps", 0)
+            assert len(r["warmup_ms"]) == 1 + r.get("calibration_steps", 0) + r.get("verification_steps", 0)
         assert set(r["stages_ms"]) >= {"sparse_forward", "other_forward", "sparse_backward", "other_backward", "other"}
         assert r["collectives_per_step"]["count"] > 0
         assert r["top_ops"] and all(o["self_cpu_ms"] >= 0 and o["calls"] > 0 for o in r["top_ops"])

@@ -14,23 +14,35 @@ from helpers import tiny_data, tiny_model, trainer
 from lightning_sparselift import SparseLiftStrategy
 from lightning_sparselift.frontend.capture import SparseCapture
 from lightning_sparselift.cost.calibration import CalibrationProtocol, Calibrator
+from lightning_sparselift.cost.decision import DecisionRule
 from lightning_sparselift.frontend.lift import _next_batch_source
 from lightning_sparselift.lightning.lookahead import LookaheadLoader
 
 
-def test_calibration_observes_the_step_after_each_settle_step():
-    calibrator = Calibrator("c", CalibrationProtocol(warmup_pairs=1, measured_pairs=2, settle_steps=1))
+def test_calibration_observes_the_step_after_each_settle_step_and_extends_to_the_next_look():
+    calibrator = Calibrator(CalibrationProtocol(warmup_pairs=1, measured_pairs=2, settle_steps=1),
+                            DecisionRule(max_pairs=5))
+    assert calibrator.looks == [3, 5]  # a t interval needs 3 pairs; then every second pair up to the budget
     plans, f = [], 0.0
-    while not calibrator.done:
-        uses = calibrator.next_uses_candidate()
-        plans.append(uses)
-        f += 1.0
-        calibrator.record(f * (10.0 if uses else 1.0))  # distinct values show which steps were kept
-    assert calibrator.protocol.steps == len(plans) == 12
-    assert plans == [False, False, True, True] * 3
-    assert calibrator.next_uses_candidate() is None
-    # observed: steps 2, 4 (warmup pair), then 6 / 8 and 10 / 12 -> T1 - T0 of each measured pair
-    assert calibrator.increments() == [80.0 - 6.0, 120.0 - 10.0]
+
+    def run() -> None:
+        nonlocal f
+        while not calibrator.done:
+            uses = calibrator.next_uses_candidate()
+            plans.append(uses)
+            f += 1.0
+            calibrator.record(f * (10.0 if uses else 1.0))  # distinct values show which steps were kept
+
+    run()
+    assert calibrator.protocol.steps_for(3) == len(plans) == calibrator.planned == 16
+    assert plans == [False, False, True, True] * 4
+    assert calibrator.next_uses_candidate() is None and calibrator.can_extend
+    # observed: steps 2, 4 (warmup pair), then 6 / 8, 10 / 12, 14 / 16: [T0, T1] of each measured pair
+    assert calibrator.pairs() == [[6.0, 80.0], [10.0, 120.0], [14.0, 160.0]]
+    calibrator.extend()
+    run()
+    assert len(plans) == 24 and not calibrator.can_extend
+    assert calibrator.pairs()[3:] == [[18.0, 200.0], [22.0, 240.0]]
 
 
 def test_lookahead_loader_yields_the_same_batches_and_knows_the_next():

@@ -258,11 +258,13 @@ def test_ranks_with_different_graphs_raise_instead_of_hanging(data_cache, monkey
 
 
 def _fit_with_plan(tmp_path, data_cache, plan_path, run):
-    dm = tiny_data(data_cache, num_train=2816)  # 44 steps: 3 captured, 36 calibrating, 5 on the plan
+    dm = tiny_data(data_cache, num_train=3584)  # 56 steps: 3 captured, 48 calibrating, 5 on the plan
     L.seed_everything(0)
     folder = tmp_path / run
     folder.mkdir()
-    t = trainer(2, SparseLiftStrategy(start_method="fork", sharding_types=MIXED, plan_path=str(plan_path)),
+    # a budget of 3 measured pairs: every candidate decided (or rejected undecided) at its first look
+    t = trainer(2, SparseLiftStrategy(start_method="fork", sharding_types=MIXED, plan_path=str(plan_path),
+                                      calibration_max_pairs=3),
                 callbacks=[SaveExecutor(folder)], limit_val_batches=0)
     t.fit(tiny_model(dm), dm)
     return torch.load(folder / "executor0.pt", weights_only=False)["metrics"]
@@ -275,16 +277,17 @@ def test_saved_plan_is_reused_and_a_mismatching_plan_is_rejected(tmp_path, data_
 
     plan_path = tmp_path / "plan.json"
     first = _fit_with_plan(tmp_path, data_cache, plan_path, "first")
-    # aggregation: 1 warmup + 2 measured pairs per candidate; latency hiding: the same, each observed
+    # aggregation: 1 warmup + 3 measured pairs per candidate; latency hiding: the same, each observed
     # step after a settle step on the same plan (the next-batch schedule acts across two steps)
-    assert first["sparselift/plan_reused"] == 0 and first["sparselift/calibration_steps"] == 6 + 6 + 12 + 12
+    assert first["sparselift/plan_reused"] == 0 and first["sparselift/calibration_steps"] == 8 + 8 + 16 + 16
     plan = ExecutionPlan.load(plan_path)
     assert json.loads(plan_path.read_text())["schema"] == "sparselift-plan/2"
     assert {d.candidate.split("@")[0] for d in plan.decisions} == {"aggregation:input", "aggregation:output",
                                                                     "latency_hiding:early_start",
                                                                     "latency_hiding:next_batch"}
-    assert all(d.measured_ms is not None and len(d.observations_ms) == 2 for d in plan.decisions)
-    assert plan.decisions[0].accepted == (plan.decisions[0].measured_ms < 0)
+    assert all(d.measured_ms is not None and len(d.observations_ms) == 2 and d.pairs + d.outliers == 3
+               for d in plan.decisions)
+    assert all(d.accepted == (d.interval_ms[1] < 0) for d in plan.decisions)
 
     second = _fit_with_plan(tmp_path, data_cache, plan_path, "second")
     assert second["sparselift/plan_reused"] == 1
@@ -297,7 +300,7 @@ def test_saved_plan_is_reused_and_a_mismatching_plan_is_rejected(tmp_path, data_
     with pytest.raises(Exception, match="sharding_plan: plan has 'made-elsewhere'"):
         ExecutionPlan.load(plan_path).check(plan.fingerprint)
     third = _fit_with_plan(tmp_path, data_cache, plan_path, "third")
-    assert third["sparselift/plan_reused"] == 0 and third["sparselift/calibration_steps"] == 36
+    assert third["sparselift/plan_reused"] == 0 and third["sparselift/calibration_steps"] == 48
     assert ExecutionPlan.load(plan_path).fingerprint == plan.fingerprint  # planned again and saved
 
 

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from lightning_sparselift.cost.calibration import Measurement
+from lightning_sparselift.cost.decision import paired_estimate
 from lightning_sparselift.cost.priors import AlphaBeta, LookupModel, Priors
 from lightning_sparselift.ir import SparseGraph
 from lightning_sparselift.passes import select_passes
@@ -16,6 +17,7 @@ from lightning_sparselift.plan import Decision, ExecutionPlan, PlanFileError, Pl
 from graph_fixtures import COMPUTED_INPUT, EBC, ITEM, NOT_IN_BATCH, NOTHING_TO_MERGE, USER, load
 
 ALL = ["aggregation", "latency_hiding"]
+FAST = "faster: -2.000 ms, 95% interval [-2.000, -2.000] over 3 pairs (noise 0.000 ms)"
 
 
 def _identity() -> SparseGraph:
@@ -43,14 +45,15 @@ def _run(loop: PlanningLoop, step_ms) -> int:
 
 def test_every_candidate_is_calibrated_on_top_of_the_incumbent_and_kept_when_faster():
     loop = _loop(ALL)
-    assert loop.progress == (0, 6 + 6 + 12 + 12)  # aggregation: 3 pairs; latency hiding: 3 pairs, each settled
+    # the first look: 1 warmup + 3 measured pairs; aggregation T0 T1, latency hiding settled (T0 T0 T1 T1)
+    assert loop.progress == (0, 8 + 8 + 16 + 16)
     seen = []
 
     def step_ms(graph: SparseGraph, trial: bool) -> float:
         seen.append(len(graph.provenance))
         return 5.0 if trial else 10.0
 
-    assert _run(loop, step_ms) == 36 == loop.plan.calibration_steps
+    assert _run(loop, step_ms) == 48 == loop.plan.calibration_steps  # noiseless: decided at the first look
     assert loop.progress is None
     assert [(d.accepted, d.measured_ms) for d in loop.plan.decisions] == [(True, -5.0)] * 4
     # each candidate's T0 steps run the incumbent, which holds every candidate accepted before it
@@ -65,7 +68,7 @@ def test_a_slower_candidate_is_rejected_and_the_incumbent_stays():
     _run(loop, lambda graph, trial: 12.0 if trial else 10.0)
     assert [d.accepted for d in loop.plan.decisions] == [False, False]
     assert loop.plan.graph.fingerprint() == _identity().fingerprint()
-    assert "not faster" in loop.plan.decisions[0].reason
+    assert loop.plan.decisions[0].reason.startswith("slower: +2.000 ms")
 
 
 def test_without_calibration_every_feasible_candidate_is_applied_at_once():
@@ -76,7 +79,7 @@ def test_without_calibration_every_feasible_candidate_is_applied_at_once():
 
 def test_an_abandoned_loop_keeps_its_incumbent_and_records_the_candidates_left():
     loop = _loop(["aggregation"])
-    for _ in range(6):  # the first candidate's whole protocol: decided (accepted)
+    for _ in range(8):  # the first candidate's steps up to its first look: decided (accepted)
         graph = loop.next_graph()
         loop.feedback(0.0, 1.0 if graph is loop.trial else 2.0)
     loop.feedback(0.0, 2.0)  # one step into the second
@@ -157,24 +160,34 @@ def test_infeasible_candidates_are_rejected_with_their_reasons():
     assert [d.candidate for d in rejected] == [f"latency_hiding:early_start@{ITEM}"]
 
 
-def test_decide_accepts_a_candidate_only_when_the_slowest_rank_measured_it_faster():
+def test_decide_accepts_a_candidate_only_when_its_interval_is_below_zero_on_the_slowest_rank():
     planner = Planner(select_passes(ALL), PRIORS, True)
     (c,) = [c for c in planner.propose(load("two_modules_2ranks"))[0] if c.id == f"aggregation:input@{ITEM}"]
     predicted = planner.predict_ms(c)
     assert predicted == pytest.approx(-0.19072)
-    # rank 0's best pair -0.4, rank 1's -0.3: the step is as fast as its slowest rank
-    faster = planner.decide(c, Measurement(c.id, [[-0.4, -0.1], [-0.3, 0.2]], -0.3))
-    assert faster == Decision(c.id, "aggregation", ITEM, "input", True, [], predicted, [[-0.4, -0.1], [-0.3, 0.2]],
-                              -0.3, True, "faster: the slowest rank's best increment is -0.300 ms")
-    for increment in (0.0, 0.25):
-        slower = planner.decide(c, Measurement(c.id, [[increment], [-1.0]], increment))
-        assert (slower.accepted, slower.measured_ms, slower.reason) == (
-            False, increment, f"not faster: the slowest rank's best increment is {increment:+.3f} ms")
+    # per pair, each arm's slowest rank: T0 [10, 10, 11], T1 [9, 9.5, 10] -> increments -1, -0.5, -1
+    ranks = [[[10.0, 9.0], [9.0, 9.5], [11.0, 10.0]], [[9.5, 8.0], [10.0, 9.0], [10.5, 9.5]]]
+    faster = planner.decide(c, _measurement(ranks))
+    assert (faster.accepted, faster.measured_ms, faster.pairs, faster.outliers) == (True, pytest.approx(-2.5 / 3), 3, 0)
+    low, high = faster.interval_ms
+    assert low < faster.measured_ms < high < 0 and faster.confidence == 0.95 and faster.observations_ms == ranks
+    assert faster.reason.startswith("faster: -0.833 ms, 95% interval [") and "over 3 pairs (noise" in faster.reason
+    undecided = planner.decide(c, _measurement([[[10.0, 9.0], [10.0, 11.0], [10.0, 9.5]]]))
+    assert not undecided.accepted and undecided.reason.startswith("undecided after the pair budget: ")
+    assert undecided.reason.endswith("rejected (do no harm)")
+    slower = planner.decide(c, _measurement([[[10.0, 11.0], [10.0, 11.2], [10.0, 10.9]]]))
+    assert not slower.accepted and slower.reason.startswith("slower: +1.033 ms")
     assert planner.decide(c, None) == Decision(c.id, "aggregation", ITEM, "input", True, [], predicted, None, None,
                                                True, "accepted without calibration (calibrate=False)")
     assert planner.undecided(c, "training ended") == Decision(c.id, "aggregation", ITEM, "input", True, [], predicted,
                                                               None, None, False, "not calibrated: training ended")
     assert Planner(select_passes(ALL), None, True).decide(c, None).predicted_ms is None
+
+
+def _measurement(ranks: list[list[list[float]]]) -> Measurement:
+    """What :func:`judge_pairs` gives when the ranks measured ``ranks`` (no process group)."""
+    slowest = [[max(r[i][arm] for r in ranks) for arm in (0, 1)] for i in range(len(ranks[0]))]
+    return Measurement(ranks, paired_estimate([a for a, _ in slowest], [b for _, b in slowest], 0.95, 1))
 
 
 # ------------------------------------------------------------------------------------------ the loop, measured
@@ -223,22 +236,26 @@ def test_the_loop_decides_each_candidate_from_its_protocol_steps_on_top_of_the_i
                                     f"aggregation:input@{EBC}", f"aggregation:output@{EBC}")
     # latency hiding: a settle step before each observed one (T0 T0 T1 T1), aggregation T0 T1; each
     # candidate's T0 is the incumbent with the candidates accepted before it
-    assert trials == ([(0, False), (0, False), (1, True), (1, True)] * 3 + [(1, False), (1, False), (2, True), (2, True)] * 3
-                      + [(2, False), (3, True)] * 3 + [(3, False), (4, True)] * 3)
-    assert progress[:2] == [(0, 36), (1, 36)] and progress[12] == (12, 36) and progress[35] == (35, 36)
-    assert progress[-1] is None and loop.plan.calibration_steps == 36
+    assert trials == ([(0, False), (0, False), (1, True), (1, True)] * 4 + [(1, False), (1, False), (2, True), (2, True)] * 4
+                      + [(2, False), (3, True)] * 4 + [(3, False), (4, True)] * 4)
+    assert progress[:2] == [(0, 48), (1, 48)] and progress[16] == (16, 48) and progress[47] == (47, 48)
+    assert progress[-1] is None and loop.plan.calibration_steps == 48
     # early start: 2 ms per step; next batch: 1 ms once settled (its first step's 5 ms are never
     # observed); the merged input: 4 collectives fewer; the merged output: 2 fewer but 3 ms of copies
-    assert [(d.candidate, d.accepted, d.measured_ms, d.observations_ms) for d in loop.plan.decisions] == [
-        (early, True, -2.0, [[-2.0, -2.0]]), (ahead, True, -1.0, [[-1.0, -1.0]]),
-        (packed, True, -4.0, [[-4.0, -4.0]]), (merged, False, 1.0, [[1.0, 1.0]])]
+    assert [(d.candidate, d.accepted, d.measured_ms, [[t1 - t0 for t0, t1 in obs] for obs in d.observations_ms])
+            for d in loop.plan.decisions] == [
+        (early, True, -2.0, [[-2.0] * 3]), (ahead, True, -1.0, [[-1.0] * 3]),
+        (packed, True, -4.0, [[-4.0] * 3]), (merged, False, 1.0, [[1.0] * 3])]
     assert [d.predicted_ms for d in loop.plan.decisions] == pytest.approx([-0.20768, -0.20512, -0.17952, -0.06928])
-    assert loop.plan.decisions[3].reason == "not faster: the slowest rank's best increment is +1.000 ms"
+    assert loop.plan.decisions[3].reason == "slower: +1.000 ms, 95% interval [+1.000, +1.000] over 3 pairs (noise 0.000 ms)"
     assert loop.events == [
-        f"calibrating {early} (12 steps; predicted -0.208 ms)", f"{early}: measured -2.000 ms -> accepted",
-        f"calibrating {ahead} (12 steps; predicted -0.205 ms)", f"{ahead}: measured -1.000 ms -> accepted",
-        f"calibrating {packed} (6 steps; predicted -0.180 ms)", f"{packed}: measured -4.000 ms -> accepted",
-        f"calibrating {merged} (6 steps; predicted -0.069 ms)", f"{merged}: measured +1.000 ms -> rejected"]
+        f"calibrating {early} (16 steps, up to 52; predicted -0.208 ms)", f"{early}: accepted, {FAST}",
+        f"calibrating {ahead} (16 steps, up to 52; predicted -0.205 ms)",
+        f"{ahead}: accepted, {FAST.replace('2.000', '1.000')}",
+        f"calibrating {packed} (8 steps, up to 26; predicted -0.180 ms)",
+        f"{packed}: accepted, {FAST.replace('2.000', '4.000')}",
+        f"calibrating {merged} (8 steps, up to 26; predicted -0.069 ms)",
+        f"{merged}: rejected, slower: +1.000 ms, 95% interval [+1.000, +1.000] over 3 pairs (noise 0.000 ms)"]
     # the plan runs the accepted candidates, in their order, on the identity graph
     expected = identity
     for cid in (early, ahead, packed):
@@ -257,7 +274,7 @@ def test_a_plan_the_loop_made_is_saved_loaded_and_rebuilt(tmp_path):
         loop.feedback(*steps(loop.next_graph()))
     plan = loop.plan
     assert [d.accepted for d in plan.decisions] == [False] * 4 + [True] * 4  # infeasible ones first
-    assert plan.calibration_steps == 6 + 12 + 12 + 6
+    assert plan.calibration_steps == 8 + 16 + 16 + 8
     plan.save(tmp_path / "plan.json")
     loaded = ExecutionPlan.load(tmp_path / "plan.json")
     assert loaded.to_dict() == json.loads(json.dumps(plan.to_dict()))
@@ -312,13 +329,13 @@ def test_with_nothing_feasible_the_loop_is_done_at_once_on_the_identity():
 def test_an_abandoned_loop_records_every_candidate_left_with_its_prediction():
     loop = _calibrating_loop(_identity())
     steps = _Steps()
-    for _ in range(12 + 5):  # early start decided, 5 steps into next batch
+    for _ in range(16 + 5):  # early start decided, 5 steps into next batch
         loop.feedback(*steps(loop.next_graph()))
-    assert loop.progress == (17, 36)
+    assert loop.progress == (21, 48)
     loop.abandon("the trainer stopped")
-    assert loop.done and loop.progress is None and loop.trial is None and loop.plan.calibration_steps == 17
+    assert loop.done and loop.progress is None and loop.trial is None and loop.plan.calibration_steps == 21
     assert [(d.candidate.split("@")[0], d.feasible, d.accepted, d.reason) for d in loop.plan.decisions] == [
-        ("latency_hiding:early_start", True, True, "faster: the slowest rank's best increment is -2.000 ms"),
+        ("latency_hiding:early_start", True, True, FAST),
         ("latency_hiding:next_batch", True, False, "not calibrated: the trainer stopped"),
         ("aggregation:input", True, False, "not calibrated: the trainer stopped"),
         ("aggregation:output", True, False, "not calibrated: the trainer stopped")]

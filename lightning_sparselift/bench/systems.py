@@ -252,7 +252,8 @@ class SparseLift(LoopSystem):
         self.model, self.optimizer, wrapped, paths = _shard(self.env, s.validate_inputs, s.sharding_types,
                                                             s.embedding_optimizer)
         self.session = (SparseLiftSession(wrapped, self.model.plan, paths, s.warmup_batches, dist.group.WORLD,
-                                          torch.device("cpu"), s.optimizations, s.calibrate, s.plan_path)
+                                          torch.device("cpu"), s.optimizations, s.calibrate, s.plan_path,
+                                          s.decision_rule)
                         if s.executor == "sparselift" else None)
         self._timed_sharded(wrapped, self.optimizer)
 
@@ -282,7 +283,10 @@ class SparseLift(LoopSystem):
                 "calibration_s": plan.calibration_s, "calibration_steps": plan.calibration_steps,
                 "planning_s": plan.planning_s, "plan_explain": plan.explain(),
                 "plan_decisions": [asdict(d) for d in plan.decisions],
-                "predicted_change_ms": plan.predicted_change_ms, "measured_change_ms": plan.measured_change_ms}
+                "predicted_change_ms": plan.predicted_change_ms, "measured_change_ms": plan.measured_change_ms,
+                # the steady-state check against the identity plan (predicted vs measured step change)
+                "verification": asdict(self.session.verification) if self.session.verification else None,
+                "verification_steps": sum(v.steps for v in self.session.verifications)}
 
 
 def time_early_starts(installed: Any, timer: StageTimer) -> None:

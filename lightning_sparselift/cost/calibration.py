@@ -2,12 +2,13 @@
 when the candidate is applied on top of the incumbent plan (the paper's lookahead calibration).
 
 A :class:`Calibrator` runs one candidate's protocol step by step: ``warmup_pairs`` unmeasured
-pairs, then ``measured_pairs`` pairs, a pair being one real training step on the incumbent (T0)
-and one with the candidate (T1). A schedule whose effect spans two steps (work for step i+1
+pairs, then at least ``measured_pairs`` measured pairs (more while the decision rule finds the
+candidate undecided, up to its budget), a pair being one real training step on the incumbent
+(T0) and one with the candidate (T1). A schedule whose effect spans two steps (work for step i+1
 started during step i) needs ``settle_steps``: each observed step is preceded by that many
-unmeasured steps on the same plan, so it sees the plan's steady state. Every rank measures; :func:`rank_consistent_increment` makes
-the decision the same everywhere: each rank keeps the minimum of its observations, the decision
-uses the maximum over ranks (a step is gated by its slowest rank).
+unmeasured steps on the same plan, so it sees the plan's steady state. Every rank measures;
+:func:`judge_pairs` makes the decision the same everywhere (see
+:mod:`~lightning_sparselift.cost.decision`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+
+from lightning_sparselift.cost.decision import DecisionRule, PairedEstimate, look_points, paired_estimate
 
 
 class RegionClock:
@@ -48,7 +51,8 @@ class RegionClock:
 
 @dataclass
 class CalibrationProtocol:
-    """How a pass's candidates are measured (the paper's Table 5 budgets, warmup excluded)."""
+    """How a pass's candidates are measured: the paper's Table 5 budgets (warmup excluded) are the
+    minimum; an undecided candidate gets more measured pairs, up to the session's budget."""
 
     warmup_pairs: int = 1
     measured_pairs: int = 2
@@ -57,31 +61,45 @@ class CalibrationProtocol:
 
     @property
     def steps(self) -> int:
-        return 2 * (self.warmup_pairs + self.measured_pairs) * (1 + self.settle_steps)
+        """Steps of the minimum budget."""
+        return self.steps_for(self.measured_pairs)
+
+    def steps_for(self, measured_pairs: int) -> int:
+        return 2 * (self.warmup_pairs + measured_pairs) * (1 + self.settle_steps)
 
 
 @dataclass
 class Measurement:
-    candidate: str
-    observations_ms: list[list[float]]  # per rank: F(T1) - F(T0) of each measured pair
-    increment_ms: float  # the maximum over ranks of each rank's minimum: what the decision uses
+    observations_ms: list[list[list[float]]]  # per rank, per measured pair: [F(T0), F(T1)]
+    estimate: PairedEstimate  # of the slowest rank's pairs: what the decision uses
+
+    @property
+    def increment_ms(self) -> float:
+        return self.estimate.increment_ms
 
 
 class Calibrator:
-    """Schedules T0/T1 steps for one candidate and collects its measured pairs."""
+    """Schedules T0/T1 steps for one candidate and collects its measured pairs; at each of its
+    look points (:func:`~lightning_sparselift.cost.decision.look_points`) the caller takes a
+    :meth:`measurement` and, while it is undecided and the budget allows, :meth:`extend`\ s it."""
 
-    def __init__(self, candidate: str, protocol: CalibrationProtocol) -> None:
-        self.candidate = candidate
+    def __init__(self, protocol: CalibrationProtocol, rule: DecisionRule) -> None:
         self.protocol = protocol
-        run = 1 + protocol.settle_steps
+        self.confidence = rule.confidence
+        self.looks = look_points(protocol.measured_pairs, max(rule.max_pairs, protocol.measured_pairs))
+        self._look = 0
         # per step: (runs the candidate, observed); the last step of each run is observed
-        self._schedule = [(uses, i == run - 1) for _ in range(protocol.warmup_pairs + protocol.measured_pairs)
-                          for uses in (False, True) for i in range(run)]
+        self._schedule: list[tuple[bool, bool]] = []
+        self._add_pairs(protocol.warmup_pairs + self.looks[0])
         self._steps = 0
         self._observed: list[float] = []
 
+    def _add_pairs(self, pairs: int) -> None:
+        run = 1 + self.protocol.settle_steps
+        self._schedule += [(uses, i == run - 1) for _ in range(pairs) for uses in (False, True) for i in range(run)]
+
     def next_uses_candidate(self) -> Optional[bool]:
-        """Whether the next step runs T1 (True) or T0 (False); None once the protocol is done."""
+        """Whether the next step runs T1 (True) or T0 (False); None once the scheduled steps ran."""
         return self._schedule[self._steps][0] if self._steps < len(self._schedule) else None
 
     def record(self, f_ms: float) -> None:
@@ -92,29 +110,51 @@ class Calibrator:
 
     @property
     def done(self) -> bool:
+        """The scheduled steps ran: time to take a measurement."""
         return self._steps == len(self._schedule)
+
+    @property
+    def can_extend(self) -> bool:
+        return self._look + 1 < len(self.looks)
+
+    def extend(self) -> None:
+        """Schedule the pairs up to the next look point."""
+        self._look += 1
+        self._add_pairs(self.looks[self._look] - self.looks[self._look - 1])
 
     @property
     def recorded(self) -> int:
         """Steps run so far."""
         return self._steps
 
-    def increments(self) -> list[float]:
-        skip = 2 * self.protocol.warmup_pairs
-        pairs = self._observed[skip:]
-        return [pairs[i + 1] - pairs[i] for i in range(0, len(pairs), 2)]
+    @property
+    def planned(self) -> int:
+        """Steps scheduled so far."""
+        return len(self._schedule)
+
+    def pairs(self) -> list[list[float]]:
+        """This rank's measured pairs: [F(T0), F(T1)] each."""
+        observed = self._observed[2 * self.protocol.warmup_pairs:]
+        return [observed[i:i + 2] for i in range(0, len(observed), 2)]
 
     def measurement(self, group: Any) -> Measurement:
-        return rank_consistent_increment(self.candidate, self.increments(), group)
+        """Every rank's pairs (a collective over ``group``), judged on the slowest rank's."""
+        return judge_pairs(self.pairs(), group, self.confidence, len(self.looks))
 
 
-def rank_consistent_increment(candidate: str, increments: list[float], group: Any) -> Measurement:
-    local = torch.tensor(increments, dtype=torch.float64)
+def judge_pairs(pairs: list[list[float]], group: Any, confidence: float, looks: int) -> Measurement:
+    """All ranks' [F(T0), F(T1)] pairs gathered; per pair, each arm's slowest rank; the increment
+    estimated from those (the same result on every rank)."""
+    local = torch.tensor(pairs, dtype=torch.float64).reshape(-1, 2)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, local, group=group)
+        # NCCL exchanges only CUDA tensors
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+        sent = local.to(device) if device is not None else local
+        gathered = [torch.empty_like(sent) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, sent, group=group)
+        gathered = [g.cpu() for g in gathered]
     else:
         gathered = [local]
-    per_rank = [g.tolist() for g in gathered]
-    minima = [min(obs) for obs in per_rank]
-    return Measurement(candidate, per_rank, max(minima))
+    slowest = torch.stack(gathered).amax(dim=0)
+    estimate = paired_estimate(slowest[:, 0].tolist(), slowest[:, 1].tolist(), confidence, looks)
+    return Measurement([g.tolist() for g in gathered], estimate)

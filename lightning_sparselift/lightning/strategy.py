@@ -39,10 +39,12 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from typing_extensions import override
 from torch import Tensor
 
+from lightning_sparselift.cost.decision import DecisionRule
 from lightning_sparselift.lightning import checkpoint as ckpt
+from lightning_sparselift.lightning import console
 from lightning_sparselift.lightning.launcher import DenseOnlyMultiProcessingLauncher
 from lightning_sparselift.lightning.lookahead import LookaheadLoader
-from lightning_sparselift.lightning.report import report_events, report_round
+from lightning_sparselift.lightning.report import report_events, report_metrics, report_round
 from lightning_sparselift.sharding import EmbeddingOptimizer, combine_optimizers, shard_model
 from lightning_sparselift.lightning.signals import SignalConnector
 from lightning_sparselift.lightning.step_check import NON_FINITE_POLICIES, StepCheck
@@ -88,6 +90,11 @@ class SparseLiftStrategy(ParallelStrategy):
             ``[]`` runs the identity plan. Unknown names raise.
         calibrate: decide every feasible candidate by measuring it on real training steps
             (default); ``False`` applies every feasible candidate without measuring.
+        calibration_confidence: a candidate is accepted only when its measured step change is
+            below zero with this confidence (paired steps, a t interval; see
+            :mod:`lightning_sparselift.cost.decision`).
+        calibration_max_pairs: the measured pairs (incumbent step, candidate step) one candidate
+            may use while it is undecided; still undecided after them, it is rejected.
         plan_path: a JSON file for the execution plan: reused (no calibration) when it was made
             for the same model, sharding plan, world size, backend and versions and its graph is
             what its accepted candidates give on this run's lift; otherwise planned again and
@@ -95,6 +102,26 @@ class SparseLiftStrategy(ParallelStrategy):
             warns.
         warmup_batches: training steps captured on TorchRec's path before lifting (>= 1 with the
             lifted executor).
+        verify_steps: after a calibrated plan that differs from the identity plan is installed
+            (planned or reused), about this many training steps alternate between it and the
+            identity plan (in pairs, with a settle step before each measured one when the plan
+            distributes the next batch a step ahead; at least 1 warmup + 3 measured pairs); the
+            paired step times are judged like calibration's (the slowest rank's, a t interval at
+            ``calibration_confidence``). Slower beyond noise, the identity plan is installed
+            instead (a warning with the numbers). Predicted, calibrated and measured step change
+            go to the logger (``sparselift/verify/...``) and the session's ``explain()``. ``0``:
+            no check. Not done with ``calibrate=False``.
+        replan_on_drift: every 10 steps the ranks compare the lifted modules' live workload with
+            the statistics the installed plan was decided on (one small all-gather); when a
+            feature's mean bag length exceeds ``drift_ratio`` x its planned p99 bag length (at
+            least 1), its ids per step fall below 1/``drift_ratio`` of the planned, or the batch
+            size changed for a whole check window, a new planning round runs on the live
+            statistics (logged with them, ``sparselift/drift/...``). ``False``: warn only. A
+            reused ``plan_path`` file is checked against this run's captured statistics the same
+            way (and not reused when they drifted).
+        drift_ratio: the threshold factor of ``replan_on_drift`` (> 1).
+        min_steps_between_replans: a drift re-plan starts at least this many training steps
+            after the previous planning round began (drift found earlier waits, logged once).
         timeout: collective timeout (seconds or ``timedelta``).
         process_group_backend: ``gloo`` / ``nccl``; defaults from the device.
         start_method: ``popen`` (re-runs the script, like DDP), ``spawn`` or ``fork`` (notebooks).
@@ -120,8 +147,14 @@ class SparseLiftStrategy(ParallelStrategy):
         executor: str = "sparselift",
         optimizations: Optional[list[str]] = None,
         calibrate: bool = True,
+        calibration_confidence: float = 0.95,
+        calibration_max_pairs: int = 12,
         plan_path: Optional[str] = None,
         warmup_batches: int = 3,
+        verify_steps: int = 40,
+        replan_on_drift: bool = True,
+        drift_ratio: float = 5.0,
+        min_steps_between_replans: int = 500,
         timeout: Union[float, timedelta] = 1800.0,
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork"] = "popen",
@@ -160,8 +193,14 @@ class SparseLiftStrategy(ParallelStrategy):
         self.executor = executor
         self.optimizations = sorted(PASSES) if optimizations is None else list(optimizations)
         self.calibrate = bool(calibrate)
+        self.decision_rule = DecisionRule(float(calibration_confidence), int(calibration_max_pairs))
         self.plan_path = str(plan_path) if plan_path is not None else None
         self.warmup_batches = int(warmup_batches)
+        from lightning_sparselift.plan.verification import check_steady_options
+
+        check_steady_options(verify_steps, drift_ratio, min_steps_between_replans, 1)
+        self.verify_steps, self.replan_on_drift = int(verify_steps), bool(replan_on_drift)
+        self.drift_ratio, self.min_steps_between_replans = float(drift_ratio), int(min_steps_between_replans)
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         self._process_group_backend = process_group_backend
         self._start_method = start_method
@@ -237,6 +276,7 @@ class SparseLiftStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        console.install()  # in every rank process: the library warnings we cannot avoid
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
@@ -381,7 +421,15 @@ class SparseLiftStrategy(ParallelStrategy):
 
             self._session = SparseLiftSession(self.lightning_module, self._dmp.plan, self.sparse_module_paths,
                                               self.warmup_batches, torch.distributed.group.WORLD, self.root_device,
-                                              self.optimizations, self.calibrate, self.plan_path)
+                                              self.optimizations, self.calibrate, self.plan_path,
+                                              self.decision_rule, **self.steady_state_options)
+
+    @property
+    def steady_state_options(self) -> dict[str, Any]:
+        """The session's steady-state options (verification and drift), as keyword arguments."""
+        return {"verify_steps": self.verify_steps, "replan_on_drift": self.replan_on_drift,
+                "drift_ratio": self.drift_ratio, "min_steps_between_replans": self.min_steps_between_replans,
+                "check_group": self._check_group}
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -429,6 +477,7 @@ class SparseLiftStrategy(ParallelStrategy):
             module.log("sparselift/calibration_step", float(progress[0]), prog_bar=True, rank_zero_only=True)
         if finished:
             report_round(self._session, module)
+        report_metrics(self._session, module)
 
     def _stop_session(self, why: str) -> None:
         """Training stopped: a session still running keeps what it has (see ``abandon``)."""

@@ -26,6 +26,7 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_sparselift.cost.calibration import Calibrator, Measurement
+from lightning_sparselift.cost.decision import DecisionRule
 from lightning_sparselift.cost.priors import Priors
 from lightning_sparselift.passes import Candidate, InfeasibleCandidate, OptimizationPass
 from lightning_sparselift.plan.types import Decision, ExecutionPlan, PlanFileError, PlanFingerprint
@@ -35,10 +36,15 @@ if TYPE_CHECKING:
 
 
 class Planner:
-    def __init__(self, passes: list[OptimizationPass], priors: Optional[Priors], calibrate: bool) -> None:
+    def __init__(self, passes: list[OptimizationPass], priors: Optional[Priors], calibrate: bool,
+                 rule: DecisionRule = DecisionRule()) -> None:
         self.passes = {p.name: p for p in passes}
         self.priors = priors
         self.calibrate = calibrate
+        self.rule = rule
+
+    def calibrator(self, candidate: Candidate) -> Calibrator:
+        return Calibrator(self.passes[candidate.pass_name].protocol, self.rule)
 
     def propose(self, graph: SparseGraph) -> tuple[list[Candidate], list[Decision]]:
         """Feasible candidates in the order to try them (largest predicted gain first), and the
@@ -63,16 +69,21 @@ class Planner:
         return self.passes[candidate.pass_name].predict_ms(candidate, self.priors)
 
     def decide(self, candidate: Candidate, measurement: Optional[Measurement]) -> Decision:
+        """Accepted when the measurement's interval lies below zero (or without calibration)."""
         predicted = self.predict_ms(candidate)
         if measurement is None:
-            accepted, reason = True, "accepted without calibration (calibrate=False)"
-        else:
-            accepted = measurement.increment_ms < 0
-            reason = (f"{'faster' if accepted else 'not faster'}: the slowest rank's best increment is "
-                      f"{measurement.increment_ms:+.3f} ms")
+            return Decision(candidate.id, candidate.pass_name, candidate.module, candidate.role, True, [], predicted,
+                            None, None, True, "accepted without calibration (calibrate=False)")
+        e = measurement.estimate
+        low, high = e.interval_ms
+        evidence = (f"{e.increment_ms:+.3f} ms, {self.rule.confidence:.0%} interval [{low:+.3f}, {high:+.3f}] over "
+                    f"{e.pairs} pairs (noise {e.noise_ms:.3f} ms" + (f", {e.outliers} outlier pair(s) left out)"
+                                                                    if e.outliers else ")"))
+        reason = {"faster": f"faster: {evidence}", "slower": f"slower: {evidence}",
+                  "undecided": f"undecided after the pair budget: {evidence}; rejected (do no harm)"}[e.verdict]
         return Decision(candidate.id, candidate.pass_name, candidate.module, candidate.role, True, [], predicted,
-                        measurement.observations_ms if measurement else None,
-                        measurement.increment_ms if measurement else None, accepted, reason)
+                        measurement.observations_ms, e.increment_ms, e.verdict == "faster", reason,
+                        [low, high], self.rule.confidence, e.noise_ms, e.pairs, e.outliers)
 
     def undecided(self, candidate: Candidate, why: str) -> Decision:
         """The decision for a feasible candidate the loop stopped before calibrating: not accepted."""
@@ -164,16 +175,21 @@ class PlanningLoop:
         calibrator = self._calibrator
         calibrator.record(step_ms if calibrator.protocol.region == "step" else sparse_ms)
         self.plan.calibration_steps += 1
-        if calibrator.done:
-            self._decide()
+        if not calibrator.done:
+            return
+        measurement = calibrator.measurement(self.group)
+        if measurement.estimate.verdict == "undecided" and calibrator.can_extend:
+            calibrator.extend()  # every rank judged the same pairs: every rank extends
+            return
+        self._decide(measurement)
 
     @property
     def progress(self) -> Optional[tuple[int, int]]:
         """(steps calibrated, steps planned) while calibrating."""
         if self.done:
             return None
-        remaining = sum(self.planner.passes[c.pass_name].protocol.steps for c in self._queue) \
-            - self._calibrator.recorded
+        remaining = sum(self.planner.calibrator(c).planned for c in self._queue[1:]) \
+            + self._calibrator.planned - self._calibrator.recorded
         return self.plan.calibration_steps, self.plan.calibration_steps + remaining
 
     def abandon(self, why: str) -> None:
@@ -195,10 +211,11 @@ class PlanningLoop:
             self._queue.pop(0)
             self._next_candidate()
             return
-        self._calibrator = Calibrator(candidate.id, protocol)
+        self._calibrator = self.planner.calibrator(candidate)
         predicted = self.planner.predict_ms(candidate)
-        self.events.append(f"calibrating {candidate.id} ({protocol.steps} steps; predicted "
-                           f"{predicted:+.3f} ms)" if predicted is not None else f"calibrating {candidate.id}")
+        steps = f"{self._calibrator.planned} steps, up to {protocol.steps_for(self._calibrator.looks[-1])}"
+        self.events.append(f"calibrating {candidate.id} ({steps}; predicted {predicted:+.3f} ms)"
+                           if predicted is not None else f"calibrating {candidate.id} ({steps})")
 
     def _apply(self, candidate: Candidate) -> Optional[SparseGraph]:
         """The incumbent with ``candidate`` applied; None, with the decision recorded, when the
@@ -211,15 +228,13 @@ class PlanningLoop:
                                                 False, f"infeasible after the candidates accepted before it: {error}"))
             return None
 
-    def _decide(self) -> None:
+    def _decide(self, measurement: Measurement) -> None:
         candidate = self._queue.pop(0)
-        measurement = self._calibrator.measurement(self.group)
         decision = self.planner.decide(candidate, measurement)
         self.plan.decisions.append(decision)
         if decision.accepted:
             self.incumbent = self.trial
-        self.events.append(f"{candidate.id}: measured {measurement.increment_ms:+.3f} ms -> "
-                           f"{'accepted' if decision.accepted else 'rejected'}")
+        self.events.append(f"{candidate.id}: {'accepted' if decision.accepted else 'rejected'}, {decision.reason}")
         self._calibrator, self.trial = None, None
         self._next_candidate()
 

@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 
 from lightning_sparselift.cost.priors import Priors
 from lightning_sparselift.ir import SparseGraph
+from lightning_sparselift.plan.verification import DriftEvent, PlanVerification
 from lightning_sparselift.typed_json import decode, json_type
 
 PLAN_SCHEMA = "sparselift-plan/2"  # 2: module schedules replace pass flags and layout notes
@@ -50,10 +51,15 @@ class Decision:
     feasible: bool
     reasons: list[str]
     predicted_ms: Optional[float]
-    observations_ms: Optional[list[list[float]]]  # per rank: F(T1) - F(T0) of each measured pair
-    measured_ms: Optional[float]  # max over ranks of each rank's minimum observation
+    observations_ms: Optional[list[list[list[float]]]]  # per rank, per measured pair: [F(T0), F(T1)]
+    measured_ms: Optional[float]  # the estimated increment (mean paired difference of the slowest rank's)
     accepted: bool
     reason: str
+    interval_ms: Optional[list[float]] = None  # the estimate's confidence interval
+    confidence: Optional[float] = None
+    noise_ms: Optional[float] = None  # the robust standard deviation of the incumbent's steps
+    pairs: int = 0  # measured pairs used
+    outliers: int = 0  # pairs left out as outliers
 
 
 @dataclass
@@ -65,6 +71,8 @@ class ExecutionPlan:
     calibration_steps: int = 0
     calibration_s: float = 0.0
     planning_s: float = 0.0
+    verification: Optional[PlanVerification] = None  # the steady-state check against the identity plan
+    trigger: Optional[DriftEvent] = None  # why this plan's round ran (None: the run's first round)
     schema: str = PLAN_SCHEMA
 
     @property
@@ -155,12 +163,16 @@ class ExecutionPlan:
             measured = f", measured {d.measured_ms:+.3f} ms" if d.measured_ms is not None else ""
             lines.append(f"  {verdict:<10s} {d.candidate}: {predicted}{measured}; {d.reason}")
             if d.observations_ms:
-                per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{x:+.3f}" for x in obs)
+                per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{t1 - t0:+.2f}" for t0, t1 in obs)
                                      for r, obs in enumerate(d.observations_ms))
-                lines.append(f"             observations (ms) {per_rank}")
+                lines.append(f"             increments T1-T0 (ms) {per_rank}")
         lines.append(f"calibration: {self.calibration_steps} training steps, {self.calibration_s:.2f} s; planning "
                      f"{self.planning_s:.3f} s; accepted change predicted {self.predicted_change_ms:+.3f} ms, "
                      f"measured {self.measured_change_ms:+.3f} ms per step")
+        if self.trigger is not None:
+            lines.append(f"planned because of {self.trigger.describe()}")
+        if self.verification is not None:
+            lines.append(f"steady state: {self.verification.describe()}")
         lines.append(f"collectives per step: {len(self.graph.collectives())}")
         lines += [f"  {p}" for p in self.graph.provenance]
         return "\n".join(lines)

@@ -66,6 +66,8 @@ class ModuleExecutor:
         self.early_starts = 0  # early starts that ran (one per step unless a start is discarded)
         self.prefetches = 0  # next-batch input distributions started
         self.prefetched_steps = 0  # training calls whose input distribution the step before started
+        # called with (module path, features) on every training call of the module (the session's drift watch)
+        self.observer: Optional[Callable[[str, Any], None]] = None
         self.use(spec.schedule)
 
     def use(self, schedule: ModuleSchedule) -> None:
@@ -104,6 +106,8 @@ class ModuleExecutor:
     # ------------------------------------------------------------------ the module's call
     def __call__(self, features: Any) -> Any:
         self._check(features)
+        if self.observer is not None and self._training():
+            self.observer(self.spec.path, features)
         if self._started is not None and same_features(self._started.features, features):
             started, self._started = self._started, None
             self.early_steps += 1

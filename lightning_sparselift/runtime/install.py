@@ -6,7 +6,7 @@ plans hands each executor its module's new schedule."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,12 @@ class InstalledExecutor:
             path = executor.spec.batch_input
             executor.announce(resolve_features((batch,), {}, path, executor.spec.keys)
                               if batch is not None and path is not None else None)
+
+    def observe(self, observer: Optional[Callable[[str, Any], None]]) -> None:
+        """Call ``observer(module path, features)`` on every training call of a lifted module
+        (None: stop)."""
+        for executor in self.executors.values():
+            executor.observer = observer
 
     def discard(self) -> None:
         """Training ended: complete and drop what was started for a step that will not run."""
