@@ -476,7 +476,7 @@ class SparseLiftSession:
         from lightning_sparselift.cost.calibration import judge_pairs
 
         check, self._check = self._check, None
-        measurement = judge_pairs(check.pairs(), self.check_group, self.decision_rule.confidence, 1)
+        measurement = judge_pairs(check.pairs(), self.check_group, self.decision_rule, 1)
         e = measurement.estimate
         slowest = [[max(rank[i][0] for rank in measurement.observations_ms),
                     max(rank[i][1] for rank in measurement.observations_ms)]

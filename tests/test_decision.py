@@ -70,8 +70,9 @@ def test_the_error_rate_is_split_over_the_looks():
 
 
 def test_look_points_and_rule_limits():
-    assert look_points(2, 12) == [3, 5, 7, 9, 11, 12]
-    assert look_points(4, 9) == [4, 6, 8, 9]
+    assert look_points(2, 24) == [3, 6, 12, 24]
+    assert look_points(2, 12) == [3, 6, 12]
+    assert look_points(4, 9) == [4, 8, 9]
     assert look_points(2, 3) == [3]
     with pytest.raises(ValueError, match="at least 3 measured pairs"):
         DecisionRule(max_pairs=2)

@@ -212,7 +212,7 @@ def _lightning_run(worker: _Worker) -> None:
 
     from lightning_sparselift import SparseLiftStrategy
     from lightning_sparselift.bench.measure import StageTimer
-    from lightning_sparselift.bench.systems import lightning_env, time_early_starts
+    from lightning_sparselift.bench.systems import lightning_env, session_report, time_early_starts
     from lightning_sparselift.model import DLRMModule
 
     cfg, env = worker.config, worker.env
@@ -302,7 +302,7 @@ def _lightning_run(worker: _Worker) -> None:
     worker.result[name]["setup_s"] = None
     trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None, collate_fn=lambda b: b))
     worker.result[name]["fit_s"] = time.perf_counter() - start
-    worker.result[name]["executor"] = strategy.executor_in_use
+    worker.result[name].update(session_report(strategy.session))
 
 
 def _worker_main(rank: int, config: BenchConfig, port: int, out: str) -> None:
@@ -331,7 +331,8 @@ def _worker_main(rank: int, config: BenchConfig, port: int, out: str) -> None:
 
 
 # cap on the untimed steps a system may add to finish its own warmup (SparseLift's calibration)
-_MAX_EXTRA_WARMUP = 200
+# capture, calibration up to the default budget (24 pairs) of every candidate, the steady-state check
+_MAX_EXTRA_WARMUP = 500
 
 
 def _write_atomically(path: str, data: dict[str, Any]) -> None:

@@ -275,18 +275,24 @@ class SparseLift(LoopSystem):
         return self.session is None or self.session.done
 
     def report(self) -> dict[str, Any]:
-        if self.session is None or self.session.installed is None:
-            return {"executor": "torchrec"}
-        graph, plan = self.session.installed.graph, self.session.plan
-        return {"executor": "sparselift", "lift_s": self.session.lift_seconds, "graph_fingerprint": graph.fingerprint(),
-                "graph_collectives_per_step": len(graph.collectives()), "graph_explain": graph.explain(),
-                "calibration_s": plan.calibration_s, "calibration_steps": plan.calibration_steps,
-                "planning_s": plan.planning_s, "plan_explain": plan.explain(),
-                "plan_decisions": [asdict(d) for d in plan.decisions],
-                "predicted_change_ms": plan.predicted_change_ms, "measured_change_ms": plan.measured_change_ms,
-                # the steady-state check against the identity plan (predicted vs measured step change)
-                "verification": asdict(self.session.verification) if self.session.verification else None,
-                "verification_steps": sum(v.steps for v in self.session.verifications)}
+        return session_report(self.session)
+
+
+def session_report(session: Any) -> dict[str, Any]:
+    """What a SparseLift session lifted, planned and verified (the bare loop's and the Lightning
+    system's alike)."""
+    if session is None or session.installed is None:
+        return {"executor": "torchrec"}
+    graph, plan = session.installed.graph, session.plan
+    return {"executor": "sparselift", "lift_s": session.lift_seconds, "graph_fingerprint": graph.fingerprint(),
+            "graph_collectives_per_step": len(graph.collectives()), "graph_explain": graph.explain(),
+            "calibration_s": plan.calibration_s, "calibration_steps": plan.calibration_steps,
+            "planning_s": plan.planning_s, "plan_explain": plan.explain(),
+            "plan_decisions": [asdict(d) for d in plan.decisions],
+            "predicted_change_ms": plan.predicted_change_ms, "measured_change_ms": plan.measured_change_ms,
+            # the steady-state check against the identity plan (predicted vs measured step change)
+            "verification": asdict(session.verification) if session.verification else None,
+            "verification_steps": sum(v.steps for v in session.verifications)}
 
 
 def time_early_starts(installed: Any, timer: StageTimer) -> None:

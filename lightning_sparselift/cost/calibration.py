@@ -85,7 +85,7 @@ class Calibrator:
 
     def __init__(self, protocol: CalibrationProtocol, rule: DecisionRule) -> None:
         self.protocol = protocol
-        self.confidence = rule.confidence
+        self.rule = rule
         self.looks = look_points(protocol.measured_pairs, max(rule.max_pairs, protocol.measured_pairs))
         self._look = 0
         # per step: (runs the candidate, observed); the last step of each run is observed
@@ -139,10 +139,10 @@ class Calibrator:
 
     def measurement(self, group: Any) -> Measurement:
         """Every rank's pairs (a collective over ``group``), judged on the slowest rank's."""
-        return judge_pairs(self.pairs(), group, self.confidence, len(self.looks))
+        return judge_pairs(self.pairs(), group, self.rule, len(self.looks))
 
 
-def judge_pairs(pairs: list[list[float]], group: Any, confidence: float, looks: int) -> Measurement:
+def judge_pairs(pairs: list[list[float]], group: Any, rule: DecisionRule, looks: int) -> Measurement:
     """All ranks' [F(T0), F(T1)] pairs gathered; per pair, each arm's slowest rank; the increment
     estimated from those (the same result on every rank)."""
     local = torch.tensor(pairs, dtype=torch.float64).reshape(-1, 2)
@@ -156,5 +156,6 @@ def judge_pairs(pairs: list[list[float]], group: Any, confidence: float, looks: 
     else:
         gathered = [local]
     slowest = torch.stack(gathered).amax(dim=0)
-    estimate = paired_estimate(slowest[:, 0].tolist(), slowest[:, 1].tolist(), confidence, looks)
+    estimate = paired_estimate(slowest[:, 0].tolist(), slowest[:, 1].tolist(), rule.confidence, looks,
+                               rule.min_gain)
     return Measurement([g.tolist() for g in gathered], estimate)

@@ -95,6 +95,8 @@ class SparseLiftStrategy(ParallelStrategy):
             :mod:`lightning_sparselift.cost.decision`).
         calibration_max_pairs: the measured pairs (incumbent step, candidate step) one candidate
             may use while it is undecided; still undecided after them, it is rejected.
+        calibration_min_gain: the smallest improvement a candidate must show (beyond the noise),
+            as a fraction of the incumbent's measured region, to be accepted.
         plan_path: a JSON file for the execution plan: reused (no calibration) when it was made
             for the same model, sharding plan, world size, backend and versions and its graph is
             what its accepted candidates give on this run's lift; otherwise planned again and
@@ -147,8 +149,9 @@ class SparseLiftStrategy(ParallelStrategy):
         executor: str = "sparselift",
         optimizations: Optional[list[str]] = None,
         calibrate: bool = True,
-        calibration_confidence: float = 0.95,
-        calibration_max_pairs: int = 12,
+        calibration_confidence: float = DecisionRule.confidence,
+        calibration_max_pairs: int = DecisionRule.max_pairs,
+        calibration_min_gain: float = DecisionRule.min_gain,
         plan_path: Optional[str] = None,
         warmup_batches: int = 3,
         verify_steps: int = 40,
@@ -193,7 +196,8 @@ class SparseLiftStrategy(ParallelStrategy):
         self.executor = executor
         self.optimizations = sorted(PASSES) if optimizations is None else list(optimizations)
         self.calibrate = bool(calibrate)
-        self.decision_rule = DecisionRule(float(calibration_confidence), int(calibration_max_pairs))
+        self.decision_rule = DecisionRule(float(calibration_confidence), int(calibration_max_pairs),
+                                          float(calibration_min_gain))
         self.plan_path = str(plan_path) if plan_path is not None else None
         self.warmup_batches = int(warmup_batches)
         from lightning_sparselift.plan.verification import check_steady_options

@@ -58,6 +58,10 @@ class OptimizationPass(ABC):
                                      cost_inputs))
         return out
 
+    def protocol_for(self, role: str) -> CalibrationProtocol:
+        """How a candidate of ``role`` is calibrated (the pass's protocol unless a role needs another)."""
+        return self.protocol
+
     @abstractmethod
     def check(self, graph: SparseGraph, module: LiftedModule, role: str) -> tuple[list[str], dict[str, float]]:
         """Why ``role`` cannot apply to ``module`` ([] when it can), and its cost inputs."""

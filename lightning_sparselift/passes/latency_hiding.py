@@ -31,12 +31,15 @@ root's arguments / in the announced next batch), else the pass proposes nothing 
 ``early_start`` needs a table/column-wise group (row-wise reduce-scatters and data-parallel
 groups stay synchronous), ``next_batch`` an exchanged (non data-parallel) group. Cost inputs: the
 bytes of the collectives each schedule takes off the critical path (their alpha-beta time is the
-most it can hide). Calibration: one warmup pair, then two complete-step observations per plan,
-each after one settle step on the same plan (``next_batch`` acts across two steps). The data
-moved and the arithmetic are unchanged: results stay bit-identical.
+most it can hide). Calibration: one warmup pair, then complete-step observations per plan (the
+decision rule says how many); ``next_batch`` acts across two steps, so each of its observed steps
+follows one settle step on the same plan. The data moved and the arithmetic are unchanged:
+results stay bit-identical.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from lightning_sparselift.frontend.capture import describe_path
 from lightning_sparselift.cost.calibration import CalibrationProtocol
@@ -55,6 +58,10 @@ class LatencyHiding(OptimizationPass):
     name = "latency_hiding"
     roles = ("early_start", "next_batch")
     protocol = CalibrationProtocol(warmup_pairs=1, measured_pairs=2, region="step", settle_steps=1)
+
+    def protocol_for(self, role: str) -> CalibrationProtocol:
+        # an early start acts within its step: every step can be observed, no settle step needed
+        return replace(self.protocol, settle_steps=0) if role == "early_start" else self.protocol
 
     def check(self, graph: SparseGraph, module: LiftedModule, role: str) -> tuple[list[str], dict[str, float]]:
         s = module.schedule

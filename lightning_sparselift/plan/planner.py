@@ -44,7 +44,7 @@ class Planner:
         self.rule = rule
 
     def calibrator(self, candidate: Candidate) -> Calibrator:
-        return Calibrator(self.passes[candidate.pass_name].protocol, self.rule)
+        return Calibrator(self.passes[candidate.pass_name].protocol_for(candidate.role), self.rule)
 
     def propose(self, graph: SparseGraph) -> tuple[list[Candidate], list[Decision]]:
         """Feasible candidates in the order to try them (largest predicted gain first), and the
@@ -76,7 +76,7 @@ class Planner:
                             None, None, True, "accepted without calibration (calibrate=False)")
         e = measurement.estimate
         low, high = e.interval_ms
-        evidence = (f"{e.increment_ms:+.3f} ms, {self.rule.confidence:.0%} interval [{low:+.3f}, {high:+.3f}] over "
+        evidence = (f"{e.increment_ms:+.3f} ms, {self.rule.confidence:.0%} bounds [{low:+.3f}, {high:+.3f}] over "
                     f"{e.pairs} pairs (noise {e.noise_ms:.3f} ms" + (f", {e.outliers} outlier pair(s) left out)"
                                                                     if e.outliers else ")"))
         reason = {"faster": f"faster: {evidence}", "slower": f"slower: {evidence}",
@@ -205,7 +205,7 @@ class PlanningLoop:
             self._finish()
             return
         candidate = self._queue[0]
-        protocol = self.planner.passes[candidate.pass_name].protocol
+        protocol = self.planner.passes[candidate.pass_name].protocol_for(candidate.role)
         self.trial = self._apply(candidate)
         if self.trial is None:
             self._queue.pop(0)
