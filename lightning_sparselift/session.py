@@ -154,7 +154,7 @@ class SparseLiftSession:
             self.installed.clock.take()
             self._step_start = time.perf_counter()
         elif self.phase == "verify":
-            self.installed.use(self.plan.graph if self._check.next_uses_plan() else self.identity)
+            self.installed.use(self.plan.graph if self._check.next_uses_candidate() else self.identity)
             self._step_start = time.perf_counter()
 
     def end_step(self) -> bool:
@@ -440,7 +440,7 @@ class SparseLiftSession:
         self._check = SteadyStateCheck(self.verify_steps, settle_steps_for(plan.graph))
         self._verify_start = time.perf_counter()
         self.phase = "verify"
-        self.events.append(f"verifying the plan against the identity plan on {self._check.steps} interleaved training "
+        self.events.append(f"verifying the plan against the identity plan on {self._check.planned} interleaved training "
                            f"steps ({self._check.measured_pairs} measured pairs, settle "
                            f"{self._check.settle_steps})")
 
@@ -453,7 +453,7 @@ class SparseLiftSession:
                                              False, note=f"stopped: {why}")
         self.verifications.append(self.verification)
         self.plan.verification = self.verification
-        self.events.append(f"steady-state check stopped after {check.recorded} of {check.steps} steps ({why}); the "
+        self.events.append(f"steady-state check stopped after {check.recorded} of {check.planned} steps ({why}); the "
                            f"plan stays installed")
         self.phase = "done"
 
@@ -484,7 +484,7 @@ class SparseLiftSession:
         plan = self.plan
         finite = e.increment_ms == e.increment_ms  # not NaN
         verification = PlanVerification(
-            check.steps, check.settle_steps, e.pairs, e.outliers, self.decision_rule.confidence,
+            check.planned, check.settle_steps, e.pairs, e.outliers, self.decision_rule.confidence,
             self._predicted(plan), self._calibrated(plan), e.increment_ms if finite else None,
             list(e.interval_ms), e.noise_ms, median(t0 for t0, _ in slowest) if slowest else None, e.verdict,
             e.verdict == "slower", slowest)

@@ -26,19 +26,19 @@ from lightning_sparselift.plan.verification import (
 # ---------------------------------------------------------------------------- units
 def test_steady_state_check_alternates_with_settle_steps():
     check = SteadyStateCheck(steps=16, settle_steps=0)
-    assert (check.measured_pairs, check.steps) == (7, 16)
+    assert (check.measured_pairs, check.planned) == (7, 16)
     uses = []
-    for i in range(check.steps):
-        uses.append(check.next_uses_plan())
+    for i in range(check.planned):
+        uses.append(check.next_uses_candidate())
         check.record(float(i))
     assert uses == [False, True] * 8 and check.done
     assert check.pairs() == [[float(i), float(i + 1)] for i in range(2, 16, 2)]  # warmup pair left out
 
     check = SteadyStateCheck(steps=8, settle_steps=1)  # too few steps: 1 warmup + 3 measured pairs at least
-    assert (check.measured_pairs, check.steps) == (3, 16)
+    assert (check.measured_pairs, check.planned) == (3, 16)
     uses = []
-    for i in range(check.steps):
-        uses.append(check.next_uses_plan())
+    for i in range(check.planned):
+        uses.append(check.next_uses_candidate())
         check.record(float(i))
     assert uses == [False, False, True, True] * 4
     assert check.pairs() == [[5.0, 7.0], [9.0, 11.0], [13.0, 15.0]]  # the second step of each run

@@ -78,24 +78,20 @@ class Measurement:
         return self.estimate.increment_ms
 
 
-class Calibrator:
-    """Schedules T0/T1 steps for one candidate and collects its measured pairs; at each of its
-    look points (:func:`~lightning_sparselift.cost.decision.look_points`) the caller takes a
-    :meth:`measurement` and, while it is undecided and the budget allows, :meth:`extend`\ s it."""
+class PairedSteps:
+    """Real training steps in pairs, T0 (the incumbent) then T1 (the candidate, or the installed
+    plan a steady-state check verifies): ``warmup_pairs`` unmeasured pairs, then measured ones,
+    each half a run of ``1 + settle_steps`` steps whose last step is observed."""
 
-    def __init__(self, protocol: CalibrationProtocol, rule: DecisionRule) -> None:
-        self.protocol = protocol
-        self.rule = rule
-        self.looks = look_points(protocol.measured_pairs, max(rule.max_pairs, protocol.measured_pairs))
-        self._look = 0
-        # per step: (runs the candidate, observed); the last step of each run is observed
+    def __init__(self, warmup_pairs: int, settle_steps: int) -> None:
+        self.warmup_pairs, self.settle_steps = warmup_pairs, settle_steps
+        # per step: (runs T1, observed)
         self._schedule: list[tuple[bool, bool]] = []
-        self._add_pairs(protocol.warmup_pairs + self.looks[0])
         self._steps = 0
         self._observed: list[float] = []
 
-    def _add_pairs(self, pairs: int) -> None:
-        run = 1 + self.protocol.settle_steps
+    def add_pairs(self, pairs: int) -> None:
+        run = 1 + self.settle_steps
         self._schedule += [(uses, i == run - 1) for _ in range(pairs) for uses in (False, True) for i in range(run)]
 
     def next_uses_candidate(self) -> Optional[bool]:
@@ -114,15 +110,6 @@ class Calibrator:
         return self._steps == len(self._schedule)
 
     @property
-    def can_extend(self) -> bool:
-        return self._look + 1 < len(self.looks)
-
-    def extend(self) -> None:
-        """Schedule the pairs up to the next look point."""
-        self._look += 1
-        self._add_pairs(self.looks[self._look] - self.looks[self._look - 1])
-
-    @property
     def recorded(self) -> int:
         """Steps run so far."""
         return self._steps
@@ -133,9 +120,32 @@ class Calibrator:
         return len(self._schedule)
 
     def pairs(self) -> list[list[float]]:
-        """This rank's measured pairs: [F(T0), F(T1)] each."""
-        observed = self._observed[2 * self.protocol.warmup_pairs:]
-        return [observed[i:i + 2] for i in range(0, len(observed), 2)]
+        """This rank's complete measured pairs: [F(T0), F(T1)] each."""
+        observed = self._observed[2 * self.warmup_pairs:]
+        return [observed[i:i + 2] for i in range(0, len(observed) - 1, 2)]
+
+
+class Calibrator(PairedSteps):
+    """One candidate's pairs; at each of its look points
+    (:func:`~lightning_sparselift.cost.decision.look_points`) the caller takes a :meth:`measurement`
+    and, while it is undecided and the budget allows, :meth:`extend`\\ s it."""
+
+    def __init__(self, protocol: CalibrationProtocol, rule: DecisionRule) -> None:
+        super().__init__(protocol.warmup_pairs, protocol.settle_steps)
+        self.protocol = protocol
+        self.rule = rule
+        self.looks = look_points(protocol.measured_pairs, max(rule.max_pairs, protocol.measured_pairs))
+        self._look = 0
+        self.add_pairs(protocol.warmup_pairs + self.looks[0])
+
+    @property
+    def can_extend(self) -> bool:
+        return self._look + 1 < len(self.looks)
+
+    def extend(self) -> None:
+        """Schedule the pairs up to the next look point."""
+        self._look += 1
+        self.add_pairs(self.looks[self._look] - self.looks[self._look - 1])
 
     def measurement(self, group: Any) -> Measurement:
         """Every rank's pairs (a collective over ``group``), judged on the slowest rank's."""

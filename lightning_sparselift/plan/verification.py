@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Literal, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_sparselift.cost.calibration import PairedSteps
+
 if TYPE_CHECKING:
     from lightning_sparselift.ir import SparseGraph
 
@@ -85,47 +87,14 @@ class PlanVerification:
 MIN_VERIFY_PAIRS = 3  # measured pairs a steady-state check uses at least (a t interval needs a few)
 
 
-class SteadyStateCheck:
-    """The schedule of a steady-state check: ``warmup_pairs`` unmeasured pairs, then measured
-    pairs, each an identity-plan run and an installed-plan run of ``1 + settle_steps`` steps whose
-    last step is observed; about ``steps`` steps in all (at least the warmup and
-    :data:`MIN_VERIFY_PAIRS` measured pairs)."""
+class SteadyStateCheck(PairedSteps):
+    """The schedule of a steady-state check: T0 the identity plan, T1 the installed plan; about
+    ``steps`` steps in all (at least the warmup and :data:`MIN_VERIFY_PAIRS` measured pairs)."""
 
     def __init__(self, steps: int, settle_steps: int, warmup_pairs: int = 1) -> None:
-        run = 1 + settle_steps
-        self.settle_steps, self.warmup_pairs = settle_steps, warmup_pairs
-        self.measured_pairs = max(MIN_VERIFY_PAIRS, steps // (2 * run) - warmup_pairs)
-        # per step: (runs the installed plan, observed)
-        self._schedule = [(uses, i == run - 1) for _ in range(warmup_pairs + self.measured_pairs)
-                          for uses in (False, True) for i in range(run)]
-        self._steps = 0
-        self._observed: list[float] = []
-
-    @property
-    def steps(self) -> int:
-        return len(self._schedule)
-
-    @property
-    def recorded(self) -> int:
-        return self._steps
-
-    def next_uses_plan(self) -> bool:
-        """Whether the next step runs the installed plan (else the identity plan)."""
-        return self._schedule[self._steps][0]
-
-    def record(self, step_ms: float) -> None:
-        if self._schedule[self._steps][1]:
-            self._observed.append(step_ms)
-        self._steps += 1
-
-    @property
-    def done(self) -> bool:
-        return self._steps == len(self._schedule)
-
-    def pairs(self) -> list[list[float]]:
-        """This rank's measured pairs, [identity, plan] each."""
-        observed = self._observed[2 * self.warmup_pairs:]
-        return [observed[i:i + 2] for i in range(0, len(observed) - 1, 2)]
+        super().__init__(warmup_pairs, settle_steps)
+        self.measured_pairs = max(MIN_VERIFY_PAIRS, steps // (2 * (1 + settle_steps)) - warmup_pairs)
+        self.add_pairs(warmup_pairs + self.measured_pairs)
 
 
 def settle_steps_for(graph: "SparseGraph") -> int:
