@@ -128,19 +128,19 @@ _DECISION_LABELS = {"predicted_ms": "predicted", "measured_ms": "measured", "int
                     "observations_ms": "observations (ms)", "noise_ms": "noise"}
 
 
+def _split(a: dict, b: dict) -> tuple[list, list, list]:
+    """The keys only in ``a``, only in ``b``, and in both (each in its dict's order)."""
+    return [k for k in a if k not in b], [k for k in b if k not in a], [k for k in a if k in b]
+
+
 def _decisions(a: ExecutionPlan, b: ExecutionPlan) -> list[str]:
     out = []
     da, db = {d.candidate: d for d in a.decisions}, {d.candidate: d for d in b.decisions}
-    for cid, d in da.items():
-        if cid not in db:
-            out.append(f"- {cid} (only in A): {_decision_summary(d)}")
-    for cid, d in db.items():
-        if cid not in da:
-            out.append(f"+ {cid} (only in B): {_decision_summary(d)}")
-    for cid, x in da.items():
-        y = db.get(cid)
-        if y is None:
-            continue
+    only_a, only_b, both = _split(da, db)
+    out += [f"- {cid} (only in A): {_decision_summary(da[cid])}" for cid in only_a]
+    out += [f"+ {cid} (only in B): {_decision_summary(db[cid])}" for cid in only_b]
+    for cid in both:
+        x, y = da[cid], db[cid]
         # the verdict, then every other recorded field (predicted, measured, observations, ...) by name
         fx, fy = asdict(x), asdict(y)
         changes = [_changed("verdict", verdict(x), verdict(y))]
@@ -180,17 +180,13 @@ def _schedule(a: ModuleSchedule, b: ModuleSchedule) -> list[str]:
         out.append(line)
     for which in ("input", "output"):
         ba, bb = _buckets(a, which), _buckets(b, which)
-        for label, fields in ba.items():
-            if label not in bb:
-                out.append(f"{which} {label}: only in A ({_bucket_text(fields)})")
-        for label, fields in bb.items():
-            if label not in ba:
-                out.append(f"{which} {label}: only in B ({_bucket_text(fields)})")
-        for label, fields in ba.items():
-            if label in bb:
-                changes = [c for c in (_changed(k, v, bb[label][k]) for k, v in fields.items()) if c]
-                if changes:
-                    out.append(f"{which} {label}: " + "; ".join(changes))
+        only_a, only_b, both = _split(ba, bb)
+        out += [f"{which} {label}: only in A ({_bucket_text(ba[label])})" for label in only_a]
+        out += [f"{which} {label}: only in B ({_bucket_text(bb[label])})" for label in only_b]
+        for label in both:
+            changes = [c for c in (_changed(k, v, bb[label][k]) for k, v in ba[label].items()) if c]
+            if changes:
+                out.append(f"{which} {label}: " + "; ".join(changes))
     ra = {(r.name, tuple(r.groups)): r.kernel for r in a.regions}
     rb = {(r.name, tuple(r.groups)): r.kernel for r in b.regions}
     for key in list(ra) + [k for k in rb if k not in ra]:
