@@ -50,7 +50,7 @@ from lightning_sparselift.frontend.capture import SparseCapture, gather_captures
 from lightning_sparselift.frontend.check import check_against_runtime
 from lightning_sparselift.frontend.lift import LiftError, dense_parameter_bytes, lift
 from lightning_sparselift.plan.planner import Planner, PlanningLoop
-from lightning_sparselift.plan.types import ExecutionPlan, PlanFileError, PlanFingerprint
+from lightning_sparselift.plan.types import ExecutionPlan, KernelBuild, PlanFileError, PlanFingerprint
 from lightning_sparselift.plan.verification import (
     DriftEvent, DriftWatch, PlanVerification, SteadyStateCheck, check_steady_options, drift_findings,
     finding_statistics, settle_steps_for, workload_of,
@@ -62,6 +62,21 @@ if TYPE_CHECKING:
 
 
 DRIFT_CHECK_EVERY = 10  # steps between two drift checks (one small all-gather each)
+
+
+def mark_generated(graph: SparseGraph, builds: list[KernelBuild]) -> None:
+    """Record in ``graph`` which groups have a generated lookup kernel on every rank (``builds``:
+    all ranks'), and why the others have none."""
+    from lightning_sparselift.ir.schedule import GENERATED_KERNEL
+
+    for module in graph.modules:
+        for group in module.groups:
+            notes = [f"rank {b.rank}: {b.note}" for b in builds
+                     if b.module == module.path and b.group == group.index and b.note]
+            if notes:
+                group.lookup_notes[GENERATED_KERNEL] = "; ".join(notes)
+            elif GENERATED_KERNEL not in group.lookup_kernels:
+                group.lookup_kernels.append(GENERATED_KERNEL)
 
 
 class SparseLiftSession:
@@ -125,6 +140,7 @@ class SparseLiftSession:
         self._round_started = 0  # self.steps when the last planning round began
         self._drift_noted: Optional[str] = None  # the deferred / ignored drift already reported
         self._decided_on: Optional[SparseGraph] = None  # a reused plan file's graph (its statistics)
+        self.kernel_builds: list[KernelBuild] = []  # the generated kernels built before planning, every rank's
 
     @property
     def done(self) -> bool:
@@ -319,11 +335,26 @@ class SparseLiftSession:
             raise RuntimeError(f"ranks lifted different sparse graphs (fingerprints by rank: {statuses}); they would "
                                f"issue different collectives. Check that every rank runs the same model and sharding "
                                f"plan with the same input features.")
-        self.identity = graph
         self.installed = install(graph, self.model, self.group, self.device)
         self.installed.observe(self._observe)
+        if any(p.name == "codegen" for p in self.passes):
+            self._build_kernels(graph)
+        self.identity = graph
         self.events.append(f"lifted {len(graph.modules)} sparse module(s) after {self.warmup_batches} captured "
                            f"step(s); lifted executor installed ({len(graph.collectives())} collectives per step)")
+
+    def _build_kernels(self, graph: SparseGraph) -> None:
+        """Build every group's generated lookup kernel on every rank (compile time stays out of the
+        timed steps) and record in ``graph`` which groups have one on all ranks: the codegen pass
+        proposes only those, so every rank plans alike."""
+        builds = self.kernel_builds = [KernelBuild(rank=rank, **b) for rank, ranks in enumerate(self._all_gather(
+            self.installed.build_generated())) for b in ranks]
+        mark_generated(graph, builds)
+        built = [b for b in builds if not b.note]
+        if built:
+            self.events.append(f"generated lookup kernels: {len(built)} built on {self.world} rank(s), "
+                               f"{sum(b.cached for b in built)} from the cache, "
+                               f"{max(b.seconds for b in built):.2f} s at most per kernel")
 
     # ------------------------------------------------------------------ plan
     def _fingerprint(self, graph: SparseGraph) -> PlanFingerprint:
@@ -391,6 +422,7 @@ class SparseLiftSession:
         saved = self._saved_plan(fingerprint, self.identity) if reuse_saved else None
         if saved is not None:
             self.plan = saved
+            saved.kernel_builds = self.kernel_builds
             self.plan_reused = True
             self.installed.use(saved.graph)
             self.events.append(f"reusing the plan at {self.plan_path} (no calibration): "
@@ -402,6 +434,7 @@ class SparseLiftSession:
         priors = measure_priors(self.group, self.device) if self.passes and self.calibrate else None
         self.loop = PlanningLoop(Planner(self.passes, priors, self.calibrate, self.decision_rule), fingerprint, self.identity, self.group,
                                  self.events)
+        self.loop.plan.kernel_builds = self.kernel_builds
         self.phase = "plan"
         self.loop.propose(since=start)
         if self.loop.done:

@@ -40,10 +40,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "two_modules": dict(weighted=False, multi_hot=True, two_modules=True),
     # rank 0's batch of the last lifted step is short: that step runs TorchRec's path on all ranks
     "uneven_batch": dict(weighted=True, multi_hot=True, two_modules=False, short_step=WARMUP_STEPS + 2),
+    # fused SGD (the others train with rowwise Adagrad); module "a" weighted, "b" not
+    "sgd": dict(weighted=True, multi_hot=True, two_modules=True, optimizer="sgd"),
 }
 # the lifted runs with passes forced on (every feasible candidate; "pass:role": only that role's)
 OPTIMIZED = {"aggregated": ("aggregation",), "latency_hidden": ("latency_hiding",),
-             "next_batch_only": ("latency_hiding:next_batch",), "all_passes": ("aggregation", "latency_hiding")}
+             "next_batch_only": ("latency_hiding:next_batch",), "generated": ("codegen",),
+             "all_passes": ("aggregation", "latency_hiding", "codegen")}
 # TorchRec's own row-wise backward fails on uneven batches over gloo ("ProcessGroupGloo::allgather:
 # invalid tensor size"), so there is no reference to compare with.
 ALL = [(c, v) for c in CASES for v in VARIANTS
@@ -190,14 +193,17 @@ def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: in
     from lightning_sparselift.frontend.check import check_against_runtime
     from lightning_sparselift.frontend.lift import dense_parameter_bytes, lift
     from lightning_sparselift.passes import select_passes
+    from lightning_sparselift.plan.types import KernelBuild
     from lightning_sparselift.runtime import install
+    from lightning_sparselift.session import mark_generated
     from lightning_sparselift.sharding import EmbeddingOptimizer, shard_model
 
     torch.manual_seed(0)
     model = ParityModel(variant["weighted"], variant["two_modules"])
     tables = set(TABLES_A) | (set(TABLES_B) if variant["two_modules"] else set())
     sharding = {t: k for t, k in case["sharding"].items() if t in tables}
-    sharded = shard_model(model, world, device, sharding, EmbeddingOptimizer("rowwise_adagrad", lr=0.1),
+    sharded = shard_model(model, world, device, sharding,
+                          EmbeddingOptimizer(variant.get("optimizer", "rowwise_adagrad"), lr=0.1),
                           dist.group.WORLD, input_check_group=dist.group.WORLD)
     dmp = sharded.dmp
     dense_params = [p for n, p in dmp.named_parameters() if not hasattr(p, "_in_backward_optimizers")]
@@ -241,6 +247,10 @@ def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: in
                          dense_parameter_bytes(dmp, sharded.sparse_module_paths))
             check_against_runtime(graph, model)
             installed = install(graph, model, dist.group.WORLD, device)
+            if any(o.startswith("codegen") for o in optimizations):  # built before planning, as the session does
+                builds: list = [None] * world
+                dist.all_gather_object(builds, installed.build_generated())
+                mark_generated(graph, [KernelBuild(rank=r, **b) for r, bs in enumerate(builds) for b in bs])
             for optimization in select_passes(list(optimizations)):  # every feasible one, as calibrate=False would
                 for candidate in optimization.candidates(graph):
                     if candidate.feasible and optimization.only in (None, {candidate.role}):

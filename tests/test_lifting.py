@@ -89,6 +89,11 @@ def _assert_identical(results: list[dict], case: str, variant: str, world: int) 
                 assert ahead == (bool({"latency_hiding", "latency_hiding:next_batch"} & set(passes)) and world > 1
                                  and any(g.sharding_type != "data_parallel" for g in m.groups))
                 assert result[executor]["prefetched_steps"][m.path] == (lp.LIFTED_STEPS - 1 if ahead else 0)
+                # code generation: every fused group's lookup ran a generated kernel
+                for g in m.groups:
+                    generated = m.schedule.region("lookup", g.index).kernel == "generated"
+                    assert generated == ("codegen" in passes and g.sharding_type != "data_parallel"), \
+                        f"{executor} g{g.index}: {g.lookup_notes}"
 
 
 @pytest.mark.gpu

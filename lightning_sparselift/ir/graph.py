@@ -40,6 +40,10 @@ class ShardingGroup:
     embedding_names: list[str]
     embedding_dims: list[int]
     tables: list[TableShard]
+    # the lookup kernels every rank can run for this group (the reference, and "generated" when the
+    # runtime built one everywhere), and why another one is not available; probed on the machine
+    lookup_kernels: list[str] = field(default_factory=lambda: ["torchrec"])
+    lookup_notes: dict[str, str] = field(default_factory=dict)
 
     def keys_on_rank(self, rank: int) -> list[str]:
         if self.sharding_type == "row_wise":

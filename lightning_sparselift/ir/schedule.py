@@ -31,6 +31,8 @@ from lightning_sparselift.ir.vocab import INPUT_ALL_TO_ALL, POOLED_ALL_TO_ALL, R
 # the kernels TorchRec's own path runs, per region
 REFERENCE_KERNELS: dict[str, str] = {"permute": "torchrec", "bucketize": "fbgemm", "recat": "fbgemm",
                                      "lookup": "torchrec", "output": "torchrec"}
+# a lookup kernel generated for the rank's tables (runtime/codegen)
+GENERATED_KERNEL = "generated"
 
 
 class ScheduleError(ValueError):

@@ -14,8 +14,15 @@ from lightning_sparselift.typed_json import decode
 if TYPE_CHECKING:
     from lightning_sparselift.ir.graph import SparseGraph
 
-# measured or descriptive: not part of the structure
+# measured, probed on the machine or descriptive: not part of the structure
 _NOT_STRUCTURE = ("ids_per_step", "length_percentiles", "next_batch_note")
+_GROUP_NOT_STRUCTURE = ("lookup_kernels", "lookup_notes")
+
+
+def _structure(module: Any) -> dict[str, Any]:
+    out = {k: v for k, v in asdict(module).items() if k not in _NOT_STRUCTURE}
+    out["groups"] = [{k: v for k, v in g.items() if k not in _GROUP_NOT_STRUCTURE} for g in out["groups"]]
+    return out
 
 
 def graph_to_dict(graph: "SparseGraph") -> dict[str, Any]:
@@ -35,6 +42,6 @@ def graph_to_json(graph: "SparseGraph") -> str:
 def fingerprint(graph: "SparseGraph") -> str:
     structure = {
         "version": graph.version, "world_size": graph.world_size, "backend": graph.backend,
-        "modules": [{k: v for k, v in asdict(m).items() if k not in _NOT_STRUCTURE} for m in graph.modules],
+        "modules": [_structure(m) for m in graph.modules],
     }
     return hashlib.sha256(json.dumps(structure, sort_keys=True).encode()).hexdigest()[:16]

@@ -6,9 +6,10 @@ from typing import Optional
 
 from lightning_sparselift.passes.aggregation import CommunicationAggregation
 from lightning_sparselift.passes.base import OptimizationPass
+from lightning_sparselift.passes.codegen import CodeGeneration
 from lightning_sparselift.passes.latency_hiding import LatencyHiding
 
-PASSES: dict[str, type[OptimizationPass]] = {cls.name: cls for cls in (CommunicationAggregation, LatencyHiding)}
+PASSES: dict[str, type[OptimizationPass]] = {cls.name: cls for cls in (CommunicationAggregation, LatencyHiding, CodeGeneration)}
 
 
 def select_passes(names: list[str]) -> list[OptimizationPass]:

@@ -63,6 +63,18 @@ class Decision:
 
 
 @dataclass
+class KernelBuild:
+    """One rank's generated lookup kernel for one sharding group, built before planning."""
+
+    module: str
+    group: int
+    rank: int
+    note: str  # "" when built, else why there is none
+    seconds: float  # compile time (a cache hit: the load)
+    cached: bool  # found in the kernel cache: nothing compiled
+
+
+@dataclass
 class ExecutionPlan:
     fingerprint: PlanFingerprint
     graph: SparseGraph
@@ -73,6 +85,7 @@ class ExecutionPlan:
     planning_s: float = 0.0
     verification: Optional[PlanVerification] = None  # the steady-state check against the identity plan
     trigger: Optional[DriftEvent] = None  # why this plan's round ran (None: the run's first round)
+    kernel_builds: list[KernelBuild] = field(default_factory=list)  # generated kernels this run built or loaded
     schema: str = PLAN_SCHEMA
 
     @property

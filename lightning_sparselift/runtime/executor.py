@@ -19,6 +19,8 @@ from torch import Tensor, nn
 from lightning_sparselift.frontend.capture import copy_features, same_features
 from lightning_sparselift.cost.calibration import RegionClock
 from lightning_sparselift.ir import LiftedModule, ModuleSchedule, ScheduleError, check_schedule
+from lightning_sparselift.ir.schedule import GENERATED_KERNEL
+from lightning_sparselift.runtime.codegen import GeneratedLookup, Unsupported
 from lightning_sparselift.runtime.input_dist import GroupRuntime, InputDistribution
 from lightning_sparselift.runtime.kernels import kernel
 from lightning_sparselift.runtime.output_dist import OutputDistribution, Pending
@@ -68,6 +70,7 @@ class ModuleExecutor:
         self.prefetched_steps = 0  # training calls whose input distribution the step before started
         # called with (module path, features) on every training call of the module (the session's drift watch)
         self.observer: Optional[Callable[[str, Any], None]] = None
+        self.generated: dict[int, GeneratedLookup] = {}  # by group: built once, kept across plan switches
         self.use(spec.schedule)
 
     def use(self, schedule: ModuleSchedule) -> None:
@@ -80,10 +83,10 @@ class ModuleExecutor:
         if streams:
             problems.append(f"streams {streams}: the runtime issues every exchange on the current stream")
         try:
-            lookups = [kernel("lookup", schedule.region("lookup", i).kernel) for i in range(len(self.groups))]
+            lookups = [self.lookup_kernel(i, schedule.region("lookup", i).kernel) for i in range(len(self.groups))]
             output = kernel("output", schedule.region("output").kernel)
             inputs = InputDistribution(self.spec, schedule, self.groups, self.process_groups, self.world, self.device)
-        except (KeyError, LookupError) as error:
+        except (KeyError, LookupError, Unsupported) as error:
             problems.append(str(error))
         if problems:
             raise ScheduleError(f"{self.spec.path}: cannot run the schedule: {'; '.join(problems)}")
@@ -94,6 +97,18 @@ class ModuleExecutor:
         self.outputs = OutputDistribution(schedule, self.groups, self.process_groups, self.rank, self.clock)
         self.starts_early = schedule.lookup_at == "root_forward"
         self.distributes_ahead = schedule.input_issue == "previous_step"
+
+    def lookup_kernel(self, group: int, name: str) -> Callable[[nn.Module, Any], Tensor]:
+        """Group ``group``'s lookup kernel ``name``; a generated one is built (or loaded from the
+        cache) on first use. :class:`Unsupported` when it cannot be."""
+        if name != GENERATED_KERNEL:
+            return kernel("lookup", name)
+        if group not in self.generated:
+            # ids are checked in the kernel only when no input check runs before it (never twice)
+            checked = any(isinstance(h, InputCheck) for h in self.module._forward_pre_hooks.values())
+            self.generated[group] = GeneratedLookup(self.groups[group].lookup, self.spec.weighted,
+                                                    check_ids=not checked)
+        return self.generated[group]
 
     def _check(self, features: Any) -> None:
         if features.variable_stride_per_key():

@@ -37,6 +37,24 @@ class InstalledExecutor:
             self.executors[spec.path].use(spec.schedule)
         self.graph = graph
 
+    def build_generated(self) -> list[dict[str, Any]]:
+        """Build (or load from the cache) every group's generated lookup kernel on this rank, before
+        any plan uses one: per group, ``{"module", "group", "note"}`` ("" when built, else why not),
+        ``"seconds"`` and ``"cached"``."""
+        from lightning_sparselift.ir.schedule import GENERATED_KERNEL
+        from lightning_sparselift.runtime.codegen import Unsupported
+
+        out = []
+        for path, executor in self.executors.items():
+            for group in range(len(executor.groups)):
+                try:
+                    built = executor.lookup_kernel(group, GENERATED_KERNEL)
+                    out.append({"module": path, "group": group, "note": "", "seconds": built.build_s,
+                                "cached": built.cached})
+                except Unsupported as error:
+                    out.append({"module": path, "group": group, "note": str(error), "seconds": 0.0, "cached": False})
+        return out
+
     def announce(self, batch: Any) -> None:
         """The batch the next training step will pass to the model (None: not known). Modules
         whose schedule distributes a step ahead start its input distribution during this step."""

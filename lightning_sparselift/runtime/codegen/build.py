@@ -1,0 +1,79 @@
+"""Build a generated C++ kernel with ``torch.utils.cpp_extension`` (the machine's compiler and
+ninja) into a cache keyed by the hash of its source and flags, and load it. A second run of the
+same model finds the library there and compiles nothing."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lightning_sparselift.runtime.codegen.spec import Unsupported
+
+# fbgemm's CPU kernels use fused multiply-adds where the generated source writes std::fma; without
+# FMA instructions std::fma is still exact (a libm call), only slower. Contraction stays off so the
+# compiler fuses nothing the source does not say.
+_BASE_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno"]
+
+
+def cache_dir() -> Path:
+    """``SPARSELIFT_KERNEL_CACHE``, else ``~/.cache/lightning_sparselift/kernels``."""
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lightning_sparselift" / "kernels"
+    return Path(os.environ.get("SPARSELIFT_KERNEL_CACHE", default))
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return []
+    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= flags else []
+
+
+@dataclass
+class BuiltKernel:
+    library: ctypes.CDLL
+    path: str
+    key: str
+    cached: bool  # found in the cache: nothing was compiled
+    build_s: float  # compile (or load) time
+
+
+def build(source: str) -> BuiltKernel:
+    """The loaded library of ``source``; :class:`Unsupported` when it cannot be built here."""
+    flags = _BASE_FLAGS + _cpu_flags()
+    key = hashlib.sha256("\n".join([source, *flags, torch.__version__]).encode()).hexdigest()[:20]
+    name = f"sparselift_lookup_{key}"
+    folder = cache_dir() / name
+    library = folder / f"{name}.so"
+    start = time.perf_counter()
+    cached = library.exists()
+    if not cached:
+        from torch.utils import cpp_extension
+
+        folder.mkdir(parents=True, exist_ok=True)
+        source_file = folder / "kernel.cpp"
+        if not source_file.exists() or source_file.read_text() != source:
+            source_file.write_text(source)
+        try:
+            # (ranks building the same source share the folder: cpp_extension locks it)
+            cpp_extension.load(name, [str(source_file)], extra_cflags=flags, build_directory=str(folder),
+                               is_python_module=False, verbose=False)
+        except (RuntimeError, OSError, ImportError) as error:
+            raise Unsupported(f"the generated kernel did not build here ({str(error).strip().splitlines()[-1]})") \
+                from error
+    try:
+        loaded = ctypes.CDLL(str(library))
+    except OSError as error:
+        raise Unsupported(f"the generated kernel {library} did not load ({error})") from error
+    for fn in (loaded.sl_forward, loaded.sl_backward):
+        fn.restype = ctypes.c_int64
+    loaded.sl_forward.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 5
+    loaded.sl_backward.argtypes = ([ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 6
+                                   + [ctypes.c_float])
+    return BuiltKernel(loaded, str(library), key, cached, time.perf_counter() - start)

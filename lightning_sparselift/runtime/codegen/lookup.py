@@ -1,0 +1,135 @@
+"""The generated kernel of a lookup region: TorchRec's grouped lookup module run by one generated
+kernel per table-batched embedding module it holds, on that module's own weights and optimizer
+state (so ``state_dict``, checkpoints and a switch back to the reference kernel see one storage).
+Forward pools; backward applies the fused optimizer update, as fbgemm's autograd function does."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_sparselift.runtime.codegen.build import BuiltKernel, build
+from lightning_sparselift.runtime.codegen.cpu_source import cpu_source
+from lightning_sparselift.runtime.codegen.spec import KernelSpec, Unsupported, spec_of
+
+_BITS = {torch.int32: 32, torch.int64: 64}
+
+
+def _ptr(t: Optional[Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+def _bits(t: Tensor, what: str) -> int:
+    try:
+        return _BITS[t.dtype]
+    except KeyError:
+        raise TypeError(f"generated lookup: {what} of dtype {t.dtype}; int32 or int64 expected") from None
+
+
+def _raise_bad_id(module: "TableBatchKernel", ids: Tensor, position: int) -> None:
+    if position == -2:
+        raise TypeError("generated lookup: unsupported id/offset widths")
+    raise IndexError(f"generated lookup: id {int(ids[position])} at position {position} is outside its table "
+                     f"(tables {[t.rows for t in module.spec.tables]} rows)")
+
+
+class _Lookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, placeholder: Tensor, kernel: "TableBatchKernel", ids: Tensor, offsets: Tensor,
+                weights: Optional[Tensor], batch: int) -> Tensor:
+        tbe = kernel.tbe
+        out = torch.empty(batch, kernel.spec.total_dim, dtype=torch.float32)
+        bad = kernel.library.sl_forward(batch, _bits(ids, "ids"), _bits(offsets, "offsets"), ids.data_ptr(),
+                                        offsets.data_ptr(), _ptr(weights), tbe.weights_host.data_ptr(), out.data_ptr())
+        if bad != -1:
+            _raise_bad_id(kernel, ids, bad)
+        ctx.kernel, ctx.batch = kernel, batch
+        ctx.save_for_backward(ids, offsets, weights)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, ...]:
+        kernel: TableBatchKernel = ctx.kernel
+        ids, offsets, weights = ctx.saved_tensors
+        grad = grad.contiguous()
+        tbe = kernel.tbe
+        state = tbe.momentum1_host.data_ptr() if kernel.spec.optimizer != "sgd" else None
+        bad = kernel.library.sl_backward(ctx.batch, _bits(ids, "ids"), _bits(offsets, "offsets"), ids.data_ptr(),
+                                         offsets.data_ptr(), _ptr(weights), grad.data_ptr(),
+                                         tbe.weights_host.data_ptr(), state,
+                                         ctypes.c_float(float(tbe.learning_rate_tensor)))
+        if bad != -1:
+            _raise_bad_id(kernel, ids, bad)
+        return None, None, None, None, None, None
+
+
+@dataclass
+class TableBatchKernel:
+    """The generated kernel of one fbgemm table-batched embedding module."""
+
+    tbe: nn.Module
+    spec: KernelSpec
+    built: BuiltKernel
+
+    @property
+    def library(self) -> ctypes.CDLL:
+        return self.built.library
+
+    def __call__(self, kjt: Any) -> Tensor:
+        weights = kjt.weights_or_none() if self.spec.weighted else None
+        if weights is not None and weights.dtype != torch.float32:
+            raise TypeError(f"generated lookup: per-sample weights of dtype {weights.dtype}; float32 expected")
+        tbe = self.tbe
+        if tbe.training and torch.is_grad_enabled():
+            self._count_step()
+        return _Lookup.apply(tbe.placeholder_autograd_tensor, self, kjt.values(), kjt.offsets(), weights, kjt.stride())
+
+    def _count_step(self) -> None:
+        """The counters fbgemm's forward keeps (its iteration counter is checkpointed)."""
+        tbe = self.tbe
+        tbe.step += 1
+        if self.spec.optimizer == "rowwise_adagrad":
+            if int(tbe.iter_cpu.item()) == 0:
+                tbe.iter_cpu.fill_(tbe.iter.cpu().item())
+            tbe.iter_cpu.add_(1)
+            tbe.iter.add_(1)
+
+
+class GeneratedLookup:
+    """A sharding group's lookup region run by generated kernels. :class:`Unsupported` (the
+    reason) when one of the lookup's table-batched modules has no generated kernel."""
+
+    def __init__(self, lookup: nn.Module, weighted: bool, check_ids: bool) -> None:
+        from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
+
+        if not isinstance(lookup, GroupedPooledEmbeddingsLookup):
+            raise Unsupported(f"a {type(lookup).__name__} lookup (data-parallel tables are updated through DDP and "
+                              f"the dense optimizer, not a fused kernel)")
+        # (a rank holding none of the group's tables runs TorchRec's lookup: it only makes the empty output)
+        modules = list(lookup._emb_modules)
+        self.lookup = lookup
+        self.kernels = []
+        for module in modules:
+            tbe = module._emb_module
+            spec = spec_of(tbe, weighted, check_ids)
+            self.kernels.append(TableBatchKernel(tbe, spec, build(cpu_source(spec))))
+        self.splits = list(lookup._feature_splits)
+
+    @property
+    def cached(self) -> bool:
+        return all(k.built.cached for k in self.kernels)
+
+    @property
+    def build_s(self) -> float:
+        return sum(k.built.build_s for k in self.kernels)
+
+    def __call__(self, lookup: nn.Module, kjt: Any) -> Tensor:
+        if not self.kernels:
+            return lookup(kjt)
+        if len(self.kernels) == 1:
+            return self.kernels[0](kjt)
+        return torch.cat([k(f) for k, f in zip(self.kernels, kjt.split(self.splits))], dim=1)

@@ -1,0 +1,90 @@
+"""What a generated kernel bakes in: one table-batched embedding module's tables, features,
+pooling, id check and optimizer, read from fbgemm's module (the storage it keeps owning).
+
+The learning rate is not baked: TorchRec's fused optimizer (and LR schedulers) change it on the
+module between steps, so the kernel reads it per call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# fbgemm's CPU optimizers a generated kernel reproduces bit for bit (OptimType values)
+OPTIMIZERS = {"exact_sgd": "sgd", "exact_adagrad": "adagrad", "exact_row_wise_adagrad": "rowwise_adagrad"}
+POOLING = {0: "sum", 1: "mean"}  # fbgemm's PoolingMode values
+
+
+class Unsupported(ValueError):
+    """A module configuration no generated kernel exists for (the reason is the message)."""
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    rows: int
+    dim: int
+    weights_offset: int  # first element of the table in the module's flat weights
+    state_offset: int  # first element of its optimizer state (momentum1); 0 without state
+    first_feature: int
+    end_feature: int  # features [first_feature, end_feature) read this table, in KJT order
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    tables: tuple[TableSpec, ...]
+    total_dim: int  # output columns: the features' dims in feature order
+    pooling: str  # sum | mean
+    weighted: bool
+    optimizer: str  # sgd | adagrad | rowwise_adagrad
+    eps: float
+    check_ids: bool  # no input check runs before the kernel: it rejects out-of-range ids itself
+
+    @property
+    def features(self) -> list[tuple[int, int, int]]:
+        """Per feature in KJT order: (table, dim, first output column)."""
+        out, column = [], 0
+        for t, table in enumerate(self.tables):
+            for _ in range(table.first_feature, table.end_feature):
+                out.append((t, table.dim, column))
+                column += table.dim
+        return out
+
+
+def spec_of(tbe: Any, weighted: bool, check_ids: bool) -> KernelSpec:
+    """The spec of fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen`` ``tbe``; :class:`Unsupported`
+    names the first thing no generated kernel handles."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+
+    if not isinstance(tbe, SplitTableBatchedEmbeddingBagsCodegen):
+        raise Unsupported(f"{type(tbe).__name__} is not fbgemm's fused table-batched embedding (data-parallel and "
+                          f"dense kernels update through the dense optimizer)")
+    optimizer = OPTIMIZERS.get(tbe.optimizer.value)
+    if optimizer is None:
+        raise Unsupported(f"optimizer {tbe.optimizer.value}: generated kernels reproduce {sorted(OPTIMIZERS.values())}")
+    if str(tbe.weights_precision).lower() not in ("fp32", "sparsetype.fp32"):
+        raise Unsupported(f"weights in {tbe.weights_precision}: generated kernels handle fp32 tables")
+    if tbe.weights_host.numel() == 0 or tbe.weights_host.device.type != "cpu":
+        raise Unsupported("tables not in host memory: the C++ kernel runs on CPU tables")
+    pooling = POOLING.get(int(tbe.pooling_mode))
+    if pooling is None:
+        raise Unsupported(f"pooling mode {tbe.pooling_mode}: generated kernels pool by sum or mean")
+    args = tbe.optimizer_args
+    if args.weight_decay != 0 or args.gradient_clipping or args.max_norm != 0:
+        raise Unsupported("weight decay, gradient clipping or max-norm in the fused optimizer")
+    if set(tbe.weights_placements.tolist()) != {EmbeddingLocation.HOST.value}:
+        raise Unsupported("tables placed on a device, managed or cached memory: the C++ kernel reads host tables")
+    table_of = list(tbe.feature_table_map)
+    if table_of != sorted(table_of):
+        raise Unsupported("features do not read their tables in table order")
+    weights_offsets = tbe.weights_offsets.tolist()
+    dims = (tbe.D_offsets[1:] - tbe.D_offsets[:-1]).tolist()
+    rows = tbe.rows_per_table.tolist()
+    state = tbe.momentum1_offsets.tolist() if optimizer != "sgd" else [0] * len(table_of)
+    tables = []
+    for t in range(max(table_of) + 1):
+        features = [f for f, x in enumerate(table_of) if x == t]
+        first = features[0]
+        tables.append(TableSpec(rows=int(rows[first]), dim=int(dims[first]), weights_offset=int(weights_offsets[first]),
+                                state_offset=int(state[first]), first_feature=first, end_feature=features[-1] + 1))
+    return KernelSpec(tables=tuple(tables), total_dim=int(tbe.D_offsets[-1]), pooling=pooling, weighted=weighted,
+                      optimizer=optimizer, eps=float(args.eps), check_ids=check_ids)
