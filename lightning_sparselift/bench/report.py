@@ -28,9 +28,9 @@ def markdown(summary: dict[str, Any]) -> str:
              f"world size {summary['world_size']}, global batch {summary['global_batch']}, "
              f"{summary['config']['rounds']} rounds x {summary['config']['steps_per_round']} steps, "
              f"{summary['config']['warmup_steps']} warmup steps per system (excluded)", "",
-             "| system | step ms, median [p25, p75] | samples/s, median [p25, p75] | CPU ms/step | collectives/step (MB) "
-             "| " + " | ".join(x.replace("_", " ") for x in STAGES) + " |",
-             "|---|---|---|---|---|" + "---|" * len(STAGES)]
+             "| system | step ms, median [p25, p75] | samples/s, median [p25, p75] | CPU ms/step | sparse-path CPU "
+             "ms/step (beyond dense-only) | collectives/step (MB) | " + " | ".join(x.replace("_", " ") for x in STAGES)
+             + " |", "|---|---|---|---|---|---|" + "---|" * len(STAGES)]
     for name, r in summary["systems"].items():
         if r["status"] != "ok":
             error = (r.get("error") or "").strip().splitlines()
@@ -40,7 +40,8 @@ def markdown(summary: dict[str, Any]) -> str:
         coll = f"{c['count']} ({c['bytes'] / 1e6:.2f})" if c else "-"
         stages = r.get("stages_ms") or {}
         lines.append(f"| {name} | {_fmt(r['step_ms'])} | {_fmt(r['samples_per_s'], 0)} | "
-                     f"{r['cpu_ms']['median']:.1f} | {coll} | " + " | ".join(
+                     f"{r['cpu_ms']['median']:.1f} | "
+                     + (f"{r['sparse_cpu_ms']:.1f}" if "sparse_cpu_ms" in r else "-") + f" | {coll} | " + " | ".join(
                          f"{stages[k]:.1f}" if k in stages else "-" for k in STAGES) + " |")
     refs = [x for x in REFERENCES if summary["systems"].get(x, {}).get("status") == "ok"]
     if refs:

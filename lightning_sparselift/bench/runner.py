@@ -358,6 +358,12 @@ def summarize(config: BenchConfig, raw: dict[str, Any], scenario: scenarios.Scen
             res.update(status="failed", error=res.get("error") or "no timed steps were recorded")
         res.setdefault("calibration_s", 0.0)  # systems without a planner
         systems[name] = res
+    dense = systems.get("dense-only", {})
+    if dense.get("status") == "ok":
+        # the sparse path's CPU cost: a system's CPU time per step beyond the dense-only bound's
+        for res in systems.values():
+            if res["status"] == "ok":
+                res["sparse_cpu_ms"] = res["cpu_ms"]["median"] - dense["cpu_ms"]["median"]
     ratios = {}
     ok = [n for n, r in systems.items() if r["status"] == "ok"]
     for a in ok:

@@ -317,10 +317,11 @@ def _ablation(name: str, optimizations: list[str], doc: str) -> type[SparseLift]
 
 ABLATIONS = [
     _ablation("sparselift-identity", [], "SparseLift's executor with the identity plan (no optimization pass)."),
-    _ablation("sparselift-no-latency-hiding", ["aggregation"], "SparseLift without the latency-hiding pass."),
-    _ablation("sparselift-no-aggregation", ["latency_hiding"], "SparseLift without the aggregation pass."),
-    _ablation("sparselift-no-next-batch", ["aggregation", "latency_hiding:early_start"],
+    _ablation("sparselift-no-latency-hiding", ["aggregation", "codegen"], "SparseLift without the latency-hiding pass."),
+    _ablation("sparselift-no-aggregation", ["latency_hiding", "codegen"], "SparseLift without the aggregation pass."),
+    _ablation("sparselift-no-next-batch", ["aggregation", "latency_hiding:early_start", "codegen"],
               "SparseLift without latency hiding's next-batch input distribution."),
+    _ablation("sparselift-no-codegen", ["aggregation", "latency_hiding"], "SparseLift without code generation."),
 ]
 
 

@@ -96,6 +96,9 @@ def _module(m: "LiftedModule") -> list[str]:
                      + (f", stream {e.stream}" if e.stream else ""))
     kernels = sorted({f"{r.name}={r.kernel}" for r in s.regions})
     lines.append(f"    kernels: {', '.join(kernels)}")
+    for g in m.groups:
+        for name, note in sorted(g.lookup_notes.items()):
+            lines.append(f"    g{g.index} has no {name} lookup kernel: {note}")
     return lines
 
 

@@ -48,8 +48,11 @@ def build(source: str) -> BuiltKernel:
     """The loaded library of ``source``; :class:`Unsupported` when it cannot be built here."""
     flags = _BASE_FLAGS + _cpu_flags()
     key = hashlib.sha256("\n".join([source, *flags, torch.__version__]).encode()).hexdigest()[:20]
-    name = f"sparselift_lookup_{key}"
-    folder = cache_dir() / name
+    # cpp_extension remembers, per process, the extension names it built and where: the cache
+    # folder is part of the name so another cache (e.g. a test's) builds its own
+    root = cache_dir()
+    name = f"sparselift_lookup_{key}_{hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:6]}"
+    folder = root / name
     library = folder / f"{name}.so"
     start = time.perf_counter()
     cached = library.exists()

@@ -7,9 +7,13 @@ is fbgemm's, operation for operation, so results are bitwise identical to its CP
   mean pooling scaled by ``1.0f / length``; an empty bag is zeros;
 - backward: each id's gradient summed over its occurrences in KJT order (fbgemm's stable radix
   sort visits them in that order; here a hash of the ids does, without the sort), then the
-  optimizer's update of that row: SGD ``w = fma(-lr, g, w)``; Adagrad per element; rowwise
-  Adagrad with fbgemm's 8-lane sum of squares for a table read by one feature (its AVX2 kernel)
-  and a sequential one for a table several features read (its scalar path).
+  optimizer's update of that row: SGD ``w = fma(-lr, g, w)``; Adagrad ``m = fma(g, g, m)`` and
+  the step in double (fbgemm's scalar template calls the double ``sqrt``); rowwise Adagrad
+  unfused, with fbgemm's 8-lane sum of squares and its pairwise reduction for a table read by one
+  feature (its JIT kernel) and a sequential sum for a table several features read (its scalar
+  path). Which operations fuse was read from fbgemm's compiled kernels, so the build turns
+  contraction off and the source says every fused multiply-add itself.
+Rows are prefetched 16 ahead, as fbgemm's kernels do (table rows are random reads).
 Functions are ``extern "C"`` over raw pointers (called through ctypes): the source includes no
 torch header, so a cold build takes about a second.
 """
@@ -30,17 +34,29 @@ namespace {
 constexpr int64_t TOTAL_D = $total_dim;
 constexpr float EPS = $eps;
 
+constexpr int64_t PREFETCH = 16;  // rows ahead (as fbgemm's kernels): table rows are random reads
+
 template <typename I>
 inline uint64_t slot_hash(I id) { return static_cast<uint64_t>(id) * 0x9E3779B97F4A7C15ull; }
+
+template <int D>
+inline void prefetch_row(const float* row) {
+  for (int line = 0; line < D; line += 16) __builtin_prefetch(row + line, 1, 0);
+}
 
 // forward: one feature's bags; returns the position of an out-of-range id, or -1
 template <int D, bool WEIGHTED, bool MEAN, bool CHECK, typename I, typename O>
 int64_t pool(const I* ids, const O* offsets, const float* psw, const float* table, int64_t rows,
              float* out, int64_t B, int64_t f, int64_t column) {
+  const int64_t last = offsets[(f + 1) * B];
   for (int64_t b = 0; b < B; ++b) {
     const int64_t begin = offsets[f * B + b], end = offsets[f * B + b + 1];
     float acc[D] = {};
     for (int64_t p = begin; p < end; ++p) {
+      if (p + PREFETCH < last) {
+        const int64_t ahead = ids[p + PREFETCH];
+        if (ahead >= 0 && ahead < rows) prefetch_row<D>(table + ahead * D);
+      }
       const int64_t id = ids[p];
       if (CHECK && (id < 0 || id >= rows)) return p;
       const float* row = table + id * D;
@@ -118,6 +134,7 @@ int64_t accumulate(const I* ids, const O* offsets, const float* psw, const float
 template <int D>
 void update_sgd(float* table, float*, const Scratch& s, int64_t U, float lr) {
   for (int64_t u = 0; u < U; ++u) {
+    if (u + PREFETCH < U) prefetch_row<D>(table + s.rows[u + PREFETCH] * D);
     float* w = table + s.rows[u] * D;
     const float* g = &s.acc[u * D];
     for (int d = 0; d < D; ++d) w[d] = std::fma(-lr, g[d], w[d]);
@@ -127,12 +144,17 @@ void update_sgd(float* table, float*, const Scratch& s, int64_t U, float lr) {
 template <int D>
 void update_adagrad(float* table, float* state, const Scratch& s, int64_t U, float lr) {
   for (int64_t u = 0; u < U; ++u) {
+    if (u + PREFETCH < U) prefetch_row<D>(table + s.rows[u + PREFETCH] * D);
     float* w = table + s.rows[u] * D;
     float* m = state + s.rows[u] * D;
     const float* g = &s.acc[u * D];
     for (int d = 0; d < D; ++d) {
+      // fbgemm's build: m += g * g fused; float lr * g; sqrt, + float eps, division and w - step in
+      // double, rounded once to float
       m[d] = std::fma(g[d], g[d], m[d]);
-      w[d] = w[d] - (lr * g[d]) / (std::sqrt(m[d]) + EPS);
+      const double step = static_cast<double>(lr * g[d]) /
+                          (std::sqrt(static_cast<double>(m[d])) + static_cast<double>(EPS));
+      w[d] = static_cast<float>(static_cast<double>(w[d]) - step);
     }
   }
 }
@@ -141,16 +163,18 @@ void update_adagrad(float* table, float* state, const Scratch& s, int64_t U, flo
 template <int D>
 void update_rowwise_adagrad(float* table, float* state, const Scratch& s, int64_t U, float lr) {
   for (int64_t u = 0; u < U; ++u) {
+    if (u + PREFETCH < U) prefetch_row<D>(table + s.rows[u + PREFETCH] * D);
     float* w = table + s.rows[u] * D;
     const float* g = &s.acc[u * D];
+    // the JIT squares (vmulps) then adds (vaddps): no FMA, in the sum or in the update
     float lane[8] = {};
-    for (int d = 0; d < D; ++d) lane[d % 8] = std::fma(g[d], g[d], lane[d % 8]);
+    for (int d = 0; d < D; ++d) lane[d % 8] = lane[d % 8] + g[d] * g[d];
     float sum = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
     sum = sum / static_cast<float>(D);
     const float h = state[s.rows[u]] + sum;
     state[s.rows[u]] = h;
     const float step = -lr / (std::sqrt(h) + EPS);
-    for (int d = 0; d < D; ++d) w[d] = std::fma(g[d], step, w[d]);
+    for (int d = 0; d < D; ++d) w[d] = w[d] + g[d] * step;
   }
 }
 
@@ -158,14 +182,18 @@ void update_rowwise_adagrad(float* table, float* state, const Scratch& s, int64_
 template <int D>
 void update_rowwise_adagrad_shared(float* table, float* state, const Scratch& s, int64_t U, float lr) {
   for (int64_t u = 0; u < U; ++u) {
+    if (u + PREFETCH < U) prefetch_row<D>(table + s.rows[u + PREFETCH] * D);
     float* w = table + s.rows[u] * D;
     const float* g = &s.acc[u * D];
+    // fbgemm's build vectorises this loop in order, squares rounded (vmulps) then added; only its
+    // scalar tail (D % 4 elements, none since fbgemm requires D % 4 == 0) would be fused
     float sum = 0.0f;
-    for (int d = 0; d < D; ++d) sum = std::fma(g[d], g[d], sum);
+    for (int d = 0; d < D; ++d) sum = sum + g[d] * g[d];
     const float h = state[s.rows[u]] + sum / static_cast<float>(D);
     state[s.rows[u]] = h;
     const float multiplier = lr / (std::sqrt(h) + EPS);
-    for (int d = 0; d < D; ++d) w[d] = std::fma(-g[d], multiplier, w[d]);
+    // fbgemm: fmsub(w, correction = 1, round(g * multiplier))
+    for (int d = 0; d < D; ++d) w[d] = w[d] - g[d] * multiplier;
   }
 }
 

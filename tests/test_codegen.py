@@ -1,0 +1,165 @@
+"""Generated lookup kernels: bitwise against fbgemm's CPU kernels (forward and the fused update),
+the kernel cache, the failures that make the candidate infeasible, and the codegen pass on small
+graphs (process-free)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graph_fixtures import EBC, load
+from lightning_sparselift.ir.schedule import GENERATED_KERNEL
+from lightning_sparselift.passes import InfeasibleCandidate
+from lightning_sparselift.passes.codegen import CodeGeneration
+from lightning_sparselift.runtime.codegen import Unsupported, spec_of
+from lightning_sparselift.runtime.codegen.build import build
+from lightning_sparselift.runtime.codegen.cpu_source import cpu_source
+from lightning_sparselift.runtime.codegen.lookup import TableBatchKernel
+from lightning_sparselift.runtime.codegen.spec import OPTIMIZERS
+
+# dims fbgemm allows (multiples of 4) but not of the 8-float vector; table 1 is read by two features
+DIMS, ROWS, FEATURE_TABLE = [8, 4, 12, 20], [50, 1000, 31, 7], [0, 1, 1, 2, 3]
+BATCH = 16
+FBGEMM_OPTIMIZERS = {v: k for k, v in OPTIMIZERS.items()}
+
+
+@pytest.fixture(autouse=True)
+def kernel_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("SPARSELIFT_KERNEL_CACHE", str(tmp_path_factory.getbasetemp() / "kernels"))
+
+
+def _tbe(optimizer: str, pooling: str, lr: float = 0.1, **kwargs):
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import ComputeDevice, EmbeddingLocation, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+
+    torch.manual_seed(0)
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(r, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for r, d in zip(ROWS, DIMS)],
+        feature_table_map=FEATURE_TABLE, optimizer=EmbOptimType(FBGEMM_OPTIMIZERS[optimizer]), learning_rate=lr,
+        eps=1e-8, pooling_mode=PoolingMode.SUM if pooling == "sum" else PoolingMode.MEAN, **kwargs)
+    tbe.weights_host.data.normal_()
+    return tbe
+
+
+def _batch(gen: torch.Generator, weighted: bool, id_dtype: torch.dtype):
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    lengths = torch.randint(0, 6, (len(FEATURE_TABLE) * BATCH,), generator=gen)  # empty bags included
+    lengths[3] = 0
+    ids = torch.cat([torch.randint(0, ROWS[FEATURE_TABLE[i // BATCH]], (int(n),), generator=gen)
+                     for i, n in enumerate(lengths)])
+    ids[1:4] = ids[0]  # the same id several times in a bag and across bags
+    weights = torch.rand(ids.numel(), generator=gen) if weighted else None
+    kjt = KeyedJaggedTensor(keys=[f"f{i}" for i in range(len(FEATURE_TABLE))], values=ids.to(id_dtype),
+                            lengths=lengths.to(id_dtype), weights=weights)
+    return kjt, ids, torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]), weights
+
+
+def _generated(tbe, weighted: bool, check_ids: bool = True) -> TableBatchKernel:
+    spec = spec_of(tbe, weighted, check_ids)
+    return TableBatchKernel(tbe, spec, build(cpu_source(spec)))
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS.values()))
+def test_generated_kernel_is_bitwise_fbgemm(optimizer, pooling, weighted, id_dtype):
+    reference, ours = _tbe(optimizer, pooling), _tbe(optimizer, pooling)
+    kernel = _generated(ours, weighted)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        if step == 2:  # the fused optimizer's learning rate changes between steps (an LR scheduler)
+            reference.set_learning_rate(0.05)
+            ours.set_learning_rate(0.05)
+        kjt, ids, offsets, weights = _batch(gen, weighted, id_dtype)
+        grad = torch.randn(BATCH, sum(DIMS[t] for t in FEATURE_TABLE), generator=gen)
+        expected = reference(ids, offsets, per_sample_weights=weights)
+        expected.backward(grad)
+        got = kernel(kjt)
+        got.backward(grad)
+        assert torch.equal(expected, got), f"forward, step {step}"
+        assert torch.equal(reference.weights_host, ours.weights_host), f"weights after step {step}"
+        if optimizer != "sgd":
+            assert torch.equal(reference.momentum1_host, ours.momentum1_host), f"optimizer state after step {step}"
+    assert (ours.step, int(ours.iter)) == (reference.step, int(reference.iter))
+
+
+def test_the_second_build_of_a_source_loads_it_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARSELIFT_KERNEL_CACHE", str(tmp_path))
+    source = cpu_source(spec_of(_tbe("sgd", "sum"), False, True))
+    cold = build(source)
+    monkeypatch.setenv("CXX", str(tmp_path / "no-compiler"))  # a cache hit compiles nothing
+    warm = build(source)
+    assert (cold.cached, warm.cached, warm.key) == (False, True, cold.key)
+    other = cpu_source(spec_of(_tbe("sgd", "mean"), False, True))
+    with pytest.raises(Unsupported, match="did not build"):
+        build(other)
+
+
+def test_an_out_of_range_id_is_an_error_when_no_input_check_ran():
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    kernel = _generated(_tbe("sgd", "sum"), False, check_ids=True)
+    lengths = torch.ones(len(FEATURE_TABLE) * BATCH, dtype=torch.long)
+    ids = torch.zeros(lengths.numel(), dtype=torch.long)
+    ids[BATCH * 4 + 2] = ROWS[3]  # one past table 3's last row
+    with pytest.raises(IndexError, match=f"id {ROWS[3]} at position {BATCH * 4 + 2}"):
+        kernel(KeyedJaggedTensor(keys=[f"f{i}" for i in range(5)], values=ids, lengths=lengths))
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(weight_decay=0.01), "weight decay"),
+    (dict(optimizer_name="adam"), "optimizer adam"),
+])
+def test_configurations_without_a_generated_kernel_say_why(kwargs, reason):
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    if kwargs.pop("optimizer_name", None):
+        tbe = _tbe("sgd", "sum")
+        tbe.optimizer = EmbOptimType.ADAM  # (fbgemm builds no Adam table on CPU)
+    else:
+        tbe = _tbe("sgd", "sum", **kwargs)
+    with pytest.raises(Unsupported, match=reason):
+        spec_of(tbe, False, True)
+
+
+# ------------------------------------------------------------------------------------------ the pass
+
+def _with_generated(graph, groups=None):
+    for module in graph.modules:
+        for group in module.groups:
+            if groups is None or group.index in groups:
+                group.lookup_kernels.append(GENERATED_KERNEL)
+            else:
+                group.lookup_notes[GENERATED_KERNEL] = "rank 1: a DenseTableBatchedEmbeddingBagsCodegen"
+    return graph
+
+
+def test_codegen_proposes_only_groups_with_a_kernel_on_every_rank():
+    codegen = CodeGeneration()
+    graph = load("table_and_column_wise_2ranks")
+    (unprobed,) = codegen.candidates(graph)
+    assert not unprobed.feasible and all("no generated kernel was built" in r for r in unprobed.reasons)
+    with pytest.raises(InfeasibleCandidate):
+        codegen.apply(graph, unprobed)
+    graph = _with_generated(graph, groups={0})
+    (candidate,) = codegen.candidates(graph)
+    assert candidate.feasible and candidate.cost_inputs["groups"] == 1 and candidate.cost_inputs["ids"] > 0
+    applied = codegen.apply(graph, candidate)
+    kernels = [applied.module(EBC).schedule.region("lookup", g).kernel for g in (0, 1)]
+    assert kernels == [GENERATED_KERNEL, "torchrec"]
+    assert "reference kernel kept for g1: rank 1: a DenseTableBatchedEmbeddingBagsCodegen" in applied.provenance[-1]
+    assert codegen.candidates(applied)[0].reasons == ["already scheduled"]
+    # the probe is machine-specific: it does not change the graph's structure
+    assert applied.fingerprint() != graph.fingerprint() and _with_generated(load("table_and_column_wise_2ranks")) \
+        .fingerprint() == load("table_and_column_wise_2ranks").fingerprint()
+
+
+def test_codegen_applies_on_one_rank_without_exchanges():
+    graph = _with_generated(load("table_wise_1rank"))
+    (candidate,) = CodeGeneration().candidates(graph)
+    applied = CodeGeneration().apply(graph, candidate)
+    assert CodeGeneration().candidates(applied)[0].reasons == ["already scheduled"]
+    assert "lookup=generated" in applied.explain()
