@@ -54,9 +54,15 @@ def test_all_systems_side_by_side(tmp_path, data_cache):
     assert identity["calibration_steps"] == 0 and identity["plan_decisions"] == []
     assert {d["candidate"].split("@")[0] for d in sl["plan_decisions"]} == {
         "aggregation:input", "aggregation:output", "latency_hiding:early_start",
-        "latency_hiding:next_batch"}
+        "latency_hiding:next_batch", "codegen:lookup"}
     assert {d["candidate"].split(":")[0] for d in summary["systems"]["sparselift-no-aggregation"]["plan_decisions"]} \
-        == {"latency_hiding"}
+        == {"latency_hiding", "codegen"}
+    assert {d["candidate"].split(":")[0] for d in summary["systems"]["sparselift-no-codegen"]["plan_decisions"]} \
+        == {"latency_hiding", "aggregation"}
+    # the generated kernels were built before planning, on every rank, for the fused groups
+    assert any(not b["note"] for b in sl["kernel_builds"])
+    assert all(not b["note"] or "data-parallel tables" in b["note"] for b in sl["kernel_builds"])
+    assert not summary["systems"]["sparselift-no-codegen"]["kernel_builds"]
     assert sl["graph_collectives_per_step"] <= identity["graph_collectives_per_step"]
     assert summary["systems"]["sparselift"]["graph_collectives_per_step"] == \
         summary["systems"]["sparselift"]["collectives_per_step"]["count"]

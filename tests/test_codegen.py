@@ -163,3 +163,20 @@ def test_codegen_applies_on_one_rank_without_exchanges():
     applied = CodeGeneration().apply(graph, candidate)
     assert CodeGeneration().candidates(applied)[0].reasons == ["already scheduled"]
     assert "lookup=generated" in applied.explain()
+
+
+def test_codegen_is_calibrated_ref_gen_gen_ref_over_whole_steps():
+    from lightning_sparselift.cost.calibration import PairedSteps
+
+    protocol = CodeGeneration().protocol
+    assert (protocol.region, protocol.warmup_pairs, protocol.mirrored) == ("step", 1, True)
+    steps = PairedSteps(protocol.warmup_pairs, protocol.settle_steps, protocol.mirrored)
+    steps.add_pairs(3)
+    order = []
+    while not steps.done:
+        uses = steps.next_uses_candidate()
+        order.append("gen" if uses else "ref")
+        steps.record(20.0 if uses else 30.0 + len(order))  # the reference drifts slower step by step
+    # one warmup per implementation, then gen ref | ref gen: each pair is still [T0, T1]
+    assert order == ["ref", "gen", "gen", "ref", "ref", "gen"]
+    assert steps.pairs() == [[34.0, 20.0], [35.0, 20.0]]

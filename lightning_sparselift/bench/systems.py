@@ -289,6 +289,7 @@ def session_report(session: Any) -> dict[str, Any]:
             "calibration_s": plan.calibration_s, "calibration_steps": plan.calibration_steps,
             "planning_s": plan.planning_s, "plan_explain": plan.explain(),
             "plan_decisions": [asdict(d) for d in plan.decisions],
+            "kernel_builds": [asdict(b) for b in plan.kernel_builds],
             "predicted_change_ms": plan.predicted_change_ms, "measured_change_ms": plan.measured_change_ms,
             # the steady-state check against the identity plan (predicted vs measured step change)
             "verification": asdict(session.verification) if session.verification else None,

@@ -58,6 +58,9 @@ class CalibrationProtocol:
     measured_pairs: int = 2
     region: str = "sparse"  # what F measures: "sparse" (the executor's regions) or "step" (whole step)
     settle_steps: int = 0  # unmeasured steps on the same plan before each observed one
+    # every other pair runs T1 first (T0 T1, T1 T0, ...: the paper's ref -> gen -> gen -> ref), so a
+    # drift across the pairs (e.g. caches warming to a new kernel) cancels instead of biasing
+    mirrored: bool = False
 
     @property
     def steps(self) -> int:
@@ -83,16 +86,20 @@ class PairedSteps:
     plan a steady-state check verifies): ``warmup_pairs`` unmeasured pairs, then measured ones,
     each half a run of ``1 + settle_steps`` steps whose last step is observed."""
 
-    def __init__(self, warmup_pairs: int, settle_steps: int) -> None:
-        self.warmup_pairs, self.settle_steps = warmup_pairs, settle_steps
+    def __init__(self, warmup_pairs: int, settle_steps: int, mirrored: bool = False) -> None:
+        self.warmup_pairs, self.settle_steps, self.mirrored = warmup_pairs, settle_steps, mirrored
         # per step: (runs T1, observed)
         self._schedule: list[tuple[bool, bool]] = []
         self._steps = 0
-        self._observed: list[float] = []
+        self._pairs_added = 0
+        self._observed: list[tuple[bool, float]] = []  # (ran T1, F)
 
     def add_pairs(self, pairs: int) -> None:
         run = 1 + self.settle_steps
-        self._schedule += [(uses, i == run - 1) for _ in range(pairs) for uses in (False, True) for i in range(run)]
+        for k in range(self._pairs_added, self._pairs_added + pairs):
+            order = (True, False) if self.mirrored and k % 2 else (False, True)
+            self._schedule += [(uses, i == run - 1) for uses in order for i in range(run)]
+        self._pairs_added += pairs
 
     def next_uses_candidate(self) -> Optional[bool]:
         """Whether the next step runs T1 (True) or T0 (False); None once the scheduled steps ran."""
@@ -100,8 +107,9 @@ class PairedSteps:
 
     def record(self, f_ms: float) -> None:
         """The measured region of the step just run (ignored for settle steps)."""
-        if self._schedule[self._steps][1]:
-            self._observed.append(f_ms)
+        uses, observed = self._schedule[self._steps]
+        if observed:
+            self._observed.append((uses, f_ms))
         self._steps += 1
 
     @property
@@ -122,7 +130,8 @@ class PairedSteps:
     def pairs(self) -> list[list[float]]:
         """This rank's complete measured pairs: [F(T0), F(T1)] each."""
         observed = self._observed[2 * self.warmup_pairs:]
-        return [observed[i:i + 2] for i in range(0, len(observed) - 1, 2)]
+        return [[f for _, f in sorted(observed[i:i + 2], key=lambda o: o[0])]
+                for i in range(0, len(observed) - 1, 2)]
 
 
 class Calibrator(PairedSteps):
@@ -131,7 +140,7 @@ class Calibrator(PairedSteps):
     and, while it is undecided and the budget allows, :meth:`extend`\\ s it."""
 
     def __init__(self, protocol: CalibrationProtocol, rule: DecisionRule) -> None:
-        super().__init__(protocol.warmup_pairs, protocol.settle_steps)
+        super().__init__(protocol.warmup_pairs, protocol.settle_steps, protocol.mirrored)
         self.protocol = protocol
         self.rule = rule
         self.looks = look_points(protocol.measured_pairs, max(rule.max_pairs, protocol.measured_pairs))

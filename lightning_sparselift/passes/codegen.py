@@ -34,7 +34,7 @@ _FLOAT_BYTES = 4
 class CodeGeneration(OptimizationPass):
     name = "codegen"
     roles = ("lookup",)
-    protocol = CalibrationProtocol(warmup_pairs=1, measured_pairs=2, region="step", settle_steps=0)
+    protocol = CalibrationProtocol(warmup_pairs=1, measured_pairs=2, region="step", settle_steps=0, mirrored=True)
 
     @staticmethod
     def _groups(module: LiftedModule) -> list[int]:

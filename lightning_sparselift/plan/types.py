@@ -170,6 +170,13 @@ class ExecutionPlan:
                          f"{a2a['beta_ms_per_byte'] * 1e6:.3f} ms/MB; memory bandwidth "
                          f"{self.priors['lookup']['bandwidth_bytes_per_ms'] / 1e6:.2f} GB/s "
                          f"(measured in {self.priors['seconds']:.2f} s)")
+        built = [b for b in self.kernel_builds if not b.note]
+        if built:
+            compiled = [b for b in built if not b.cached]
+            lines.append(f"generated kernels: {len(built)} built before planning, {len(built) - len(compiled)} of them "
+                         f"from the cache (nothing compiled)" + (f", {len(compiled)} compiled in "
+                                                                 f"{max(b.seconds for b in compiled):.2f} s at most"
+                                                                 if compiled else ""))
         for d in self.decisions:
             verdict = "ACCEPT" if d.accepted else ("reject" if d.feasible else "infeasible")
             predicted = f"predicted {d.predicted_ms:+.3f} ms" if d.predicted_ms is not None else "no prediction"
