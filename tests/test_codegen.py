@@ -169,7 +169,7 @@ def test_codegen_is_calibrated_ref_gen_gen_ref_over_whole_steps():
     from lightning_sparselift.cost.calibration import PairedSteps
 
     protocol = CodeGeneration().protocol
-    assert (protocol.region, protocol.warmup_pairs, protocol.mirrored) == ("step", 1, True)
+    assert (protocol.region, protocol.warmup_pairs, protocol.mirrored) == ("step_cpu", 1, True)
     steps = PairedSteps(protocol.warmup_pairs, protocol.settle_steps, protocol.mirrored)
     steps.add_pairs(3)
     order = []

@@ -56,7 +56,10 @@ class CalibrationProtocol:
 
     warmup_pairs: int = 1
     measured_pairs: int = 2
-    region: str = "sparse"  # what F measures: "sparse" (the executor's regions) or "step" (whole step)
+    # what F measures: "sparse" (the executor's regions), "step" (the whole step's wall time) or
+    # "step_cpu" (the training thread's CPU time of the whole step: for candidates that change only
+    # compute on that thread, without the waits that make wall time noisy)
+    region: str = "sparse"
     settle_steps: int = 0  # unmeasured steps on the same plan before each observed one
     # every other pair runs T1 first (T0 T1, T1 T0, ...: the paper's ref -> gen -> gen -> ref), so a
     # drift across the pairs (e.g. caches warming to a new kernel) cancels instead of biasing
