@@ -119,7 +119,6 @@ class SparseLiftSession:
         self._capture_step: Optional[ContextManager[None]] = None  # the captured step in progress
         self._in_step = False
         self._step_start = 0.0
-        self._step_cpu_start = 0.0  # the training thread's CPU time when the step began
         # steady state: verification and drift
         self.verify_steps, self.replan_on_drift, self.drift_ratio = int(verify_steps), bool(replan_on_drift), \
             float(drift_ratio)
@@ -169,7 +168,8 @@ class SparseLiftSession:
         if self.phase == "plan":
             self.installed.use(self.loop.next_graph())
             self.installed.clock.take()
-            self._step_start, self._step_cpu_start = time.perf_counter(), time.thread_time()
+            self.installed.clock.take_lookup()
+            self._step_start = time.perf_counter()
         elif self.phase == "verify":
             self.installed.use(self.plan.graph if self._check.next_uses_candidate() else self.identity)
             self._step_start = time.perf_counter()
@@ -199,10 +199,9 @@ class SparseLiftSession:
             return self._plan(reuse_saved=True)
         if self.phase == "plan":
             step_ms = (time.perf_counter() - self._step_start) * 1e3
-            step_cpu_ms = (time.thread_time() - self._step_cpu_start) * 1e3
-            sparse_ms = self.installed.clock.take()
+            sparse_ms, lookup_ms = self.installed.clock.take(), self.installed.clock.take_lookup()
             self.installed.use(self.loop.incumbent)
-            self.loop.feedback(step_ms, sparse_ms, step_cpu_ms)
+            self.loop.feedback(step_ms, sparse_ms, lookup_ms)
             if self.loop.done:
                 self._finish()
                 return True

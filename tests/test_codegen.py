@@ -169,7 +169,7 @@ def test_codegen_is_calibrated_ref_gen_gen_ref_over_whole_steps():
     from lightning_sparselift.cost.calibration import PairedSteps
 
     protocol = CodeGeneration().protocol
-    assert (protocol.region, protocol.warmup_pairs, protocol.mirrored) == ("step_cpu", 1, True)
+    assert (protocol.region, protocol.warmup_pairs, protocol.mirrored) == ("lookup", 1, True)
     steps = PairedSteps(protocol.warmup_pairs, protocol.settle_steps, protocol.mirrored)
     steps.add_pairs(3)
     order = []
@@ -180,3 +180,37 @@ def test_codegen_is_calibrated_ref_gen_gen_ref_over_whole_steps():
     # one warmup per implementation, then gen ref | ref gen: each pair is still [T0, T1]
     assert order == ["ref", "gen", "gen", "ref", "ref", "gen"]
     assert steps.pairs() == [[34.0, 20.0], [35.0, 20.0]]
+
+
+def test_the_lookup_region_counts_the_lookup_call_and_its_backward_node_only():
+    from lightning_sparselift.cost.calibration import RegionClock
+
+    class Busy(torch.autograd.Function):  # a lookup whose forward and backward each take CPU time
+        @staticmethod
+        def forward(ctx, x):
+            _spin(0.02)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            _spin(0.03)
+            return grad * 2
+
+    clock = RegionClock(torch.device("cpu"))
+    x = torch.ones(3, requires_grad=True)
+    with clock.lookup():
+        out = Busy.apply(x)
+    clock.lookup_backward(out)
+    forward = clock.lookup_ms
+    _spin(0.05)  # outside both regions
+    (out * 3).sum().backward()
+    total = clock.take_lookup()
+    assert 18 < forward < 40 and 45 < total < 80 and clock.take_lookup() == 0.0
+
+
+def _spin(seconds: float) -> None:
+    import time
+
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass

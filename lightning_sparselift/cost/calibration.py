@@ -26,11 +26,16 @@ from lightning_sparselift.cost.decision import DecisionRule, PairedEstimate, loo
 
 class RegionClock:
     """Wall time spent inside measured regions (the lifted executor's forward chains and backward
-    collectives) since the last :meth:`take`."""
+    collectives) since the last :meth:`take`; and, apart, the lookup regions' own time (the lookup
+    kernels' forward calls and their backward nodes, fused update included) since the last
+    :meth:`take_lookup`: on CPU the training thread's CPU time, which the other rank's work and the
+    collectives' waits do not add noise to."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.ms = 0.0
+        self.lookup_ms = 0.0
+        self._node_start: dict[int, float] = {}
 
     @contextmanager
     def region(self) -> Iterator[None]:
@@ -48,6 +53,40 @@ class RegionClock:
         ms, self.ms = self.ms, 0.0
         return ms
 
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return time.perf_counter() * 1e3
+        return time.thread_time() * 1e3
+
+    @contextmanager
+    def lookup(self) -> Iterator[None]:
+        start = self._now()
+        try:
+            yield
+        finally:
+            self.lookup_ms += self._now() - start
+
+    def lookup_backward(self, out: torch.Tensor) -> None:
+        """Count the backward of the lookup that made ``out``: its autograd node (and, for a
+        concatenation of several table-batched modules' outputs, theirs)."""
+        node = out.grad_fn
+        if node is None:
+            return
+        nodes = [node] + ([n for n, _ in node.next_functions if n is not None] if "Cat" in node.name() else [])
+        for n in nodes:
+            n.register_prehook(lambda *_, key=id(n): self._node_start.__setitem__(key, self._now()))
+            n.register_hook(lambda *_, key=id(n): self._node_done(key))
+
+    def _node_done(self, key: int) -> None:
+        start = self._node_start.pop(key, None)
+        if start is not None:
+            self.lookup_ms += self._now() - start
+
+    def take_lookup(self) -> float:
+        ms, self.lookup_ms = self.lookup_ms, 0.0
+        return ms
+
 
 @dataclass
 class CalibrationProtocol:
@@ -57,8 +96,8 @@ class CalibrationProtocol:
     warmup_pairs: int = 1
     measured_pairs: int = 2
     # what F measures: "sparse" (the executor's regions), "step" (the whole step's wall time) or
-    # "step_cpu" (the training thread's CPU time of the whole step: for candidates that change only
-    # compute on that thread, without the waits that make wall time noisy)
+    # "lookup" (the lookup regions' forward and backward, see RegionClock: for candidates that
+    # change only the lookups' compute)
     region: str = "sparse"
     settle_steps: int = 0  # unmeasured steps on the same plan before each observed one
     # every other pair runs T1 first (T0 T1, T1 T0, ...: the paper's ref -> gen -> gen -> ref), so a

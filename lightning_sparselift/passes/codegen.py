@@ -15,10 +15,10 @@ reason comes from the runtime). Cost inputs: the ids the slowest rank looks up p
 those groups and the bytes of the rows they touch (fbgemm's CPU backward is a serial sort and
 per-row loop; the generated one groups ids by hashing and updates with the dim unrolled).
 Calibration (the paper's: one warmup per implementation, then complete-region observations
-ref -> gen -> gen -> ref): the backward's update is part of the region, so the whole step is
-observed, as the training thread's CPU time (the kernels change only that thread's compute; the
-step's wall time adds the other rank's and the collectives' noise, several times the effect on
-CPU); compile time is spent before planning, never in a timed step.
+ref -> gen -> gen -> ref) of the lookup regions: each lookup call and its backward node (the
+fused update), as the training thread's CPU time on CPU (the kernels change only that compute;
+a whole step's wall or CPU time adds the dense compute's and the collectives' noise, larger than
+the effect); compile time is spent before planning, never in a timed step.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ _FLOAT_BYTES = 4
 class CodeGeneration(OptimizationPass):
     name = "codegen"
     roles = ("lookup",)
-    protocol = CalibrationProtocol(warmup_pairs=1, measured_pairs=2, region="step_cpu", settle_steps=0, mirrored=True)
+    protocol = CalibrationProtocol(warmup_pairs=1, measured_pairs=2, region="lookup", settle_steps=0, mirrored=True)
 
     @staticmethod
     def _groups(module: LiftedModule) -> list[int]:

@@ -168,15 +168,14 @@ class PlanningLoop:
         """The graph the next training step runs (T1: the trial, or T0: the incumbent)."""
         return self.trial if self._calibrator.next_uses_candidate() else self.incumbent
 
-    def feedback(self, step_ms: float, sparse_ms: float, step_cpu_ms: Optional[float] = None) -> None:
+    def feedback(self, step_ms: float, sparse_ms: float, lookup_ms: Optional[float] = None) -> None:
         """The measurement of the step that ran :meth:`next_graph`: its whole wall time, the
-        executor's measured regions and the training thread's CPU time of the whole step (the
-        candidate's protocol says which one counts). Decides the candidate once its protocol is
-        done (a collective over ``group``)."""
+        executor's measured regions and its lookup regions (the candidate's protocol says which
+        one counts). Decides the candidate once its protocol is done (a collective over ``group``)."""
         calibrator = self._calibrator
-        measured = {"step": step_ms, "sparse": sparse_ms, "step_cpu": step_cpu_ms}[calibrator.protocol.region]
+        measured = {"step": step_ms, "sparse": sparse_ms, "lookup": lookup_ms}[calibrator.protocol.region]
         if measured is None:
-            raise ValueError(f"{calibrator.protocol.region!r} calibration needs the step's CPU time")
+            raise ValueError(f"{calibrator.protocol.region!r} calibration needs the lookup regions' time")
         calibrator.record(measured)
         self.plan.calibration_steps += 1
         if not calibrator.done:

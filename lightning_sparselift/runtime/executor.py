@@ -210,8 +210,16 @@ class ModuleExecutor:
             complete = prefetch.complete if prefetch is not None else self.inputs.start(features)
             if complete is None:
                 return None
-            locals_ = [lookup(g.lookup, kjt) for lookup, g, kjt in zip(self.lookups, self.groups, complete())]
+            locals_ = [self._look_up(lookup, g.lookup, kjt) for lookup, g, kjt in zip(self.lookups, self.groups,
+                                                                                       complete())]
             return self.outputs.issue(locals_, features.stride(), early)
+
+    def _look_up(self, lookup: Callable[[nn.Module, Any], Tensor], module: nn.Module, kjt: Any) -> Tensor:
+        with self.clock.lookup():
+            out = lookup(module, kjt)
+        if self._training():
+            self.clock.lookup_backward(out)
+        return out
 
     def _finish(self, out: list[Tensor], pending: list[Pending]) -> Any:
         return self.output(self.spec.embedding_names, self.spec.embedding_dims, self.outputs.wait(out, pending))
