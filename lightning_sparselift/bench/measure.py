@@ -180,15 +180,28 @@ def quantiles(values: list[float]) -> dict[str, float]:
 
 
 class StepClock:
-    """Wall and process-CPU time of consecutive steps."""
+    """Wall, process-CPU and training-thread CPU time of consecutive steps (the process's CPU
+    beyond the training thread's is its other threads': gloo's, the loader's)."""
 
     def __init__(self) -> None:
         self.wall_ms: list[float] = []
         self.cpu_ms: list[float] = []
+        self.thread_cpu_ms: list[float] = []
+        self._start = (0.0, 0.0, 0.0)
+
+    def begin(self) -> None:
+        self._start = (time.perf_counter(), time.process_time(), time.thread_time())
+
+    def end(self, into: Optional["StepClock"] = None) -> None:
+        """Record the step since :meth:`begin` (in ``into``, another clock, when given)."""
+        clock = self if into is None else into
+        wall, cpu, thread = self._start
+        clock.wall_ms.append((time.perf_counter() - wall) * 1e3)
+        clock.cpu_ms.append((time.process_time() - cpu) * 1e3)
+        clock.thread_cpu_ms.append((time.thread_time() - thread) * 1e3)
 
     @contextmanager
     def time(self) -> Iterator[None]:
-        wall, cpu = time.perf_counter(), time.process_time()
+        self.begin()
         yield
-        self.wall_ms.append((time.perf_counter() - wall) * 1e3)
-        self.cpu_ms.append((time.process_time() - cpu) * 1e3)
+        self.end()

@@ -29,7 +29,7 @@ def markdown(summary: dict[str, Any]) -> str:
              f"{summary['config']['rounds']} rounds x {summary['config']['steps_per_round']} steps, "
              f"{summary['config']['warmup_steps']} warmup steps per system (excluded)", "",
              "| system | step ms, median [p25, p75] | samples/s, median [p25, p75] | CPU ms/step | sparse-path CPU "
-             "ms/step (beyond dense-only) | collectives/step (MB) | " + " | ".join(x.replace("_", " ") for x in STAGES)
+             "ms/step beyond dense-only (training thread) | collectives/step (MB) | " + " | ".join(x.replace("_", " ") for x in STAGES)
              + " |", "|---|---|---|---|---|---|" + "---|" * len(STAGES)]
     for name, r in summary["systems"].items():
         if r["status"] != "ok":
@@ -41,7 +41,8 @@ def markdown(summary: dict[str, Any]) -> str:
         stages = r.get("stages_ms") or {}
         lines.append(f"| {name} | {_fmt(r['step_ms'])} | {_fmt(r['samples_per_s'], 0)} | "
                      f"{r['cpu_ms']['median']:.1f} | "
-                     + (f"{r['sparse_cpu_ms']:.1f}" if "sparse_cpu_ms" in r else "-") + f" | {coll} | " + " | ".join(
+                     + (f"{r['sparse_cpu_ms']:.1f} ({r['sparse_thread_cpu_ms']:.1f})" if "sparse_cpu_ms" in r else "-")
+                     + f" | {coll} | " + " | ".join(
                          f"{stages[k]:.1f}" if k in stages else "-" for k in STAGES) + " |")
     refs = [x for x in REFERENCES if summary["systems"].get(x, {}).get("status") == "ok"]
     if refs:

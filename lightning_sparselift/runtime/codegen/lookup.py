@@ -81,6 +81,8 @@ class TableBatchKernel:
 
     def __call__(self, kjt: Any) -> Tensor:
         weights = kjt.weights_or_none() if self.spec.weighted else None
+        if self.spec.weighted and weights is None:
+            raise ValueError("generated lookup: the weighted module's features carry no per-sample weights")
         if weights is not None and weights.dtype != torch.float32:
             raise TypeError(f"generated lookup: per-sample weights of dtype {weights.dtype}; float32 expected")
         tbe = self.tbe
