@@ -292,7 +292,8 @@ def test_saved_plan_is_reused_and_a_mismatching_plan_is_rejected(tmp_path, data_
                                                                     "latency_hiding:next_batch", "codegen:lookup"}
     assert all(d.measured_ms is not None and len(d.observations_ms) == 2 and d.pairs + d.outliers == 3
                for d in plan.decisions)
-    assert all(d.accepted == (d.interval_ms[1] < 0) for d in plan.decisions)
+    # accepted only beyond noise and the minimum gain: the whole interval below zero
+    assert all(d.accepted <= (d.interval_ms[1] < 0) for d in plan.decisions)
 
     second = _fit_with_plan(tmp_path, data_cache, plan_path, "second")
     assert second["sparselift/plan_reused"] == 1
