@@ -131,23 +131,26 @@ int64_t accumulate(const I* ids, const O* offsets, const float* psw, const float
   return U;
 }
 
-template <int D>
-void update_sgd(float* table, float*, const Scratch& s, int64_t U, float lr) {
+// every optimizer visits the distinct rows alike: the row's weights, its summed gradient, its index
+template <int D, typename Update>
+void update_rows(float* table, const Scratch& s, int64_t U, Update update) {
   for (int64_t u = 0; u < U; ++u) {
     if (u + PREFETCH < U) prefetch_row<D>(table + s.rows[u + PREFETCH] * D);
-    float* w = table + s.rows[u] * D;
-    const float* g = &s.acc[u * D];
-    for (int d = 0; d < D; ++d) w[d] = std::fma(-lr, g[d], w[d]);
+    update(table + s.rows[u] * D, &s.acc[u * D], s.rows[u]);
   }
 }
 
 template <int D>
+void update_sgd(float* table, float*, const Scratch& s, int64_t U, float lr) {
+  update_rows<D>(table, s, U, [&](float* w, const float* g, int64_t) {
+    for (int d = 0; d < D; ++d) w[d] = std::fma(-lr, g[d], w[d]);
+  });
+}
+
+template <int D>
 void update_adagrad(float* table, float* state, const Scratch& s, int64_t U, float lr) {
-  for (int64_t u = 0; u < U; ++u) {
-    if (u + PREFETCH < U) prefetch_row<D>(table + s.rows[u + PREFETCH] * D);
-    float* w = table + s.rows[u] * D;
-    float* m = state + s.rows[u] * D;
-    const float* g = &s.acc[u * D];
+  update_rows<D>(table, s, U, [&](float* w, const float* g, int64_t row) {
+    float* m = state + row * D;
     for (int d = 0; d < D; ++d) {
       // fbgemm's build: m += g * g fused; float lr * g; sqrt, + float eps, division and w - step in
       // double, rounded once to float
@@ -156,45 +159,39 @@ void update_adagrad(float* table, float* state, const Scratch& s, int64_t U, flo
                           (std::sqrt(static_cast<double>(m[d])) + static_cast<double>(EPS));
       w[d] = static_cast<float>(static_cast<double>(w[d]) - step);
     }
-  }
+  });
 }
 
 // fbgemm's AVX2 rowwise Adagrad (a table one feature reads): 8 lanes of sums of squares
 template <int D>
 void update_rowwise_adagrad(float* table, float* state, const Scratch& s, int64_t U, float lr) {
-  for (int64_t u = 0; u < U; ++u) {
-    if (u + PREFETCH < U) prefetch_row<D>(table + s.rows[u + PREFETCH] * D);
-    float* w = table + s.rows[u] * D;
-    const float* g = &s.acc[u * D];
+  update_rows<D>(table, s, U, [&](float* w, const float* g, int64_t row) {
     // the JIT squares (vmulps) then adds (vaddps): no FMA, in the sum or in the update
     float lane[8] = {};
     for (int d = 0; d < D; ++d) lane[d % 8] = lane[d % 8] + g[d] * g[d];
     float sum = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
     sum = sum / static_cast<float>(D);
-    const float h = state[s.rows[u]] + sum;
-    state[s.rows[u]] = h;
+    const float h = state[row] + sum;
+    state[row] = h;
     const float step = -lr / (std::sqrt(h) + EPS);
     for (int d = 0; d < D; ++d) w[d] = w[d] + g[d] * step;
-  }
+  });
 }
 
 // fbgemm's scalar rowwise Adagrad (a table several features read)
 template <int D>
 void update_rowwise_adagrad_shared(float* table, float* state, const Scratch& s, int64_t U, float lr) {
-  for (int64_t u = 0; u < U; ++u) {
-    if (u + PREFETCH < U) prefetch_row<D>(table + s.rows[u + PREFETCH] * D);
-    float* w = table + s.rows[u] * D;
-    const float* g = &s.acc[u * D];
+  update_rows<D>(table, s, U, [&](float* w, const float* g, int64_t row) {
     // fbgemm's build vectorises this loop in order, squares rounded (vmulps) then added; only its
     // scalar tail (D % 4 elements, none since fbgemm requires D % 4 == 0) would be fused
     float sum = 0.0f;
     for (int d = 0; d < D; ++d) sum = sum + g[d] * g[d];
-    const float h = state[s.rows[u]] + sum / static_cast<float>(D);
-    state[s.rows[u]] = h;
+    const float h = state[row] + sum / static_cast<float>(D);
+    state[row] = h;
     const float multiplier = lr / (std::sqrt(h) + EPS);
     // fbgemm: fmsub(w, correction = 1, round(g * multiplier))
     for (int d = 0; d < D; ++d) w[d] = w[d] - g[d] * multiplier;
-  }
+  });
 }
 
 template <typename I, typename O>
