@@ -214,3 +214,26 @@ def _spin(seconds: float) -> None:
     end = time.thread_time() + seconds
     while time.thread_time() < end:
         pass
+
+
+def _build_in_process(source: str, cache: str, out) -> None:
+    import os
+
+    os.environ["SPARSELIFT_KERNEL_CACHE"] = cache
+    out.put(build(source).key)
+
+
+def test_ranks_building_the_same_source_at_once_both_load_it(tmp_path):
+    import multiprocessing as mp
+
+    source = cpu_source(spec_of(_tbe("sgd", "sum"), True, True))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_build_in_process, args=(source, str(tmp_path), out)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert out.get(timeout=5) == out.get(timeout=5)
+    assert len(list(tmp_path.iterdir())) == 1

@@ -54,15 +54,18 @@ def build(source: str) -> BuiltKernel:
     name = f"sparselift_lookup_{key}_{hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:6]}"
     folder = root / name
     library = folder / f"{name}.so"
+    built = folder / "built"  # written once the library is complete: ranks may build the same source at once
     start = time.perf_counter()
-    cached = library.exists()
+    cached = built.exists()
     if not cached:
         from torch.utils import cpp_extension
 
         folder.mkdir(parents=True, exist_ok=True)
         source_file = folder / "kernel.cpp"
         if not source_file.exists() or source_file.read_text() != source:
-            source_file.write_text(source)
+            partial = folder / f"kernel.cpp.{os.getpid()}"
+            partial.write_text(source)
+            os.replace(partial, source_file)  # (whole, so another rank never reads half a source)
         try:
             # (ranks building the same source share the folder: cpp_extension locks it)
             cpp_extension.load(name, [str(source_file)], extra_cflags=flags, build_directory=str(folder),
@@ -70,6 +73,7 @@ def build(source: str) -> BuiltKernel:
         except (RuntimeError, OSError, ImportError) as error:
             raise Unsupported(f"the generated kernel did not build here ({str(error).strip().splitlines()[-1]})") \
                 from error
+        built.touch()
     try:
         loaded = ctypes.CDLL(str(library))
     except OSError as error:
