@@ -165,8 +165,12 @@ def build_sharding_plan(model: nn.Module, sharder: Any, world_size: int, device_
             gen = column_wise(ranks=list(range(world_size)))
         elif kind == "row_wise":
             gen = row_wise()
-        else:
+        elif kind == "data_parallel":
             gen = data_parallel()
+        else:
+            raise ValueError(f"table {name!r}: {kind} cannot be combined with row-wise tables on CPU (TorchRec's CPU "
+                             f"planner cannot place row-wise tables, so the plan is constructed, and TorchRec has no "
+                             f"{kind} plan constructor)")
         generators.setdefault(info.module_path, {})[name] = gen
     ebcs = find_embedding_bag_collections(model)
     return ShardingPlan(plan={

@@ -22,13 +22,15 @@ LIFTED_STEPS = 3
 BATCH = 8
 
 # table name -> (rows, dim, features); ebc "b" only for the two-module cases
+# (ta4 is wide enough for TorchRec's planner to split its columns into several shards)
 TABLES_A = {"ta0": (50, 8, ["fa0"]), "ta1": (64, 8, ["fa1", "fa2"]), "ta2": (31, 24, ["fa3"]),
-            "ta3": (100, 16, ["fa4"])}
+            "ta3": (100, 16, ["fa4"]), "ta4": (60, 256, ["fa5"])}
 TABLES_B = {"tb0": (40, 8, ["fb0"]), "tb1": (70, 24, ["fb1"])}
 
 CASES: dict[str, dict[str, Any]] = {
     "table_wise": dict(sharding={t: "table_wise" for t in [*TABLES_A, *TABLES_B]}),
     "column_wise": dict(sharding={t: "column_wise" for t in [*TABLES_A, *TABLES_B]}),
+    "table_column_wise": dict(sharding={t: "table_column_wise" for t in [*TABLES_A, *TABLES_B]}),
     "row_wise": dict(sharding={t: "row_wise" for t in [*TABLES_A, *TABLES_B]}),
     "data_parallel": dict(sharding={t: "data_parallel" for t in [*TABLES_A, *TABLES_B]}),
     "mixed": dict(sharding={"ta0": "table_wise", "ta1": "row_wise", "ta2": "column_wise", "ta3": "data_parallel",

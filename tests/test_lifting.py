@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 
 import lifted_parity as lp
 from lightning_sparselift.ir import SparseGraph
+from lightning_sparselift.ir.vocab import POOLED_ALL_TO_ALL
 
 ALL = lp.ALL
 
@@ -83,7 +84,7 @@ def _assert_identical(results: list[dict], case: str, variant: str, world: int) 
             for m in graph.modules:
                 early = m.schedule.lookup_at == "root_forward"
                 assert early == ("latency_hiding" in passes and world > 1
-                                 and any(g.sharding_type in ("table_wise", "column_wise") for g in m.groups))
+                                 and any(g.sharding_type in POOLED_ALL_TO_ALL for g in m.groups))
                 assert result[executor]["early_steps"][m.path] == (lp.LIFTED_STEPS - int(short) if early else 0)
                 ahead = m.schedule.input_issue == "previous_step"
                 assert ahead == (bool({"latency_hiding", "latency_hiding:next_batch"} & set(passes)) and world > 1

@@ -42,7 +42,7 @@ def test_training_decreases_loss(world_size, dense_optimizer, dense_lr, tmp_path
     assert last < first - 0.02, f"loss did not decrease: {first:.4f} -> {last:.4f}"
 
 
-@pytest.mark.parametrize("kind", ["table_wise", "column_wise", "row_wise", "data_parallel", "mixed"])
+@pytest.mark.parametrize("kind", ["table_wise", "column_wise", "table_column_wise", "row_wise", "data_parallel", "mixed"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
 def test_every_sharding_type_trains(kind, optimizer, tmp_path, data_cache):
     if kind == "mixed":

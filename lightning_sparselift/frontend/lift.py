@@ -21,7 +21,7 @@ from torch import nn
 from lightning_sparselift.frontend.capture import RankCapture, common_path
 from lightning_sparselift.ir.graph import LiftedModule, ShardingGroup, SparseGraph, TableShard
 from lightning_sparselift.ir.schedule import identity_schedule
-from lightning_sparselift.ir.vocab import DTYPE_BYTES, LIFTED_SHARDING_TYPES, POOLED_ALL_TO_ALL
+from lightning_sparselift.ir.vocab import COLUMN_SHARDED, DTYPE_BYTES, LIFTED_SHARDING_TYPES, POOLED_ALL_TO_ALL
 
 
 class LiftError(RuntimeError):
@@ -92,12 +92,12 @@ def _lift_groups(path: str, sharded: nn.Module, module_plan: Any, env: Any, devi
         if sharding_type in POOLED_ALL_TO_ALL:
             features_per_rank = list(sharding.features_per_rank())
             names_per_rank = sharding.embedding_names_per_rank()
-            dims = sharding.uncombined_embedding_dims() if sharding_type == "column_wise" else sharding.embedding_dims()
+            dims = sharding.uncombined_embedding_dims() if sharding_type in COLUMN_SHARDED else sharding.embedding_dims()
             start = 0
             for names in names_per_rank:
                 dim_sum_per_rank.append(sum(dims[start:start + len(names)]))
                 start += len(names)
-            if sharding_type == "column_wise":
+            if sharding_type in COLUMN_SHARDED:
                 column_order = _column_order(sharding)
         elif sharding_type == "row_wise":
             rows = {}

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_sparselift.frontend.capture import describe_path
 from lightning_sparselift.ir.steps import CollectiveNode
+from lightning_sparselift.ir.vocab import COLUMN_SHARDED
 
 if TYPE_CHECKING:
     from lightning_sparselift.ir.graph import LiftedModule, SparseGraph
@@ -81,7 +82,7 @@ def _module(m: "LiftedModule") -> list[str]:
             part = f"{t.table}[{t.rows}x{t.dim}"
             if g.sharding_type == "row_wise":
                 part += f" rows {t.row_offset}+"
-            if g.sharding_type == "column_wise":
+            if g.sharding_type in COLUMN_SHARDED:
                 part += f" cols {t.col_offset}+"
             by_rank.setdefault("all" if t.rank is None else t.rank, []).append(part + "]")
         for rank, parts in by_rank.items():

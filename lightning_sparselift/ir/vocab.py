@@ -9,14 +9,17 @@ from typing import Literal, get_args
 import torch
 
 # TorchRec's sharding types the lifted executor runs
-LiftedShardingType = Literal["table_wise", "column_wise", "row_wise", "data_parallel"]
+LiftedShardingType = Literal["table_wise", "column_wise", "table_column_wise", "row_wise", "data_parallel"]
 LIFTED_SHARDING_TYPES: tuple[str, ...] = get_args(LiftedShardingType)
 # every sharding type the strategy accepts (TorchRec's path runs the ones the executor does not)
 SHARDING_TYPES: tuple[str, ...] = LIFTED_SHARDING_TYPES + ("table_row_wise",)
 # kinds whose features travel to their owners through an input all-to-all
-INPUT_ALL_TO_ALL: tuple[str, ...] = ("table_wise", "column_wise", "row_wise")
+INPUT_ALL_TO_ALL: tuple[str, ...] = ("table_wise", "column_wise", "table_column_wise", "row_wise")
 # kinds whose pooled outputs go back to the samples' ranks through an all-to-all
-POOLED_ALL_TO_ALL: tuple[str, ...] = ("table_wise", "column_wise")
+POOLED_ALL_TO_ALL: tuple[str, ...] = ("table_wise", "column_wise", "table_column_wise")
+# a table's columns split into shards (table-column-wise: TorchRec's column-wise with all of a
+# table's shards on the ranks of one host; the same exchanges and output column permutation)
+COLUMN_SHARDED: tuple[str, ...] = ("column_wise", "table_column_wise")
 # kinds whose partial sums are reduce-scattered by sample block
 REDUCE_SCATTER: tuple[str, ...] = ("row_wise",)
 
