@@ -88,17 +88,68 @@ class TableInfo:
     feature_names: list[str] = field(default_factory=list)
 
 
-def find_embedding_bag_collections(model: nn.Module) -> dict[str, nn.Module]:
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+def _sharders() -> dict[type, type]:
+    """TorchRec's sparse module types the strategy shards, each with TorchRec's sharder."""
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 
-    return {path: m for path, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)}
+    return {EmbeddingBagCollection: EmbeddingBagCollectionSharder, EmbeddingCollection: EmbeddingCollectionSharder,
+            FeatureProcessedEmbeddingBagCollection: FeatureProcessedEmbeddingBagCollectionSharder}
+
+
+def sharder_for(module: nn.Module) -> Any:
+    return _sharders()[type(module)]()
+
+
+def find_sparse_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Every TorchRec sparse module of ``model`` (the outermost one: a feature-processed
+    collection's own EmbeddingBagCollection is sharded with it). ValueError naming a module of a
+    kind the strategy does not shard yet."""
+    from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
+
+    kinds = tuple(_sharders())
+    found: dict[str, nn.Module] = {}
+    for path, module in model.named_modules():
+        if any(path.startswith(f"{p}.") for p in found):
+            continue
+        if isinstance(module, BaseManagedCollisionEmbeddingCollection):
+            raise ValueError(f"{path or 'the model'} is a {type(module).__name__}: managed-collision collections are "
+                             f"not sharded by SparseLiftStrategy yet (supported: {[k.__name__ for k in kinds]})")
+        if type(module) in kinds:
+            found[path] = module
+    return found
+
+
+def table_configs(module: nn.Module) -> list[Any]:
+    """The table configs of a sparse module (EmbeddingBagConfig or EmbeddingConfig)."""
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+
+    if isinstance(module, EmbeddingCollection):
+        return list(module.embedding_configs())
+    if isinstance(module, FeatureProcessedEmbeddingBagCollection):
+        return list(module._embedding_bag_collection.embedding_bag_configs())
+    return list(module.embedding_bag_configs())
+
+
+def table_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The tables' parameters (what the fused optimizer updates; a feature processor's own
+    parameters stay with the dense optimizer)."""
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+
+    if isinstance(module, FeatureProcessedEmbeddingBagCollection):
+        return list(module._embedding_bag_collection.parameters())
+    return list(module.parameters())
 
 
 def describe_tables(model: nn.Module) -> dict[str, TableInfo]:
-    """Every table of every EmbeddingBagCollection, by table name (names must be unique)."""
+    """Every table of every sparse module, by table name (names must be unique)."""
     tables: dict[str, TableInfo] = {}
-    for path, ebc in find_embedding_bag_collections(model).items():
-        for cfg in ebc.embedding_bag_configs():
+    for path, module in find_sparse_modules(model).items():
+        for cfg in table_configs(module):
             if cfg.name in tables:
                 raise ValueError(f"table name {cfg.name!r} is used by both {tables[cfg.name].module_path!r} and "
                                  f"{path!r}; sharding plans address tables by name, so names must be unique")
@@ -123,9 +174,9 @@ def validate_sharding_types(sharding_types: Optional[dict[str, str]], tables: di
     return dict(sharding_types)
 
 
-def build_sharding_plan(model: nn.Module, sharder: Any, world_size: int, device_type: str,
+def build_sharding_plan(model: nn.Module, sharders: list[Any], world_size: int, device_type: str,
                         sharding_types: dict[str, str], process_group: Any, batch_size: Optional[int] = None) -> Any:
-    """A TorchRec ``ShardingPlan`` for every EmbeddingBagCollection in ``model``.
+    """A TorchRec ``ShardingPlan`` for every sparse module in ``model``.
 
     Tables listed in ``sharding_types`` get that type; the others are left to TorchRec's
     planner. On CPU the planner cannot place row-wise tables, so when any is requested the
@@ -150,8 +201,8 @@ def build_sharding_plan(model: nn.Module, sharder: Any, world_size: int, device_
             storage_reservation=DenseAndInputReservation(),
         )
         if process_group is not None and world_size > 1:
-            return planner.collective_plan(model, [sharder], process_group)
-        return planner.plan(model, [sharder])
+            return planner.collective_plan(model, sharders, process_group)
+        return planner.plan(model, sharders)
 
     load = [0] * world_size
     generators: dict[str, dict[str, Any]] = {}
@@ -172,10 +223,10 @@ def build_sharding_plan(model: nn.Module, sharder: Any, world_size: int, device_
                              f"planner cannot place row-wise tables, so the plan is constructed, and TorchRec has no "
                              f"{kind} plan constructor)")
         generators.setdefault(info.module_path, {})[name] = gen
-    ebcs = find_embedding_bag_collections(model)
+    modules = find_sparse_modules(model)
     return ShardingPlan(plan={
-        path: construct_module_sharding_plan(ebcs[path], per_param, sharder=sharder, local_size=world_size,
-                                             world_size=world_size, device_type=device_type)
+        path: construct_module_sharding_plan(modules[path], per_param, sharder=sharder_for(modules[path]),
+                                             local_size=world_size, world_size=world_size, device_type=device_type)
         for path, per_param in generators.items()
     })
 
@@ -190,34 +241,36 @@ class ShardedModel:
 def shard_model(module: nn.Module, world_size: int, device: torch.device, sharding_types: Optional[dict[str, str]],
                 embedding_optimizer: EmbeddingOptimizer, process_group: Any, input_check_group: Optional[Any]
                 ) -> ShardedModel:
-    """Shard every EmbeddingBagCollection of ``module`` with TorchRec's DistributedModelParallel
+    """Shard every TorchRec sparse module of ``module`` (EmbeddingBagCollection,
+    EmbeddingCollection, FeatureProcessedEmbeddingBagCollection) with TorchRec's sharders and
+    DistributedModelParallel
     (which also wraps the rest in DDP), with ``embedding_optimizer`` fused into the tables. With
     an ``input_check_group`` every sharded module checks its input (ranks compare on that group,
     over the same ranks as ``process_group``); None: no checks."""
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
 
     from lightning_sparselift.torchrec_parts import DenseDataParallelWrapper
 
-    ebcs = find_embedding_bag_collections(module)
-    if not ebcs:
-        raise ValueError(f"SparseLiftStrategy found no torchrec EmbeddingBagCollection in {type(module).__name__}; "
-                         f"it shards recommendation models whose sparse features go through EmbeddingBagCollections")
+    modules = find_sparse_modules(module)
+    if not modules:
+        raise ValueError(f"SparseLiftStrategy found no torchrec EmbeddingBagCollection or EmbeddingCollection in "
+                         f"{type(module).__name__}; it shards recommendation models whose sparse features go through "
+                         f"TorchRec's embedding collections")
     tables = describe_tables(module)
     checked = validate_sharding_types(sharding_types, tables, device.type)
-    embedding_optimizer.apply_in_backward([p for ebc in ebcs.values() for p in ebc.parameters()], device.type)
-    sharder = EmbeddingBagCollectionSharder()
-    plan = build_sharding_plan(module, sharder, world_size, device.type, checked, process_group)
+    embedding_optimizer.apply_in_backward([p for m in modules.values() for p in table_parameters(m)], device.type)
+    sharders = [cls() for cls in {_sharders()[type(m)] for m in modules.values()}]
+    plan = build_sharding_plan(module, sharders, world_size, device.type, checked, process_group)
     dmp = DistributedModelParallel(module, env=ShardingEnv.from_process_group(process_group), device=device,
-                                   plan=plan, sharders=[sharder], data_parallel_wrapper=DenseDataParallelWrapper())
+                                   plan=plan, sharders=sharders, data_parallel_wrapper=DenseDataParallelWrapper())
     if input_check_group is not None:
         from lightning_sparselift.validation import install_input_checks
 
         row_wise = {path for path, tables_plan in plan.plan.items()
                     if any(p.sharding_type in ("row_wise", "table_row_wise") for p in tables_plan.values())}
-        install_input_checks(module, sorted(ebcs), tables, input_check_group, row_wise)
-    return ShardedModel(dmp, tables, sorted(ebcs))
+        install_input_checks(module, sorted(modules), tables, input_check_group, row_wise)
+    return ShardedModel(dmp, tables, sorted(modules))
 
 
 def combine_optimizers(dmp: nn.Module, dense: torch.optim.Optimizer) -> Any:

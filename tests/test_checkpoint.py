@@ -29,9 +29,9 @@ def _strategy(**kwargs):
     return SparseLiftStrategy(**args)
 
 
-def _fit(dm, tmp_path: Path, name: str, epochs: int, ckpt_path=None, **strategy_kwargs):
+def _fit(dm, tmp_path: Path, name: str, epochs: int, ckpt_path=None, model=None, **strategy_kwargs):
     L.seed_everything(11)
-    model = tiny_model(dm, lr_scheduler="cosine", lr_scheduler_steps=20)
+    model = model() if model is not None else tiny_model(dm, lr_scheduler="cosine", lr_scheduler_steps=20)
     callbacks = [DumpLocalState(tmp_path / name),
                  ModelCheckpoint(dirpath=tmp_path / f"{name}-ckpt", save_top_k=-1, every_n_epochs=1)]
     t = trainer(2, _strategy(**strategy_kwargs), max_epochs=epochs, callbacks=callbacks, limit_val_batches=0,
@@ -57,6 +57,24 @@ def test_resume_continues_exactly(tmp_path, data_cache):
             assert torch.equal(straight[rank][key], resumed[rank][key]), f"rank {rank}: {key} differs after resume"
         # and training after the checkpoint really changed the tables
         assert any(not torch.equal(straight[rank][k], half[rank][k]) for k in tables)
+
+
+def test_a_model_with_an_embedding_collection_resumes_exactly(tmp_path, data_cache):
+    from user_models import WithSequenceFeature
+
+    dm = tiny_data(data_cache)
+    model = lambda: WithSequenceFeature(dm.table_sizes, dm.feature_names)  # noqa: E731
+    _fit(dm, tmp_path, "straight", epochs=2, model=model)
+    first = _fit(dm, tmp_path, "half", epochs=1, model=model)
+    _fit(dm, tmp_path, "resumed", epochs=2, ckpt_path=first[0], model=model)
+    straight, half, resumed = (load_dumps(tmp_path / n, 2) for n in ("straight", "half", "resumed"))
+    for rank in range(2):
+        assert straight[rank].keys() == resumed[rank].keys()
+        sequence = [k for k in straight[rank] if k.startswith("sequence.") and not k.startswith("optim/")]
+        assert sequence and any(k.startswith("optim/") and "seq_" in k for k in straight[rank])
+        for key in straight[rank]:
+            assert torch.equal(straight[rank][key], resumed[rank][key]), f"rank {rank}: {key} differs after resume"
+        assert any(not torch.equal(straight[rank][k], half[rank][k]) for k in sequence)
 
 
 def test_weights_load_into_a_different_plan(tmp_path, data_cache):

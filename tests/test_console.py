@@ -90,7 +90,7 @@ def test_the_sharding_plan_is_the_one_torchrecs_defaults_give(world, device, typ
         ).plan(model, [EmbeddingBagCollectionSharder()])
     with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING, logger="torchrec"):
         warnings.simplefilter("always")
-        ours = build_sharding_plan(model, EmbeddingBagCollectionSharder(), world, device, types, None)
+        ours = build_sharding_plan(model, [EmbeddingBagCollectionSharder()], world, device, types, None)
     assert str(ours) == str(default)
     assert [str(w.message) for w in caught] == []
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING

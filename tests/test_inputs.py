@@ -131,7 +131,7 @@ def test_model_without_embedding_bags(data_cache):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    with pytest.raises(Exception, match="found no torchrec EmbeddingBagCollection"):
+    with pytest.raises(Exception, match="found no torchrec EmbeddingBagCollection or EmbeddingCollection"):
         trainer(1).fit(Dense(), tiny_data(data_cache))
 
 

@@ -80,3 +80,45 @@ def test_user_model_with_default_calibration_matches_torchrec(tmp_path, data_cac
         assert {"latency_hiding:early_start@embeddings", "latency_hiding:next_batch@embeddings"} <= candidates
         assert all(measured for _, _, measured in report["decisions"]), "calibration did not finish"
     _assert_identical(tmp_path / "torchrec", tmp_path / "lifted")
+
+
+@pytest.mark.parametrize("sharding", [None, "row_wise"])
+def test_a_model_with_an_embedding_collection_is_sharded_and_its_bags_lifted(sharding, tmp_path, data_cache):
+    from user_models import WithSequenceFeature
+
+    dm = tiny_data(data_cache, num_train=640)
+    types = {f"seq_{dm.feature_names[0]}": sharding} if sharding else None
+
+    def fit(folder: Path, **kwargs) -> SparseLiftStrategy:
+        L.seed_everything(0)
+        strategy = SparseLiftStrategy(start_method="fork", sharding_types=types, calibrate=False,
+                                      embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05}, **kwargs)
+        t = trainer(2, strategy, limit_val_batches=0, callbacks=[DumpLocalState(folder), GraphReport(folder)])
+        t.fit(WithSequenceFeature(dm.table_sizes, dm.feature_names), dm)
+        return json.loads((folder / "graph0.json").read_text())
+
+    fit(tmp_path / "torchrec", executor="torchrec")
+    report = fit(tmp_path / "lifted")
+    # the EmbeddingCollection keeps TorchRec's path (with the reason), the bags are lifted
+    assert report["modules"] == ["embeddings"]
+    assert list(report["not_lifted"]) == ["sequence"]
+    assert "ShardedEmbeddingCollection is not a plain ShardedEmbeddingBagCollection" in report["not_lifted"]["sequence"]
+    assert "module sequence: not lifted, TorchRec's path" in report["explain"]
+    state = load_dumps(tmp_path / "lifted", 2)
+    assert any(k.startswith("sequence.embeddings.") for k in state[0])
+    _assert_identical(tmp_path / "torchrec", tmp_path / "lifted")
+
+
+class GraphReport(L.Callback):
+    """Rank 0's lifted graph at the end of fit: its modules, those left on TorchRec's path, explain()."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        executor = trainer.strategy.lifted_executor
+        graph = executor.graph if executor is not None else None
+        report = {"modules": [m.path for m in graph.modules], "not_lifted": graph.not_lifted,
+                  "explain": graph.explain()} if graph else {}
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / f"graph{trainer.global_rank}.json").write_text(json.dumps(report))

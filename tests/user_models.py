@@ -83,3 +83,43 @@ class KJTAsKeyword(UserModel):
 
 
 MODELS = {"positional": PositionalKJT, "dict": KJTInDict, "dataclass": KJTInDataclass, "keyword": KJTAsKeyword}
+
+
+class WithSequenceFeature(L.LightningModule):
+    """The first feature as a sequence through an EmbeddingCollection (its rows averaged per
+    sample in the model), the others pooled by an EmbeddingBagCollection: TorchRec's two module
+    kinds side by side."""
+
+    def __init__(self, table_sizes: list[int], feature_names: list[str], dim: int = 8):
+        super().__init__()
+        from torchrec import EmbeddingBagCollection, EmbeddingCollection
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+
+        first, *rest = feature_names
+        self.sequence = EmbeddingCollection(
+            tables=[EmbeddingConfig(name=f"seq_{first}", embedding_dim=dim, num_embeddings=table_sizes[0],
+                                    feature_names=[first])], device=torch.device("meta"))
+        self.embeddings = EmbeddingBagCollection(
+            tables=[EmbeddingBagConfig(name=f"table_{f}", embedding_dim=dim, num_embeddings=rows, feature_names=[f])
+                    for f, rows in zip(rest, table_sizes[1:])], device=torch.device("meta"))
+        self.first, self.rest = first, list(rest)
+        self.bottom = nn.Sequential(nn.Linear(13, 16), nn.ReLU(), nn.Linear(16, dim))
+        self.top = nn.Linear(dim * (len(feature_names) + 1), 1)
+
+    def forward(self, dense: torch.Tensor, kjt: Any) -> torch.Tensor:
+        sequence_kjt, pooled_kjt = kjt.split([1, len(self.rest)])
+        rows = self.sequence(sequence_kjt)[self.first]
+        lengths = rows.lengths()
+        samples = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+        history = torch.zeros(lengths.numel(), rows.values().shape[1]).index_add_(0, samples, rows.values())
+        history = history / lengths.clamp(min=1).unsqueeze(1)
+        pooled = self.embeddings(pooled_kjt)
+        parts = [self.bottom(dense), history] + [pooled[f] for f in self.rest]
+        return self.top(torch.cat(parts, dim=1)).squeeze(1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        logits = self(batch.dense, batch.sparse)
+        return nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=0.01)

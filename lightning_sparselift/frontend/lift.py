@@ -154,45 +154,56 @@ def _next_batch_source(captured: list[Any]) -> tuple[Optional[list[list[Any]]], 
 def lift(model: nn.Module, sharding_plan: Any, module_paths: list[str], captures: list[RankCapture],
          process_group: Any, device: torch.device, dense_param_bytes: int = 0) -> SparseGraph:
     """The SRSV of the sharded modules at ``module_paths`` (paths in ``model``), in the order
-    their forwards ran in the captured steps."""
+    their forwards ran in the captured steps. A module the lifter cannot rebuild keeps TorchRec's
+    path (``SparseGraph.not_lifted``, with the reason); :class:`LiftError` when none can be lifted."""
     import fbgemm_gpu
     import torchrec
     from torchrec.distributed.types import ShardingEnv
 
     env = ShardingEnv.from_process_group(process_group)
     world = env.world_size
-    cls = _sharded_type()
     ran = [p for p in captures[0].modules if p in module_paths]
     order = ran + [p for p in module_paths if p not in ran]
-    modules = []
+    modules, not_lifted = [], {}
     for path in order:
-        sharded = model.get_submodule(path)
-        if type(sharded) is not cls:
-            raise LiftError(f"{path}: {type(sharded).__name__} is not a plain ShardedEmbeddingBagCollection; the lifted "
-                            f"executor handles only that module type")
-        if getattr(sharded, "qcomm_codecs_registry", None):
-            raise LiftError(f"{path}: quantized communication codecs are not supported by the lifted executor")
-        keys, weighted, lengths_dtype, values_dtype, batch_sizes = _module_inputs(path, captures)
-        if {lengths_dtype, values_dtype} - set(DTYPE_BYTES):
-            raise LiftError(f"{path}: input dtypes {lengths_dtype}/{values_dtype} are not ones the graph knows")
-        root_input = common_path([c.modules[path].root_input for c in captures])
-        batch_input, next_batch_note = _next_batch_source([c.modules[path] for c in captures])
-        if weighted != bool(sharded._is_weighted):
-            raise LiftError(f"{path}: the module is {'weighted' if sharded._is_weighted else 'unweighted'} but its "
-                            f"captured input {'has' if weighted else 'has no'} weights")
-        groups = _lift_groups(path, sharded, sharding_plan.plan[path], env, device)
-        names = [f for g in groups for f in g.features]
-        unknown = sorted(set(names) - set(keys))
-        if unknown:
-            raise LiftError(f"{path}: features {unknown} of the tables are missing from the input KJT keys {keys}")
-        feature_order = [] if names == keys else [keys.index(f) for f in names]
-        ids = [{k: c.modules[path].features[k].ids_per_step for k in keys} for c in captures]
-        percentiles = {k: captures[0].modules[path].features[k].percentiles for k in keys}
-        schedule = identity_schedule([g.sharding_type for g in groups], world, bool(feature_order))
-        modules.append(LiftedModule(path, keys, weighted, lengths_dtype, values_dtype, feature_order, groups,
-                                    batch_sizes, ids, percentiles, schedule, root_input=root_input,
-                                    batch_input=batch_input, next_batch_note=next_batch_note))
+        try:
+            modules.append(_lift_module(model, path, sharding_plan, captures, env, device))
+        except LiftError as error:
+            not_lifted[path] = str(error)
+    if not modules:
+        raise LiftError("; ".join(not_lifted.values()))
     versions = {"torch": torch.__version__, "torchrec": getattr(torchrec, "__version__", "?"),
                 "fbgemm_gpu": getattr(fbgemm_gpu, "__version__", "?")}
     return SparseGraph(world, str(torch.distributed.get_backend(process_group)) if world > 1 else "none",
-                       modules, dense_param_bytes, versions)
+                       modules, dense_param_bytes, versions, not_lifted=not_lifted)
+
+
+def _lift_module(model: nn.Module, path: str, sharding_plan: Any, captures: list[RankCapture], env: Any,
+                 device: torch.device) -> LiftedModule:
+    world = env.world_size
+    sharded = model.get_submodule(path)
+    if type(sharded) is not _sharded_type():
+        raise LiftError(f"{path}: {type(sharded).__name__} is not a plain ShardedEmbeddingBagCollection; the lifted "
+                        f"executor handles only that module type (this module keeps TorchRec's path)")
+    if getattr(sharded, "qcomm_codecs_registry", None):
+        raise LiftError(f"{path}: quantized communication codecs are not supported by the lifted executor")
+    keys, weighted, lengths_dtype, values_dtype, batch_sizes = _module_inputs(path, captures)
+    if {lengths_dtype, values_dtype} - set(DTYPE_BYTES):
+        raise LiftError(f"{path}: input dtypes {lengths_dtype}/{values_dtype} are not ones the graph knows")
+    root_input = common_path([c.modules[path].root_input for c in captures])
+    batch_input, next_batch_note = _next_batch_source([c.modules[path] for c in captures])
+    if weighted != bool(sharded._is_weighted):
+        raise LiftError(f"{path}: the module is {'weighted' if sharded._is_weighted else 'unweighted'} but its "
+                        f"captured input {'has' if weighted else 'has no'} weights")
+    groups = _lift_groups(path, sharded, sharding_plan.plan[path], env, device)
+    names = [f for g in groups for f in g.features]
+    unknown = sorted(set(names) - set(keys))
+    if unknown:
+        raise LiftError(f"{path}: features {unknown} of the tables are missing from the input KJT keys {keys}")
+    feature_order = [] if names == keys else [keys.index(f) for f in names]
+    ids = [{k: c.modules[path].features[k].ids_per_step for k in keys} for c in captures]
+    percentiles = {k: captures[0].modules[path].features[k].percentiles for k in keys}
+    schedule = identity_schedule([g.sharding_type for g in groups], world, bool(feature_order))
+    return LiftedModule(path, keys, weighted, lengths_dtype, values_dtype, feature_order, groups, batch_sizes,
+                        ids, percentiles, schedule, root_input=root_input, batch_input=batch_input,
+                        next_batch_note=next_batch_note)

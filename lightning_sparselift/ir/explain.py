@@ -41,6 +41,7 @@ def explain(graph: "SparseGraph") -> str:
     lines += [f"pass applied: {p}" for p in graph.provenance]
     for m in graph.modules:
         lines += _module(m)
+    lines += [f"module {path}: not lifted, TorchRec's path: {why}" for path, why in graph.not_lifted.items()]
     lines.append("step (collectives in issue order; bytes = what each member puts in):")
     nodes = graph.nodes
     for phase in ("forward", "backward"):

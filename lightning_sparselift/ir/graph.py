@@ -109,6 +109,8 @@ class SparseGraph:
     versions: dict[str, str]
     version: int = GRAPH_VERSION
     provenance: list[str] = field(default_factory=list)  # the passes applied, in order
+    # sharded modules that keep TorchRec's path, with the reason the lifter gave
+    not_lifted: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.version != GRAPH_VERSION:

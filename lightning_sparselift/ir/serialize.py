@@ -42,6 +42,6 @@ def graph_to_json(graph: "SparseGraph") -> str:
 def fingerprint(graph: "SparseGraph") -> str:
     structure = {
         "version": graph.version, "world_size": graph.world_size, "backend": graph.backend,
-        "modules": [_structure(m) for m in graph.modules],
+        "modules": [_structure(m) for m in graph.modules], "not_lifted": sorted(graph.not_lifted),
     }
     return hashlib.sha256(json.dumps(structure, sort_keys=True).encode()).hexdigest()[:16]
