@@ -82,30 +82,32 @@ def test_user_model_with_default_calibration_matches_torchrec(tmp_path, data_cac
     _assert_identical(tmp_path / "torchrec", tmp_path / "lifted")
 
 
-@pytest.mark.parametrize("sharding", [None, "row_wise"])
-def test_a_model_with_an_embedding_collection_is_sharded_and_its_bags_lifted(sharding, tmp_path, data_cache):
-    from user_models import WithSequenceFeature
+@pytest.mark.parametrize("kind, sharding", [("sequence", None), ("sequence", "row_wise"), ("positioned", None)])
+def test_a_model_with_other_torchrec_collections_is_sharded_and_its_bags_lifted(kind, sharding, tmp_path, data_cache):
+    from user_models import WithPositionWeights, WithSequenceFeature
 
     dm = tiny_data(data_cache, num_train=640)
     types = {f"seq_{dm.feature_names[0]}": sharding} if sharding else None
+    model = {"sequence": WithSequenceFeature, "positioned": WithPositionWeights}[kind]
+    sharded_type = {"sequence": "ShardedEmbeddingCollection",
+                    "positioned": "ShardedFeatureProcessedEmbeddingBagCollection"}[kind]
 
     def fit(folder: Path, **kwargs) -> SparseLiftStrategy:
         L.seed_everything(0)
         strategy = SparseLiftStrategy(start_method="fork", sharding_types=types, calibrate=False,
                                       embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05}, **kwargs)
         t = trainer(2, strategy, limit_val_batches=0, callbacks=[DumpLocalState(folder), GraphReport(folder)])
-        t.fit(WithSequenceFeature(dm.table_sizes, dm.feature_names), dm)
+        t.fit(model(dm.table_sizes, dm.feature_names), dm)
         return json.loads((folder / "graph0.json").read_text())
 
     fit(tmp_path / "torchrec", executor="torchrec")
     report = fit(tmp_path / "lifted")
-    # the EmbeddingCollection keeps TorchRec's path (with the reason), the bags are lifted
+    # the other collection keeps TorchRec's path (with the reason), the plain bags are lifted
     assert report["modules"] == ["embeddings"]
-    assert list(report["not_lifted"]) == ["sequence"]
-    assert "ShardedEmbeddingCollection is not a plain ShardedEmbeddingBagCollection" in report["not_lifted"]["sequence"]
-    assert "module sequence: not lifted, TorchRec's path" in report["explain"]
-    state = load_dumps(tmp_path / "lifted", 2)
-    assert any(k.startswith("sequence.embeddings.") for k in state[0])
+    assert list(report["not_lifted"]) == [kind]
+    assert f"{sharded_type} is not a plain ShardedEmbeddingBagCollection" in report["not_lifted"][kind]
+    assert f"module {kind}: not lifted, TorchRec's path" in report["explain"]
+    assert any(k.startswith(f"{kind}.") for k in load_dumps(tmp_path / "lifted", 2)[0])
     _assert_identical(tmp_path / "torchrec", tmp_path / "lifted")
 
 

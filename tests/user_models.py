@@ -123,3 +123,38 @@ class WithSequenceFeature(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+class WithPositionWeights(L.LightningModule):
+    """The first two features through a FeatureProcessedEmbeddingBagCollection (learned position
+    weights), the others through a plain EmbeddingBagCollection."""
+
+    def __init__(self, table_sizes: list[int], feature_names: list[str], dim: int = 8):
+        super().__init__()
+        from torchrec import EmbeddingBagCollection
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig
+        from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+        from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+
+        def bags(names: list[str], sizes: list[int], weighted: bool) -> EmbeddingBagCollection:
+            return EmbeddingBagCollection(
+                tables=[EmbeddingBagConfig(name=f"table_{f}", embedding_dim=dim, num_embeddings=rows,
+                                           feature_names=[f]) for f, rows in zip(names, sizes)],
+                is_weighted=weighted, device=torch.device("meta"))
+
+        self.weighted_names, self.rest = list(feature_names[:2]), list(feature_names[2:])
+        self.positioned = FeatureProcessedEmbeddingBagCollection(
+            bags(self.weighted_names, table_sizes[:2], True),
+            PositionWeightedModuleCollection({f: 4 for f in self.weighted_names}))
+        self.embeddings = bags(self.rest, table_sizes[2:], False)
+        self.bottom = nn.Sequential(nn.Linear(13, 16), nn.ReLU(), nn.Linear(16, dim))
+        self.top = nn.Linear(dim * (len(feature_names) + 1), 1)
+
+    def forward(self, dense: torch.Tensor, kjt: Any) -> torch.Tensor:
+        positioned_kjt, pooled_kjt = kjt.split([2, len(self.rest)])
+        weighted, pooled = self.positioned(positioned_kjt), self.embeddings(pooled_kjt)
+        parts = [self.bottom(dense)] + [weighted[f] for f in self.weighted_names] + [pooled[f] for f in self.rest]
+        return self.top(torch.cat(parts, dim=1)).squeeze(1)
+
+    training_step = WithSequenceFeature.training_step
+    configure_optimizers = WithSequenceFeature.configure_optimizers

@@ -1,6 +1,7 @@
 """``SparseLiftStrategy``: the Lightning glue.
 
-It shards every TorchRec ``EmbeddingBagCollection`` of the LightningModule with
+It shards every TorchRec ``EmbeddingBagCollection``, ``EmbeddingCollection`` and
+``FeatureProcessedEmbeddingBagCollection`` of the LightningModule with
 ``DistributedModelParallel`` (tables placed by TorchRec's planner, or by a constructed plan
 where the planner cannot place them), keeps the dense part data-parallel, runs the embedding
 optimizer fused into backward next to the user's dense optimizer, and saves sharded checkpoints.
