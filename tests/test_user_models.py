@@ -82,15 +82,24 @@ def test_user_model_with_default_calibration_matches_torchrec(tmp_path, data_cac
     _assert_identical(tmp_path / "torchrec", tmp_path / "lifted")
 
 
-@pytest.mark.parametrize("kind, sharding", [("sequence", None), ("sequence", "row_wise"), ("positioned", None)])
-def test_a_model_with_other_torchrec_collections_is_sharded_and_its_bags_lifted(kind, sharding, tmp_path, data_cache):
+# (TorchRec collection, sharding type of its tables) -> the user model holding one next to a plain
+# EmbeddingBagCollection (tests/support_table.py renders the README's table from this)
+OTHER_COLLECTIONS = {("EmbeddingCollection", "table_wise"): "sequence", ("EmbeddingCollection", "row_wise"): "sequence",
+                     ("FeatureProcessedEmbeddingBagCollection", "table_wise"): "positioned",
+                     ("FeatureProcessedEmbeddingBagCollection", "row_wise"): "positioned"}
+
+
+@pytest.mark.parametrize("collection, sharding", sorted(OTHER_COLLECTIONS))
+def test_a_model_with_other_torchrec_collections_is_sharded_and_its_bags_lifted(collection, sharding, tmp_path,
+                                                                                data_cache):
     from user_models import WithPositionWeights, WithSequenceFeature
 
     dm = tiny_data(data_cache, num_train=640)
-    types = {f"seq_{dm.feature_names[0]}": sharding} if sharding else None
+    kind = OTHER_COLLECTIONS[(collection, sharding)]
     model = {"sequence": WithSequenceFeature, "positioned": WithPositionWeights}[kind]
-    sharded_type = {"sequence": "ShardedEmbeddingCollection",
-                    "positioned": "ShardedFeatureProcessedEmbeddingBagCollection"}[kind]
+    tables = [f"seq_{dm.feature_names[0]}"] if kind == "sequence" else [f"table_{f}" for f in dm.feature_names[:2]]
+    types = {t: sharding for t in tables}
+    sharded_type = f"Sharded{collection}"
 
     def fit(folder: Path, **kwargs) -> SparseLiftStrategy:
         L.seed_everything(0)
@@ -98,7 +107,9 @@ def test_a_model_with_other_torchrec_collections_is_sharded_and_its_bags_lifted(
                                       embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05}, **kwargs)
         t = trainer(2, strategy, limit_val_batches=0, callbacks=[DumpLocalState(folder), GraphReport(folder)])
         t.fit(model(dm.table_sizes, dm.feature_names), dm)
-        return json.loads((folder / "graph0.json").read_text())
+        report = json.loads((folder / "graph0.json").read_text())
+        assert {report["plan"][kind][t] for t in tables} == {sharding}
+        return report
 
     fit(tmp_path / "torchrec", executor="torchrec")
     report = fit(tmp_path / "lifted")
@@ -107,7 +118,7 @@ def test_a_model_with_other_torchrec_collections_is_sharded_and_its_bags_lifted(
     assert list(report["not_lifted"]) == [kind]
     assert f"{sharded_type} is not a plain ShardedEmbeddingBagCollection" in report["not_lifted"][kind]
     assert f"module {kind}: not lifted, TorchRec's path" in report["explain"]
-    assert any(k.startswith(f"{kind}.") for k in load_dumps(tmp_path / "lifted", 2)[0])
+    assert any(k.startswith(f"{kind}.") for state in load_dumps(tmp_path / "lifted", 2) for k in state)
     _assert_identical(tmp_path / "torchrec", tmp_path / "lifted")
 
 
@@ -120,7 +131,9 @@ class GraphReport(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         executor = trainer.strategy.lifted_executor
         graph = executor.graph if executor is not None else None
-        report = {"modules": [m.path for m in graph.modules], "not_lifted": graph.not_lifted,
-                  "explain": graph.explain()} if graph else {}
+        plan = {path: {t: p.sharding_type for t, p in tables.items()}
+                for path, tables in trainer.strategy.sharding_plan.plan.items()}
+        report = {"plan": plan, **({"modules": [m.path for m in graph.modules], "not_lifted": graph.not_lifted,
+                                    "explain": graph.explain()} if graph else {})}
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / f"graph{trainer.global_rank}.json").write_text(json.dumps(report))
