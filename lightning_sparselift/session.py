@@ -316,20 +316,26 @@ class SparseLiftSession:
         capture = self.capture
         capture.remove()
         captures = gather_captures(capture.result(), self.group)
-        errors = [e for errors in self._all_gather(capture.errors()) for e in errors]
+        # a module whose captured input cannot be lifted (on any rank) keeps TorchRec's path
+        failed: dict[str, str] = {}
+        for rank_errors in self._all_gather(capture.errors()):
+            for path, error in rank_errors.items():
+                failed.setdefault(path, error)
+        remaining = [p for p in self.paths if p not in failed]  # (the same on every rank: gathered)
         graph, status = None, None
-        if not errors:
+        if remaining:
             try:
-                graph = lift(self.model, self.sharding_plan, self.paths, captures, self.group, self.device,
+                graph = lift(self.model, self.sharding_plan, remaining, captures, self.group, self.device,
                              dense_parameter_bytes(self.model, self.paths))
+                graph.not_lifted.update(failed)
                 check_against_runtime(graph, self.model)
                 status = graph.fingerprint()
             except LiftError as error:
                 status = f"error: {error}"
         statuses = self._all_gather(status)
-        errors += sorted({s[len("error: "):] for s in statuses if s and s.startswith("error: ")})
-        if errors:
-            self.fallback_reason = "; ".join(sorted(set(errors)))
+        errors = sorted({s[len("error: "):] for s in statuses if s and s.startswith("error: ")})
+        if errors or not remaining:
+            self.fallback_reason = "; ".join(sorted(set(failed.values())) + errors)
             self.events.append(f"could not lift the sparse path, keeping TorchRec's: {self.fallback_reason}")
             return
         if len(set(statuses)) > 1:

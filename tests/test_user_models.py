@@ -137,3 +137,33 @@ class GraphReport(L.Callback):
                                     "explain": graph.explain()} if graph else {})}
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / f"graph{trainer.global_rank}.json").write_text(json.dumps(report))
+
+
+def test_a_module_whose_capture_fails_keeps_torchrecs_path_and_the_others_are_lifted(tmp_path, data_cache,
+                                                                                    monkeypatch):
+    from lightning_sparselift.frontend.capture import SparseCapture
+    from user_models import TwoBagCollections
+
+    observe = SparseCapture._observe
+
+    def failing_second(self, path, kjt):  # (forked ranks inherit the patch: every rank's capture fails alike)
+        observe(self, path, kjt)
+        if path == "second":
+            self._inputs[path] = {"error": "second: injected capture failure"}
+
+    monkeypatch.setattr(SparseCapture, "_observe", failing_second)
+    dm = tiny_data(data_cache, num_train=640)
+
+    def fit(folder: Path, **kwargs) -> dict:
+        L.seed_everything(0)
+        strategy = SparseLiftStrategy(start_method="fork", calibrate=False,
+                                      embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05}, **kwargs)
+        t = trainer(2, strategy, limit_val_batches=0, callbacks=[DumpLocalState(folder), GraphReport(folder)])
+        t.fit(TwoBagCollections(dm.table_sizes, dm.feature_names), dm)
+        return json.loads((folder / "graph0.json").read_text())
+
+    fit(tmp_path / "torchrec", executor="torchrec")
+    report = fit(tmp_path / "lifted")
+    assert report["modules"] == ["embeddings"]
+    assert report["not_lifted"] == {"second": "second: injected capture failure"}
+    _assert_identical(tmp_path / "torchrec", tmp_path / "lifted")

@@ -158,3 +158,27 @@ class WithPositionWeights(L.LightningModule):
 
     training_step = WithSequenceFeature.training_step
     configure_optimizers = WithSequenceFeature.configure_optimizers
+
+
+class TwoBagCollections(UserModel):
+    """The features split over two EmbeddingBagCollections, ``embeddings`` and ``second``."""
+
+    def __init__(self, table_sizes: list[int], feature_names: list[str], dim: int = 8):
+        super().__init__(table_sizes[:3], feature_names[:3], dim)
+        from torchrec import EmbeddingBagCollection
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+        self.second_names = list(feature_names[3:])
+        self.second = EmbeddingBagCollection(
+            tables=[EmbeddingBagConfig(name=f"table_{f}", embedding_dim=dim, num_embeddings=rows, feature_names=[f])
+                    for f, rows in zip(self.second_names, table_sizes[3:])], device=torch.device("meta"))
+        self.top = nn.Linear(dim * (len(feature_names) + 1), 1)
+
+    def forward(self, dense: torch.Tensor, kjt: Any) -> torch.Tensor:
+        first_kjt, second_kjt = kjt.split([len(self.feature_names), len(self.second_names)])
+        pooled, other = self.embeddings(first_kjt), self.second(second_kjt)
+        parts = [self.bottom(dense)] + [pooled[f] for f in self.feature_names] + [other[f] for f in self.second_names]
+        return self.top(torch.cat(parts, dim=1)).squeeze(1)
+
+    def call_forward(self, batch: Any) -> torch.Tensor:
+        return self(batch.dense, batch.sparse)

@@ -285,8 +285,9 @@ class SparseCapture:
                 self._max_calls[path] = max(self._max_calls[path], calls)
             self.steps += 1
 
-    def errors(self) -> list[str]:
-        return [v["error"] for v in self._inputs.values() if "error" in v]
+    def errors(self) -> dict[str, str]:
+        """Why a module's captured inputs cannot be lifted, by module path."""
+        return {path: v["error"] for path, v in self._inputs.items() if "error" in v}
 
     def result(self) -> RankCapture:
         modules = {}
