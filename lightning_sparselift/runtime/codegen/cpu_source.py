@@ -167,8 +167,12 @@ template <int D>
 void update_rowwise_adagrad(float* table, float* state, const Scratch& s, int64_t U, float lr) {
   update_rows<D>(table, s, U, [&](float* w, const float* g, int64_t row) {
     // the JIT squares (vmulps) then adds (vaddps): no FMA, in the sum or in the update
+    // (lane l sums g[l], g[l + 8], ... in order; written by blocks of 8 so the compiler vectorises it)
     float lane[8] = {};
-    for (int d = 0; d < D; ++d) lane[d % 8] = lane[d % 8] + g[d] * g[d];
+    int d = 0;
+    for (; d + 8 <= D; d += 8)
+      for (int l = 0; l < 8; ++l) lane[l] = lane[l] + g[d + l] * g[d + l];
+    for (int l = 0; d + l < D; ++l) lane[l] = lane[l] + g[d + l] * g[d + l];
     float sum = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
     sum = sum / static_cast<float>(D);
     const float h = state[row] + sum;
