@@ -74,3 +74,13 @@ class DumpLocalState(L.Callback):
 
 def load_dumps(folder: Path, world_size: int) -> list[dict[str, torch.Tensor]]:
     return [torch.load(Path(folder) / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
+
+
+def assert_same_dumps(reference: Path, other: Path, world_size: int = 2) -> list[dict[str, torch.Tensor]]:
+    """Every rank's dumped state in ``other`` is bit-identical to ``reference``'s (the same keys);
+    returns the reference's."""
+    wanted = load_dumps(reference, world_size)
+    for rank, (want, got) in enumerate(zip(wanted, load_dumps(other, world_size))):
+        assert want.keys() == got.keys(), f"rank {rank}: other state keys"
+        assert [k for k in want if not torch.equal(want[k], got[k])] == [], f"rank {rank} differs from the reference"
+    return wanted
