@@ -260,7 +260,8 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
     tables = describe_tables(module)
     checked = validate_sharding_types(sharding_types, tables, device.type)
     embedding_optimizer.apply_in_backward([p for m in modules.values() for p in table_parameters(m)], device.type)
-    sharders = [cls() for cls in {_sharders()[type(m)] for m in modules.values()}]
+    # (one per module type, in the order the modules appear: the same list on every rank)
+    sharders = [cls() for cls in dict.fromkeys(_sharders()[type(m)] for m in modules.values())]
     plan = build_sharding_plan(module, sharders, world_size, device.type, checked, process_group)
     dmp = DistributedModelParallel(module, env=ShardingEnv.from_process_group(process_group), device=device,
                                    plan=plan, sharders=sharders, data_parallel_wrapper=DenseDataParallelWrapper())
