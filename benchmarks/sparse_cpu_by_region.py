@@ -88,7 +88,7 @@ def _worker(rank: int, scenario: str, port: int, steps: int, optimizations: list
         out = {"training thread": (time.thread_time() - thread) * 1e3 / steps,
                "process": (time.process_time() - process) * 1e3 / steps}
         if clock is not None:
-            out["lookups forward + backward"] = clock.take_lookup() / steps
+            out["lookups forward + backward"] = clock.take_lookup()[0] / steps
         out.update({k: v / steps for k, v in acc.items()})
         results[system.name] = out
     if rank == 0:

@@ -199,9 +199,9 @@ class SparseLiftSession:
             return self._plan(reuse_saved=True)
         if self.phase == "plan":
             step_ms = (time.perf_counter() - self._step_start) * 1e3
-            sparse_ms, lookup_ms = self.installed.clock.take(), self.installed.clock.take_lookup()
+            sparse_ms, (lookup_ms, lookup_wall_ms) = self.installed.clock.take(), self.installed.clock.take_lookup()
             self.installed.use(self.loop.incumbent)
-            self.loop.feedback(step_ms, sparse_ms, lookup_ms)
+            self.loop.feedback(step_ms, sparse_ms, lookup_ms, lookup_wall_ms)
             if self.loop.done:
                 self._finish()
                 return True
@@ -344,7 +344,7 @@ class SparseLiftSession:
                                f"plan with the same input features.")
         self.installed = install(graph, self.model, self.group, self.device)
         self.installed.observe(self._observe)
-        if any(p.name == "codegen" for p in self.passes):
+        if any(p.uses_generated_kernels for p in self.passes):
             self._build_kernels(graph)
         self.identity = graph
         self.events.append(f"lifted {len(graph.modules)} sparse module(s) after {self.warmup_batches} captured "

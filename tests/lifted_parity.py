@@ -48,7 +48,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
 # the lifted runs with passes forced on (every feasible candidate; "pass:role": only that role's)
 OPTIMIZED = {"aggregated": ("aggregation",), "latency_hidden": ("latency_hiding",),
              "next_batch_only": ("latency_hiding:next_batch",), "generated": ("codegen",),
-             "all_passes": ("aggregation", "latency_hiding", "codegen")}
+             "buckets2": ("subgraph_parallelism:buckets2",), "buckets4": ("subgraph_parallelism:buckets4",),
+             "all_passes": ("aggregation", "latency_hiding", "codegen", "subgraph_parallelism")}
 # TorchRec's own row-wise backward fails on uneven batches over gloo ("ProcessGroupGloo::allgather:
 # invalid tensor size"), so there is no reference to compare with.
 ALL = [(c, v) for c in CASES for v in VARIANTS
@@ -194,7 +195,7 @@ def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: in
     from lightning_sparselift.frontend.capture import SparseCapture, gather_captures
     from lightning_sparselift.frontend.check import check_against_runtime
     from lightning_sparselift.frontend.lift import dense_parameter_bytes, lift
-    from lightning_sparselift.passes import select_passes
+    from lightning_sparselift.passes import InfeasibleCandidate, select_passes
     from lightning_sparselift.plan.types import KernelBuild
     from lightning_sparselift.runtime import install
     from lightning_sparselift.session import mark_generated
@@ -249,14 +250,18 @@ def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: in
                          dense_parameter_bytes(dmp, sharded.sparse_module_paths))
             check_against_runtime(graph, model)
             installed = install(graph, model, dist.group.WORLD, device)
-            if any(o.startswith("codegen") for o in optimizations):  # built before planning, as the session does
+            if any(p.uses_generated_kernels for p in select_passes(list(optimizations))):
+                # built before planning, as the session does
                 builds: list = [None] * world
                 dist.all_gather_object(builds, installed.build_generated())
                 mark_generated(graph, [KernelBuild(rank=r, **b) for r, bs in enumerate(builds) for b in bs])
             for optimization in select_passes(list(optimizations)):  # every feasible one, as calibrate=False would
                 for candidate in optimization.candidates(graph):
                     if candidate.feasible and optimization.only in (None, {candidate.role}):
-                        graph = optimization.apply(graph, candidate)
+                        try:
+                            graph = optimization.apply(graph, candidate)
+                        except InfeasibleCandidate:  # (what an earlier one applied, e.g. fewer tables than G)
+                            continue
             installed.use(graph)
             result["graph"] = graph.to_dict()
             result["explain"] = graph.explain()

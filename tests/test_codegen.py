@@ -4,6 +4,9 @@ graphs (process-free)."""
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -14,7 +17,7 @@ from lightning_sparselift.passes.codegen import CodeGeneration
 from lightning_sparselift.runtime.codegen import Unsupported, spec_of
 from lightning_sparselift.runtime.codegen.build import build
 from lightning_sparselift.runtime.codegen.cpu_source import cpu_source
-from lightning_sparselift.runtime.codegen.lookup import TableBatchKernel
+from lightning_sparselift.runtime.codegen.lookup import TableBatchKernel, bucketed
 from lightning_sparselift.runtime.codegen.spec import OPTIMIZERS
 
 # dims fbgemm allows (multiples of 4) but not of the 8-float vector; table 1 is read by two features
@@ -56,8 +59,10 @@ def _batch(gen: torch.Generator, weighted: bool, id_dtype: torch.dtype):
     return kjt, ids, torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]), weights
 
 
-def _generated(tbe, weighted: bool, check_ids: bool = True) -> TableBatchKernel:
+def _generated(tbe, weighted: bool, check_ids: bool = True, buckets=None) -> TableBatchKernel:
     spec = spec_of(tbe, weighted, check_ids)
+    if buckets is not None:
+        spec = bucketed(spec, [f"t{t}" for t in range(len(ROWS))], buckets)
     return TableBatchKernel(tbe, spec, build(cpu_source(spec)))
 
 
@@ -65,9 +70,9 @@ def _generated(tbe, weighted: bool, check_ids: bool = True) -> TableBatchKernel:
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS.values()))
-def test_generated_kernel_is_bitwise_fbgemm(optimizer, pooling, weighted, id_dtype):
+def test_generated_kernel_is_bitwise_fbgemm(optimizer, pooling, weighted, id_dtype, buckets=None):
     reference, ours = _tbe(optimizer, pooling), _tbe(optimizer, pooling)
-    kernel = _generated(ours, weighted)
+    kernel = _generated(ours, weighted, buckets=buckets)
     gen = torch.Generator().manual_seed(1)
     for step in range(4):
         if step == 2:  # the fused optimizer's learning rate changes between steps (an LR scheduler)
@@ -84,6 +89,19 @@ def test_generated_kernel_is_bitwise_fbgemm(optimizer, pooling, weighted, id_dty
         if optimizer != "sgd":
             assert torch.equal(reference.momentum1_host, ours.momentum1_host), f"optimizer state after step {step}"
     assert (ours.step, int(ours.iter)) == (reference.step, int(reference.iter))
+
+
+@pytest.mark.parametrize("buckets", [[["t0", "t1"], ["t2", "t3"]], [["t3"], ["t1", "t0"], ["t2"]]])
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_buckets_of_tables_run_concurrently_and_stay_bitwise_fbgemm(optimizer, buckets):
+    test_generated_kernel_is_bitwise_fbgemm(optimizer, "mean", True, torch.int64, buckets=buckets)
+
+
+def test_buckets_must_hold_every_table_of_the_kernel():
+    with pytest.raises(Unsupported, match=r"tables \['t3'\] are in none of the buckets"):
+        _generated(_tbe("sgd", "sum"), False, buckets=[["t0", "t1"], ["t2"]])
+    with pytest.raises(ValueError, match="exactly once"):
+        replace(spec_of(_tbe("sgd", "sum"), False, True), buckets=((0, 1), (1, 2, 3)))
 
 
 def test_the_second_build_of_a_source_loads_it_from_the_cache(tmp_path, monkeypatch):
@@ -203,9 +221,23 @@ def test_the_lookup_region_counts_the_lookup_call_and_its_backward_node_only():
     clock.lookup_backward(out)
     forward = clock.lookup_ms
     _spin(0.05)  # outside both regions
+    time.sleep(0.03)  # wall time only, outside both regions
     (out * 3).sum().backward()
-    total = clock.take_lookup()
-    assert 18 < forward < 40 and 45 < total < 80 and clock.take_lookup() == 0.0
+    cpu, wall = clock.take_lookup()
+    assert 18 < forward < 40 and 45 < cpu < 80 and 45 < wall < 100 and clock.take_lookup() == (0.0, 0.0)
+
+
+def test_the_lookup_wall_clock_counts_buckets_running_on_other_threads_once():
+    """Buckets on threads of their own: the training thread's CPU misses their work, the wall
+    clock sees the region's duration (what subgraph parallelism is measured by)."""
+    from lightning_sparselift.cost.calibration import RegionClock
+    from lightning_sparselift.runtime.codegen.lookup import each_bucket
+
+    clock = RegionClock(torch.device("cpu"))
+    with clock.lookup():
+        each_bucket(2, lambda b: time.sleep(0.04) if b else _spin(0.04))
+    cpu, wall = clock.take_lookup()
+    assert 30 < cpu < 60 and 38 < wall < 80
 
 
 def _spin(seconds: float) -> None:

@@ -90,11 +90,17 @@ def _assert_identical(results: list[dict], case: str, variant: str, world: int) 
                 assert ahead == (bool({"latency_hiding", "latency_hiding:next_batch"} & set(passes)) and world > 1
                                  and any(g.sharding_type != "data_parallel" for g in m.groups))
                 assert result[executor]["prefetched_steps"][m.path] == (lp.LIFTED_STEPS - 1 if ahead else 0)
-                # code generation: every fused group's lookup ran a generated kernel
+                # code generation: every fused group's lookup ran a generated kernel; subgraph
+                # parallelism: in buckets wherever a rank holds two of the group's tables
+                bucketed = any(p.startswith("subgraph_parallelism") for p in passes)
                 for g in m.groups:
-                    generated = m.schedule.region("lookup", g.index).kernel == "generated"
-                    assert generated == ("codegen" in passes and g.sharding_type != "data_parallel"), \
+                    region = m.schedule.region("lookup", g.index)
+                    fused = g.sharding_type != "data_parallel"
+                    assert (region.kernel == "generated") == (fused and ("codegen" in passes or bool(region.buckets))), \
                         f"{executor} g{g.index}: {g.lookup_notes}"
+                    tables_per_rank = Counter(t.rank for t in g.tables)
+                    assert bool(region.buckets) == (bucketed and fused and max(tables_per_rank.values()) > 1), \
+                        f"{executor} g{g.index}: {region}"
 
 
 @pytest.mark.gpu

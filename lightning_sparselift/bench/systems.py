@@ -318,11 +318,17 @@ def _ablation(name: str, optimizations: list[str], doc: str) -> type[SparseLift]
 
 ABLATIONS = [
     _ablation("sparselift-identity", [], "SparseLift's executor with the identity plan (no optimization pass)."),
-    _ablation("sparselift-no-latency-hiding", ["aggregation", "codegen"], "SparseLift without the latency-hiding pass."),
-    _ablation("sparselift-no-aggregation", ["latency_hiding", "codegen"], "SparseLift without the aggregation pass."),
-    _ablation("sparselift-no-next-batch", ["aggregation", "latency_hiding:early_start", "codegen"],
+    _ablation("sparselift-no-latency-hiding", ["aggregation", "codegen", "subgraph_parallelism"],
+              "SparseLift without the latency-hiding pass."),
+    _ablation("sparselift-no-aggregation", ["latency_hiding", "codegen", "subgraph_parallelism"],
+              "SparseLift without the aggregation pass."),
+    _ablation("sparselift-no-next-batch", ["aggregation", "latency_hiding:early_start", "codegen",
+                                           "subgraph_parallelism"],
               "SparseLift without latency hiding's next-batch input distribution."),
+    # (buckets run generated kernels: without code generation there is no subgraph parallelism either)
     _ablation("sparselift-no-codegen", ["aggregation", "latency_hiding"], "SparseLift without code generation."),
+    _ablation("sparselift-no-subgraph", ["aggregation", "latency_hiding", "codegen"],
+              "SparseLift without subgraph parallelism."),
 ]
 
 

@@ -28,14 +28,16 @@ class RegionClock:
     """Wall time spent inside measured regions (the lifted executor's forward chains and backward
     collectives) since the last :meth:`take`; and, apart, the lookup regions' own time (the lookup
     kernels' forward calls and their backward nodes, fused update included) since the last
-    :meth:`take_lookup`: on CPU the training thread's CPU time, which the other rank's work and the
-    collectives' waits do not add noise to."""
+    :meth:`take_lookup`: on CPU both the training thread's CPU time, which the other rank's work
+    and the collectives' waits do not add noise to, and the wall time, which is what counts once a
+    lookup runs buckets on threads of their own."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.ms = 0.0
         self.lookup_ms = 0.0
-        self._node_start: dict[int, float] = {}
+        self.lookup_wall_ms = 0.0
+        self._node_start: dict[int, tuple[float, float]] = {}
 
     @contextmanager
     def region(self) -> Iterator[None]:
@@ -53,11 +55,18 @@ class RegionClock:
         ms, self.ms = self.ms, 0.0
         return ms
 
-    def _now(self) -> float:
+    def _now(self) -> tuple[float, float]:
+        """(the lookup clock: thread CPU on CPU, synchronized wall time on CUDA; wall time), in ms."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            return time.perf_counter() * 1e3
-        return time.thread_time() * 1e3
+            wall = time.perf_counter() * 1e3
+            return wall, wall
+        return time.thread_time() * 1e3, time.perf_counter() * 1e3
+
+    def _add_lookup(self, start: tuple[float, float]) -> None:
+        end = self._now()
+        self.lookup_ms += end[0] - start[0]
+        self.lookup_wall_ms += end[1] - start[1]
 
     @contextmanager
     def lookup(self) -> Iterator[None]:
@@ -65,7 +74,7 @@ class RegionClock:
         try:
             yield
         finally:
-            self.lookup_ms += self._now() - start
+            self._add_lookup(start)
 
     def lookup_backward(self, out: torch.Tensor) -> None:
         """Count the backward of the lookup that made ``out``: its autograd node (and, for a
@@ -81,11 +90,13 @@ class RegionClock:
     def _node_done(self, key: int) -> None:
         start = self._node_start.pop(key, None)
         if start is not None:
-            self.lookup_ms += self._now() - start
+            self._add_lookup(start)
 
-    def take_lookup(self) -> float:
-        ms, self.lookup_ms = self.lookup_ms, 0.0
-        return ms
+    def take_lookup(self) -> tuple[float, float]:
+        """(lookup clock ms, lookup wall ms) since the last call."""
+        taken = (self.lookup_ms, self.lookup_wall_ms)
+        self.lookup_ms = self.lookup_wall_ms = 0.0
+        return taken
 
 
 @dataclass
@@ -95,9 +106,10 @@ class CalibrationProtocol:
 
     warmup_pairs: int = 1
     measured_pairs: int = 2
-    # what F measures: "sparse" (the executor's regions), "step" (the whole step's wall time) or
-    # "lookup" (the lookup regions' forward and backward, see RegionClock: for candidates that
-    # change only the lookups' compute)
+    # what F measures: "sparse" (the executor's regions), "step" (the whole step's wall time),
+    # "lookup" (the lookup regions' forward and backward on the training thread's clock, see
+    # RegionClock: for candidates that change only the lookups' compute) or "lookup_wall" (the
+    # same regions' wall time: for candidates that spread that compute over threads)
     region: str = "sparse"
     settle_steps: int = 0  # unmeasured steps on the same plan before each observed one
     # every other pair runs T1 first (T0 T1, T1 T0, ...: the paper's ref -> gen -> gen -> ref), so a

@@ -34,13 +34,16 @@ def _sharded_type() -> type:
     return ShardedEmbeddingBagCollection
 
 
-def _table_shards(name: str, ps: Any, pooling: str, rows: int, dim: int) -> list[TableShard]:
+def _table_shards(cfg: Any, ps: Any, pooling: str) -> list[TableShard]:
+    features = list(cfg.feature_names)
     if ps.sharding_type == "data_parallel":
-        return [TableShard(name, None, rows, dim, 0, 0, ps.compute_kernel, pooling)]
+        return [TableShard(cfg.name, None, cfg.num_embeddings, cfg.embedding_dim, 0, 0, ps.compute_kernel, pooling,
+                           features)]
     shards = []
     for meta in ps.sharding_spec.shards:
-        shards.append(TableShard(name, meta.placement.rank(), int(meta.shard_sizes[0]), int(meta.shard_sizes[1]),
-                                 int(meta.shard_offsets[0]), int(meta.shard_offsets[1]), ps.compute_kernel, pooling))
+        shards.append(TableShard(cfg.name, meta.placement.rank(), int(meta.shard_sizes[0]), int(meta.shard_sizes[1]),
+                                 int(meta.shard_offsets[0]), int(meta.shard_offsets[1]), ps.compute_kernel, pooling,
+                                 features))
     return shards
 
 
@@ -83,7 +86,7 @@ def _lift_groups(path: str, sharded: nn.Module, module_plan: Any, env: Any, devi
             if sharding_type == "row_wise" and cfg.pooling == PoolingType.MEAN:
                 raise LiftError(f"{path}: table {cfg.name!r} is row-wise with mean pooling (TorchRec divides after "
                                 f"the reduce-scatter); the lifted executor does not implement that")
-            tables.extend(_table_shards(cfg.name, plan[cfg.name], pooling, cfg.num_embeddings, cfg.embedding_dim))
+            tables.extend(_table_shards(cfg, plan[cfg.name], pooling))
         features = list(sharding.feature_names())
         features_per_rank: list[int] = []
         block_sizes: list[int] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lightning_sparselift.frontend.capture import describe_path
+from lightning_sparselift.ir.schedule import bucket_label
 from lightning_sparselift.ir.steps import CollectiveNode
 from lightning_sparselift.ir.vocab import COLUMN_SHARDED
 
@@ -98,6 +99,10 @@ def _module(m: "LiftedModule") -> list[str]:
                      + (f", stream {e.stream}" if e.stream else ""))
     kernels = sorted({f"{r.name}={r.kernel}" for r in s.regions})
     lines.append(f"    kernels: {', '.join(kernels)}")
+    for r in s.regions:
+        if r.buckets:
+            lines.append(f"    {r.name} {bucket_label(r.groups)} in {len(r.buckets)} concurrent buckets: "
+                         + " | ".join(",".join(b) for b in r.buckets))
     for g in m.groups:
         for name, note in sorted(g.lookup_notes.items()):
             lines.append(f"    g{g.index} has no {name} lookup kernel: {note}")

@@ -23,6 +23,7 @@ class TableShard:
     col_offset: int
     kernel: str  # TorchRec's compute kernel
     pooling: str
+    features: list[str] = field(default_factory=list)  # the features that read the table
 
 
 @dataclass

@@ -70,6 +70,8 @@ class Region:
     name: RegionName
     groups: list[int]  # [] for the module-wide regions (permute, output)
     kernel: str
+    # a generated lookup's tables (by name) in buckets run concurrently; [] = one after the other
+    buckets: list[list[str]] = field(default_factory=list, kw_only=True)
 
 
 @dataclass
@@ -147,6 +149,15 @@ def check_schedule(schedule: ModuleSchedule, kinds: list[str], world: int) -> li
             problems.append(f"output {e.label}: a row-wise reduce-scatter is one group's, waited where it is issued")
         if e.wait not in (schedule.lookup_at, "module_call"):
             problems.append(f"output {e.label} waited at {e.wait}: at the lookups or the module call")
+    for r in schedule.regions:
+        if not r.buckets:
+            continue
+        names = [n for b in r.buckets for n in b]
+        if r.name != "lookup" or r.kernel != GENERATED_KERNEL:
+            problems.append(f"{r.name} region of {r.groups} ({r.kernel}) has buckets: only a generated lookup runs them")
+        if len(r.buckets) < 2 or not all(r.buckets) or len(set(names)) != len(names):
+            problems.append(f"lookup region of {r.groups}: buckets {r.buckets} are not two or more disjoint, non-empty "
+                            f"sets of tables")
     lookups = [g for r in schedule.regions if r.name == "lookup" for g in r.groups]
     if sorted(lookups) != list(range(len(kinds))):
         problems.append(f"lookup regions cover groups {sorted(lookups)}, not each of {list(range(len(kinds)))} once")

@@ -86,7 +86,8 @@ class SparseLiftStrategy(ParallelStrategy):
             path cannot be lifted, it warns and keeps TorchRec's path. ``torchrec`` always runs
             TorchRec's sharded modules as they are.
         optimizations: the sparse-path optimization passes the planner may use (default: all of
-            them, today ``["aggregation", "latency_hiding"]``); ``pass:role`` selects one kind of
+            them: ``aggregation``, ``codegen``, ``latency_hiding``, ``subgraph_parallelism``);
+            ``pass:role`` selects one kind of
             candidate, e.g. ``latency_hiding:early_start`` (without the next-batch schedule);
             ``[]`` runs the identity plan. Unknown names raise.
         calibrate: decide every feasible candidate by measuring it on real training steps

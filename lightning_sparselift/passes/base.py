@@ -34,6 +34,9 @@ class Candidate:
     feasible: bool
     reasons: list[str] = field(default_factory=list)
     cost_inputs: dict[str, float] = field(default_factory=dict)
+    # the candidate (id) decided right before this one, which must be accepted for this one to be
+    # tried: the rungs of a sweep (e.g. 4 buckets only after 2 buckets improved on 1)
+    follows: Optional[str] = None
 
     @property
     def id(self) -> str:
@@ -44,6 +47,11 @@ class OptimizationPass(ABC):
     name: str
     roles: tuple[str, ...]  # the kinds of candidate it proposes (``Candidate.role``)
     protocol: CalibrationProtocol
+    # passes whose candidates are decided before this pass's (when selected): this one builds on
+    # what they change (e.g. buckets of a generated kernel after the kernel itself)
+    runs_after: tuple[str, ...] = ()
+    # its candidates run generated lookup kernels: the session builds them before planning
+    uses_generated_kernels: bool = False
 
     def __init__(self, only: Optional[set[str]] = None) -> None:
         self.only = only  # the roles the planner may use (None: all)

@@ -36,6 +36,7 @@ class CodeGeneration(OptimizationPass):
     name = "codegen"
     roles = ("lookup",)
     protocol = CalibrationProtocol(warmup_pairs=1, measured_pairs=2, region="lookup", settle_steps=0, mirrored=True)
+    uses_generated_kernels = True
 
     @staticmethod
     def _groups(module: LiftedModule) -> list[int]:

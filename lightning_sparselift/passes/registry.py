@@ -8,8 +8,10 @@ from lightning_sparselift.passes.aggregation import CommunicationAggregation
 from lightning_sparselift.passes.base import OptimizationPass
 from lightning_sparselift.passes.codegen import CodeGeneration
 from lightning_sparselift.passes.latency_hiding import LatencyHiding
+from lightning_sparselift.passes.subgraph_parallelism import SubgraphParallelism
 
-PASSES: dict[str, type[OptimizationPass]] = {cls.name: cls for cls in (CommunicationAggregation, LatencyHiding, CodeGeneration)}
+PASSES: dict[str, type[OptimizationPass]] = {cls.name: cls for cls in (CommunicationAggregation, LatencyHiding, CodeGeneration,
+                                                                       SubgraphParallelism)}
 
 
 def select_passes(names: list[str]) -> list[OptimizationPass]:

@@ -47,21 +47,50 @@ class Planner:
         return Calibrator(self.passes[candidate.pass_name].protocol_for(candidate.role), self.rule)
 
     def propose(self, graph: SparseGraph) -> tuple[list[Candidate], list[Decision]]:
-        """Feasible candidates in the order to try them (largest predicted gain first), and the
-        decisions for the infeasible ones."""
-        feasible, rejected = [], []
+        """Feasible candidates in the order to try them (a pass after the passes it runs after;
+        then the largest predicted gain first; a sweep's next rung right after the one it follows),
+        and the decisions for the infeasible ones."""
+        feasible, rejected, selected = [], [], set()
         for p in self.passes.values():
             for candidate in p.candidates(graph):
                 if p.only is not None and candidate.role not in p.only:
                     continue  # not selected
+                selected.add(candidate.id)
                 if candidate.feasible:
                     feasible.append(candidate)
                 else:
                     rejected.append(Decision(candidate.id, p.name, candidate.module, candidate.role, False,
                                              candidate.reasons, None, None, None, False,
                                              "infeasible: " + "; ".join(candidate.reasons)))
-        feasible.sort(key=lambda c: self.predict_ms(c) if self.predict_ms(c) is not None else 0.0)
-        return feasible, rejected
+        feasible.sort(key=lambda c: (self._stage(c.pass_name),
+                                     self.predict_ms(c) if self.predict_ms(c) is not None else 0.0))
+        for c in feasible:
+            if c.follows not in selected:
+                c.follows = None  # (a rung selected without the one before it stands alone)
+        ids = {c.id for c in feasible}
+        orphans = [c for c in feasible if c.follows is not None and c.follows not in ids]
+        while orphans:  # (a rung whose predecessor is not tried, then the rungs after it)
+            for c in orphans:
+                feasible.remove(c)
+                ids.discard(c.id)
+                why = f"it follows {c.follows}, which is infeasible"
+                rejected.append(Decision(c.id, c.pass_name, c.module, c.role, False, [why], None, None, None, False,
+                                         f"infeasible: {why}"))
+            orphans = [c for c in feasible if c.follows is not None and c.follows not in ids]
+        followers = {c.follows: c for c in feasible if c.follows is not None}
+        ordered = []
+        for c in feasible:
+            if c.follows is not None:
+                continue  # placed right after the candidate it follows
+            while c is not None:
+                ordered.append(c)
+                c = followers.get(c.id)
+        return ordered, rejected
+
+    def _stage(self, name: str) -> int:
+        """0 for a pass that runs after no selected pass, else one more than those it runs after."""
+        after = [a for a in self.passes[name].runs_after if a in self.passes]
+        return 1 + max(self._stage(a) for a in after) if after else 0
 
     def predict_ms(self, candidate: Candidate) -> Optional[float]:
         if self.priors is None:
@@ -168,12 +197,15 @@ class PlanningLoop:
         """The graph the next training step runs (T1: the trial, or T0: the incumbent)."""
         return self.trial if self._calibrator.next_uses_candidate() else self.incumbent
 
-    def feedback(self, step_ms: float, sparse_ms: float, lookup_ms: Optional[float] = None) -> None:
+    def feedback(self, step_ms: float, sparse_ms: float, lookup_ms: Optional[float] = None,
+                 lookup_wall_ms: Optional[float] = None) -> None:
         """The measurement of the step that ran :meth:`next_graph`: its whole wall time, the
-        executor's measured regions and its lookup regions (the candidate's protocol says which
-        one counts). Decides the candidate once its protocol is done (a collective over ``group``)."""
+        executor's measured regions and its lookup regions (on the lookup clock, and in wall time;
+        the candidate's protocol says which one counts). Decides the candidate once its protocol
+        is done (a collective over ``group``)."""
         calibrator = self._calibrator
-        measured = {"step": step_ms, "sparse": sparse_ms, "lookup": lookup_ms}[calibrator.protocol.region]
+        measured = {"step": step_ms, "sparse": sparse_ms, "lookup": lookup_ms,
+                    "lookup_wall": lookup_wall_ms}[calibrator.protocol.region]
         if measured is None:
             raise ValueError(f"{calibrator.protocol.region!r} calibration needs the lookup regions' time")
         calibrator.record(measured)
@@ -238,6 +270,13 @@ class PlanningLoop:
         if decision.accepted:
             self.incumbent = self.trial
         self.events.append(f"{candidate.id}: {'accepted' if decision.accepted else 'rejected'}, {decision.reason}")
+        if not decision.accepted:  # a sweep stops at the first rung that does not improve
+            stopped = candidate.id
+            while self._queue and self._queue[0].follows == stopped:
+                rung = self._queue.pop(0)
+                self.plan.decisions.append(self.planner.undecided(rung, f"the sweep stopped: {stopped} was not "
+                                                                        f"accepted"))
+                stopped = rung.id
         self._calibrator, self.trial = None, None
         self._next_candidate()
 

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from lightning_sparselift.frontend.capture import copy_features, same_features
 from lightning_sparselift.cost.calibration import RegionClock
 from lightning_sparselift.ir import LiftedModule, ModuleSchedule, ScheduleError, check_schedule
-from lightning_sparselift.ir.schedule import GENERATED_KERNEL
+from lightning_sparselift.ir.schedule import GENERATED_KERNEL, Region
 from lightning_sparselift.runtime.codegen import GeneratedLookup, Unsupported
 from lightning_sparselift.runtime.input_dist import GroupRuntime, InputDistribution
 from lightning_sparselift.runtime.kernels import kernel
@@ -70,7 +70,8 @@ class ModuleExecutor:
         self.prefetched_steps = 0  # training calls whose input distribution the step before started
         # called with (module path, features) on every training call of the module (the session's drift watch)
         self.observer: Optional[Callable[[str, Any], None]] = None
-        self.generated: dict[int, GeneratedLookup] = {}  # by group: built once, kept across plan switches
+        # by group and buckets: built once, kept across plan switches
+        self.generated: dict[tuple[int, tuple[tuple[str, ...], ...]], GeneratedLookup] = {}
         self.use(spec.schedule)
 
     def use(self, schedule: ModuleSchedule) -> None:
@@ -83,7 +84,7 @@ class ModuleExecutor:
         if streams:
             problems.append(f"streams {streams}: the runtime issues every exchange on the current stream")
         try:
-            lookups = [self.lookup_kernel(i, schedule.region("lookup", i).kernel) for i in range(len(self.groups))]
+            lookups = [self.lookup_kernel(i, schedule.region("lookup", i)) for i in range(len(self.groups))]
             output = kernel("output", schedule.region("output").kernel)
             inputs = InputDistribution(self.spec, schedule, self.groups, self.process_groups, self.world, self.device)
         except (KeyError, LookupError, Unsupported) as error:
@@ -98,17 +99,19 @@ class ModuleExecutor:
         self.starts_early = schedule.lookup_at == "root_forward"
         self.distributes_ahead = schedule.input_issue == "previous_step"
 
-    def lookup_kernel(self, group: int, name: str) -> Callable[[nn.Module, Any], Tensor]:
-        """Group ``group``'s lookup kernel ``name``; a generated one is built (or loaded from the
-        cache) on first use. :class:`Unsupported` when it cannot be."""
-        if name != GENERATED_KERNEL:
-            return kernel("lookup", name)
-        if group not in self.generated:
+    def lookup_kernel(self, group: int, region: Region) -> Callable[[nn.Module, Any], Tensor]:
+        """The kernel of group ``group``'s lookup ``region``; a generated one (for the region's
+        buckets) is built (or loaded from the cache) on first use. :class:`Unsupported` when it
+        cannot be."""
+        if region.kernel != GENERATED_KERNEL:
+            return kernel("lookup", region.kernel)
+        key = (group, tuple(tuple(b) for b in region.buckets))
+        if key not in self.generated:
             # ids are checked in the kernel only when no input check runs before it (never twice)
             checked = any(isinstance(h, InputCheck) for h in self.module._forward_pre_hooks.values())
-            self.generated[group] = GeneratedLookup(self.groups[group].lookup, self.spec.weighted,
-                                                    check_ids=not checked)
-        return self.generated[group]
+            self.generated[key] = GeneratedLookup(self.groups[group].lookup, self.spec.weighted,
+                                                  check_ids=not checked, buckets=region.buckets)
+        return self.generated[key]
 
     def _check(self, features: Any) -> None:
         if features.variable_stride_per_key():

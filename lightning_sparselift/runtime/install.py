@@ -41,14 +41,14 @@ class InstalledExecutor:
         """Build (or load from the cache) every group's generated lookup kernel on this rank, before
         any plan uses one: per group, ``{"module", "group", "note"}`` ("" when built, else why not),
         ``"seconds"`` and ``"cached"``."""
-        from lightning_sparselift.ir.schedule import GENERATED_KERNEL
+        from lightning_sparselift.ir.schedule import GENERATED_KERNEL, Region
         from lightning_sparselift.runtime.codegen import Unsupported
 
         out = []
         for path, executor in self.executors.items():
             for group in range(len(executor.groups)):
                 try:
-                    built = executor.lookup_kernel(group, GENERATED_KERNEL)
+                    built = executor.lookup_kernel(group, Region("lookup", [group], GENERATED_KERNEL))
                     out.append({"module": path, "group": group, "note": "", "seconds": built.build_s,
                                 "cached": built.cached})
                 except Unsupported as error:

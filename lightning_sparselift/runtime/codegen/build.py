@@ -80,7 +80,9 @@ def build(source: str) -> BuiltKernel:
         raise Unsupported(f"the generated kernel {library} did not load ({error})") from error
     for fn in (loaded.sl_forward, loaded.sl_backward):
         fn.restype = ctypes.c_int64
-    loaded.sl_forward.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 5
-    loaded.sl_backward.argtypes = ([ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 6
+    # (bucket, batch, id bits, offset bits, pointers...): ctypes releases the GIL for the call, so
+    # buckets called from threads of their own run concurrently
+    loaded.sl_forward.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 5
+    loaded.sl_backward.argtypes = ([ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 6
                                    + [ctypes.c_float])
     return BuiltKernel(loaded, str(library), key, cached, time.perf_counter() - start)

@@ -14,7 +14,8 @@ is fbgemm's, operation for operation, so results are bitwise identical to its CP
   path). Which operations fuse was read from fbgemm's compiled kernels, so the build turns
   contraction off and the source says every fused multiply-add itself.
 Rows are prefetched 16 ahead, as fbgemm's kernels do (table rows are random reads).
-Functions are ``extern "C"`` over raw pointers (called through ctypes): the source includes no
+Each bucket of tables (:attr:`KernelSpec.buckets`) is its own forward and backward, so buckets can
+run on threads of their own. Functions are ``extern "C"`` over raw pointers (called through ctypes): the source includes no
 torch header, so a cold build takes about a second.
 """
 
@@ -198,19 +199,28 @@ void update_rowwise_adagrad_shared(float* table, float* state, const Scratch& s,
   });
 }
 
+// one bucket's features (buckets hold disjoint tables and write disjoint output columns)
 template <typename I, typename O>
-int64_t forward(int64_t B, const I* ids, const O* offsets, const float* psw, const float* weights, float* out) {
+int64_t forward(int64_t bucket, int64_t B, const I* ids, const O* offsets, const float* psw, const float* weights,
+                float* out) {
   int64_t bad = -1;
+  switch (bucket) {
 $forward_body
+    default: return -3;
+  }
   return -1;
 }
 
+// one bucket's tables; the scratch is per thread, so buckets can run on threads of their own
 template <typename I, typename O>
-int64_t backward(int64_t B, const I* ids, const O* offsets, const float* psw, const float* grad, float* weights,
-                 float* state, float lr) {
+int64_t backward(int64_t bucket, int64_t B, const I* ids, const O* offsets, const float* psw, const float* grad,
+                 float* weights, float* state, float lr) {
   static thread_local Scratch s;
   int64_t U = 0;
+  switch (bucket) {
 $backward_body
+    default: return -3;
+  }
   return -1;
 }
 }  // namespace
@@ -222,16 +232,18 @@ $backward_body
   if (id_bits == 32 && off_bits == 32) return call(int32_t, int32_t);                       \
   return -2;
 
-// return -1: done; -2: unsupported id/offset width; else the position of an out-of-range id
-extern "C" int64_t sl_forward(int64_t B, int id_bits, int off_bits, const void* ids, const void* offsets,
-                              const float* psw, const float* weights, float* out) {
-#define SL_FORWARD(I, O) forward<I, O>(B, static_cast<const I*>(ids), static_cast<const O*>(offsets), psw, weights, out)
+// return -1: done; -2: unsupported id/offset width; -3: no such bucket; else the position of an
+// out-of-range id
+extern "C" int64_t sl_forward(int64_t bucket, int64_t B, int id_bits, int off_bits, const void* ids,
+                              const void* offsets, const float* psw, const float* weights, float* out) {
+#define SL_FORWARD(I, O) forward<I, O>(bucket, B, static_cast<const I*>(ids), static_cast<const O*>(offsets), psw, weights, out)
   SL_DISPATCH(SL_FORWARD)
 }
 
-extern "C" int64_t sl_backward(int64_t B, int id_bits, int off_bits, const void* ids, const void* offsets,
-                               const float* psw, const float* grad, float* weights, float* state, float lr) {
-#define SL_BACKWARD(I, O) backward<I, O>(B, static_cast<const I*>(ids), static_cast<const O*>(offsets), psw, grad, weights, state, lr)
+extern "C" int64_t sl_backward(int64_t bucket, int64_t B, int id_bits, int off_bits, const void* ids,
+                               const void* offsets, const float* psw, const float* grad, float* weights, float* state,
+                               float lr) {
+#define SL_BACKWARD(I, O) backward<I, O>(bucket, B, static_cast<const I*>(ids), static_cast<const O*>(offsets), psw, grad, weights, state, lr)
   SL_DISPATCH(SL_BACKWARD)
 }
 """
@@ -244,22 +256,29 @@ def _bool(value: bool) -> str:
 def cpu_source(spec: KernelSpec) -> str:
     """The kernel's C++ translation unit."""
     flags = f"{_bool(spec.weighted)}, {_bool(spec.pooling == 'mean')}, {_bool(spec.check_ids)}"
+    features = spec.features
+    columns = spec.columns
     forward, backward = [], []
-    for f, (t, dim, column) in enumerate(spec.features):
-        table = spec.tables[t]
-        forward.append(f"  bad = pool<{dim}, {flags}, I, O>(ids, offsets, psw, weights + {table.weights_offset}LL, "
-                       f"{table.rows}LL, out, B, {f}, {column});\n  if (bad >= 0) return bad;")
-    column = 0
-    for table in spec.tables:
-        update = spec.optimizer
-        if update == "rowwise_adagrad" and table.end_feature - table.first_feature > 1:
-            update = "rowwise_adagrad_shared"
-        state = "nullptr" if spec.optimizer == "sgd" else f"state + {table.state_offset}LL"
-        backward.append(
-            f"  U = accumulate<{table.dim}, {flags}, I, O>(ids, offsets, psw, grad, B, {table.first_feature}, "
-            f"{table.end_feature}, {column}, {table.rows}LL, s);\n"
-            f"  if (U < 0) return -U - 1;\n"
-            f"  update_{update}<{table.dim}>(weights + {table.weights_offset}LL, {state}, s, U, lr);")
-        column += table.dim * (table.end_feature - table.first_feature)
+    for b, tables in enumerate(spec.buckets):
+        forward.append(f"    case {b}:")
+        backward.append(f"    case {b}:")
+        for t in tables:
+            table = spec.tables[t]
+            for f in range(table.first_feature, table.end_feature):
+                _, dim, column = features[f]
+                forward.append(f"      bad = pool<{dim}, {flags}, I, O>(ids, offsets, psw, weights + "
+                               f"{table.weights_offset}LL, {table.rows}LL, out, B, {f}, {column});\n"
+                               f"      if (bad >= 0) return bad;")
+            update = spec.optimizer
+            if update == "rowwise_adagrad" and table.end_feature - table.first_feature > 1:
+                update = "rowwise_adagrad_shared"
+            state = "nullptr" if spec.optimizer == "sgd" else f"state + {table.state_offset}LL"
+            backward.append(
+                f"      U = accumulate<{table.dim}, {flags}, I, O>(ids, offsets, psw, grad, B, {table.first_feature}, "
+                f"{table.end_feature}, {columns[t]}, {table.rows}LL, s);\n"
+                f"      if (U < 0) return -U - 1;\n"
+                f"      update_{update}<{table.dim}>(weights + {table.weights_offset}LL, {state}, s, U, lr);")
+        forward.append("      break;")
+        backward.append("      break;")
     return Template(_PRELUDE).substitute(total_dim=spec.total_dim, eps=f"{spec.eps!r}f",
                                          forward_body="\n".join(forward), backward_body="\n".join(backward))

@@ -6,8 +6,10 @@ Forward pools; backward applies the fused optimizer update, as fbgemm's autograd
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
-from typing import Any, Optional
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -30,11 +32,41 @@ def _bits(t: Tensor, what: str) -> int:
         raise TypeError(f"generated lookup: {what} of dtype {t.dtype}; int32 or int64 expected") from None
 
 
-def _raise_bad_id(module: "TableBatchKernel", ids: Tensor, position: int) -> None:
-    if position == -2:
-        raise TypeError("generated lookup: unsupported id/offset widths")
-    raise IndexError(f"generated lookup: id {int(ids[position])} at position {position} is outside its table "
-                     f"(tables {[t.rows for t in module.spec.tables]} rows)")
+def _raise_bad_id(module: "TableBatchKernel", ids: Tensor, positions: list[int]) -> None:
+    """Raise for the first failure the buckets reported (-1 each: none)."""
+    for position in positions:
+        if position == -1:
+            continue
+        if position < 0:
+            raise TypeError(f"generated lookup: unsupported id/offset widths or bucket (code {position})")
+        raise IndexError(f"generated lookup: id {int(ids[position])} at position {position} is outside its table "
+                         f"(tables {[t.rows for t in module.spec.tables]} rows)")
+
+
+# threads running the buckets after the first (which runs on the calling thread); made on first
+# use and again in a forked child (threads do not survive a fork)
+_pool: Optional[ThreadPoolExecutor] = None
+_POOL_THREADS = 7
+
+
+def _forget_pool() -> None:
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def each_bucket(buckets: int, call: Callable[[int], int]) -> list[int]:
+    """``call(b)`` for every bucket ``b``, concurrently: the kernel's calls release the GIL."""
+    if buckets == 1:
+        return [call(0)]
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(_POOL_THREADS, thread_name_prefix="sparselift-bucket")
+    futures = [_pool.submit(call, b) for b in range(1, buckets)]
+    first = call(0)
+    return [first] + [f.result() for f in futures]
 
 
 class _Lookup(torch.autograd.Function):
@@ -43,9 +75,10 @@ class _Lookup(torch.autograd.Function):
                 weights: Optional[Tensor], batch: int) -> Tensor:
         tbe = kernel.tbe
         out = torch.empty(batch, kernel.spec.total_dim, dtype=torch.float32)
-        bad = kernel.library.sl_forward(batch, _bits(ids, "ids"), _bits(offsets, "offsets"), ids.data_ptr(),
-                                        offsets.data_ptr(), _ptr(weights), tbe.weights_host.data_ptr(), out.data_ptr())
-        if bad != -1:
+        args = (batch, _bits(ids, "ids"), _bits(offsets, "offsets"), ids.data_ptr(), offsets.data_ptr(), _ptr(weights),
+                tbe.weights_host.data_ptr(), out.data_ptr())
+        bad = each_bucket(len(kernel.spec.buckets), lambda b: kernel.library.sl_forward(b, *args))
+        if bad != [-1] * len(bad):
             _raise_bad_id(kernel, ids, bad)
         ctx.kernel, ctx.batch = kernel, batch
         ctx.save_for_backward(ids, offsets, weights)
@@ -58,11 +91,11 @@ class _Lookup(torch.autograd.Function):
         grad = grad.contiguous()
         tbe = kernel.tbe
         state = tbe.momentum1_host.data_ptr() if kernel.spec.optimizer != "sgd" else None
-        bad = kernel.library.sl_backward(ctx.batch, _bits(ids, "ids"), _bits(offsets, "offsets"), ids.data_ptr(),
-                                         offsets.data_ptr(), _ptr(weights), grad.data_ptr(),
-                                         tbe.weights_host.data_ptr(), state,
-                                         ctypes.c_float(float(tbe.learning_rate_tensor)))
-        if bad != -1:
+        args = (ctx.batch, _bits(ids, "ids"), _bits(offsets, "offsets"), ids.data_ptr(), offsets.data_ptr(),
+                _ptr(weights), grad.data_ptr(), tbe.weights_host.data_ptr(), state,
+                ctypes.c_float(float(tbe.learning_rate_tensor)))
+        bad = each_bucket(len(kernel.spec.buckets), lambda b: kernel.library.sl_backward(b, *args))
+        if bad != [-1] * len(bad):
             _raise_bad_id(kernel, ids, bad)
         return None, None, None, None, None, None
 
@@ -101,11 +134,29 @@ class TableBatchKernel:
             tbe.iter.add_(1)
 
 
+def table_names(module: nn.Module) -> list[str]:
+    """The tables of one of TorchRec's table-batched lookup modules, in its kernel's order."""
+    return [t.name for t in module.config.embedding_tables]
+
+
+def bucketed(spec: KernelSpec, names: list[str], buckets: list[list[str]]) -> KernelSpec:
+    """``spec`` with its tables (named ``names``) in ``buckets`` of table names (a table with
+    several shards on the rank goes where its name is; buckets without a table here are left out)."""
+    bucket_of = {name: b for b, bucket in enumerate(buckets) for name in bucket}
+    missing = sorted({n for n in names if n not in bucket_of})
+    if missing:
+        raise Unsupported(f"tables {missing} are in none of the buckets {buckets}")
+    tables = [[t for t, name in enumerate(names) if bucket_of[name] == b] for b in range(len(buckets))]
+    return replace(spec, buckets=tuple(tuple(b) for b in tables if b))
+
+
 class GeneratedLookup:
     """A sharding group's lookup region run by generated kernels. :class:`Unsupported` (the
-    reason) when one of the lookup's table-batched modules has no generated kernel."""
+    reason) when one of the lookup's table-batched modules has no generated kernel. With
+    ``buckets`` (table names), each kernel runs its tables bucket by bucket, concurrently."""
 
-    def __init__(self, lookup: nn.Module, weighted: bool, check_ids: bool) -> None:
+    def __init__(self, lookup: nn.Module, weighted: bool, check_ids: bool,
+                 buckets: Optional[list[list[str]]] = None) -> None:
         from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
 
         if not isinstance(lookup, GroupedPooledEmbeddingsLookup):
@@ -118,6 +169,8 @@ class GeneratedLookup:
         for module in modules:
             tbe = module._emb_module
             spec = spec_of(tbe, weighted, check_ids)
+            if buckets:
+                spec = bucketed(spec, table_names(module), buckets)
             self.kernels.append(TableBatchKernel(tbe, spec, build(cpu_source(spec))))
         self.splits = list(lookup._feature_splits)
 

@@ -37,6 +37,25 @@ class KernelSpec:
     optimizer: str  # sgd | adagrad | rowwise_adagrad
     eps: float
     check_ids: bool  # no input check runs before the kernel: it rejects out-of-range ids itself
+    # tables of each bucket: buckets are independent (disjoint tables, features and output
+    # columns) and may run concurrently; one bucket of every table by default
+    buckets: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.buckets:
+            object.__setattr__(self, "buckets", (tuple(range(len(self.tables))),))
+        flat = sorted(t for b in self.buckets for t in b)
+        if flat != list(range(len(self.tables))) or not all(self.buckets):
+            raise ValueError(f"buckets {self.buckets} do not hold each of the {len(self.tables)} tables exactly once")
+
+    @property
+    def columns(self) -> list[int]:
+        """Per table: the first output column of its first feature."""
+        out, column = [], 0
+        for table in self.tables:
+            out.append(column)
+            column += table.dim * (table.end_feature - table.first_feature)
+        return out
 
     @property
     def features(self) -> list[tuple[int, int, int]]:

@@ -1,0 +1,129 @@
+"""Subgraph parallelism on small graphs (process-free): the partition of a group's tables into
+buckets, feasibility and its reasons, and the sweep over G that the planner runs (each rung only
+after the one before it improved)."""
+
+from __future__ import annotations
+
+import pytest
+
+from graph_fixtures import EBC, load
+from lightning_sparselift.ir import SparseGraph
+from lightning_sparselift.ir.graph import TableShard
+from lightning_sparselift.ir.schedule import GENERATED_KERNEL, check_schedule
+from lightning_sparselift.passes import InfeasibleCandidate, select_passes
+from lightning_sparselift.passes.subgraph_parallelism import SubgraphParallelism, partition
+from lightning_sparselift.plan import PlanFingerprint, Planner, PlanningLoop
+
+
+def _generated(graph: SparseGraph) -> SparseGraph:
+    """As the session marks it once every rank built every group's generated kernel."""
+    for module in graph.modules:
+        for group in module.groups:
+            group.lookup_kernels.append(GENERATED_KERNEL)
+    return graph
+
+
+def _eight_tables() -> SparseGraph:
+    """One rank, one table-wise group of eight tables; table k's feature brings 10 * (k + 1) ids per step."""
+    graph = load("table_wise_1rank")
+    module = graph.module(EBC)
+    group = module.groups[0]
+    template = group.tables[0]
+    group.tables = [TableShard(f"t{k}", 0, 100, template.dim, 0, 0, template.kernel, template.pooling, [f"f{k}"])
+                    for k in range(8)]
+    group.features = [f"f{k}" for k in range(8)]
+    module.ids_per_step = [{f"f{k}": 10.0 * (k + 1) for k in range(8)}]
+    return _generated(graph)
+
+
+def test_tables_are_balanced_over_the_buckets_by_ids_times_dim():
+    graph = _eight_tables()
+    module = graph.module(EBC)
+    buckets = partition(module, module.groups[0], 2)
+    weights = {f"t{k}": k + 1 for k in range(8)}
+    loads = sorted(sum(weights[t] for t in b) for b in buckets)
+    assert loads == [18, 18] and sorted(t for b in buckets for t in b) == sorted(weights)
+    assert len(partition(module, module.groups[0], 8)) == 8
+    # a table sharded over ranks is in one bucket (the schedule names buckets by table on every rank)
+    two_ranks = load("table_and_column_wise_2ranks")
+    column_wise = two_ranks.module(EBC).groups[1]
+    assert partition(two_ranks.module(EBC), column_wise, 2) == [["t_c"]]
+
+
+def test_buckets_apply_to_groups_with_a_generated_kernel_where_a_rank_holds_two_tables():
+    sweep = SubgraphParallelism()
+    graph = load("table_wise_1rank")
+    first = sweep.candidates(graph)[0]
+    assert not first.feasible and "no generated lookup kernel" in first.reasons[0]
+    with pytest.raises(InfeasibleCandidate):
+        sweep.apply(graph, first)
+    graph = _generated(graph)
+    two, four, eight = sweep.candidates(graph)
+    assert [c.role for c in (two, four, eight)] == ["buckets2", "buckets4", "buckets8"]
+    assert (two.follows, four.follows, eight.follows) == (None, two.id, four.id)
+    applied = sweep.apply(graph, two)
+    region = applied.module(EBC).schedule.region("lookup", 0)
+    assert (region.kernel, region.buckets) == (GENERATED_KERNEL, [["t_b"], ["t_a"]]) or \
+        (region.kernel, sorted(region.buckets)) == (GENERATED_KERNEL, [["t_a"], ["t_b"]])
+    assert "in 2 concurrent buckets" in applied.explain() and "g0 in 2 concurrent buckets" in applied.provenance[-1]
+    # two tables make at most two buckets: four is what two already is
+    assert sweep.candidates(applied)[1].reasons == ["already scheduled"]
+    # each table on its own rank: nothing runs side by side
+    spread = _generated(load("table_and_column_wise_2ranks"))
+    assert sweep.candidates(spread)[0].reasons == ["g0 (table_wise): no rank holds two of its tables",
+                                                   "g1 (column_wise): no rank holds two of its tables"]
+
+
+def test_the_schedule_refuses_buckets_a_generated_lookup_cannot_run():
+    graph = _eight_tables()
+    schedule = graph.module(EBC).schedule
+    region = schedule.region("lookup", 0)
+    region.buckets = [["t0", "t1"], ["t2"]]
+    assert any("only a generated lookup runs them" in p for p in check_schedule(schedule, ["table_wise"], 1))
+    region.kernel = GENERATED_KERNEL
+    assert check_schedule(schedule, ["table_wise"], 1) == []
+    region.buckets = [["t0", "t1"], ["t1"]]
+    assert any("not two or more disjoint" in p for p in check_schedule(schedule, ["table_wise"], 1))
+
+
+def _lookup_wall_ms(graph: SparseGraph) -> float:
+    """Lookups that take 12 ms on one thread, 7 in two buckets, 7.5 in four and 4 in eight."""
+    region = graph.module(EBC).schedule.region("lookup", 0)
+    return {0: 12.0, 2: 7.0, 4: 7.5, 8: 4.0}[len(region.buckets)]
+
+
+def test_the_sweep_goes_up_while_each_g_improves_on_the_one_before_and_stops_at_the_first_that_does_not():
+    graph = _eight_tables()
+    passes = ["codegen", "subgraph_parallelism"]
+    fingerprint = PlanFingerprint(graph.fingerprint(), "sharding", 1, "gloo", {}, passes)
+    loop = PlanningLoop(Planner(select_passes(passes), None, calibrate=True), fingerprint, graph, None)
+    loop.propose()
+    tried = []
+    while not loop.done:
+        trial = loop.next_graph()
+        if trial is loop.trial and trial.provenance[-1] not in tried:
+            tried.append(trial.provenance[-1].split(":")[0])
+        lookup = 10.0 if trial.module(EBC).schedule.region("lookup", 0).kernel == GENERATED_KERNEL else 14.0
+        loop.feedback(50.0, 20.0, lookup, _lookup_wall_ms(trial))
+    decisions = {d.candidate.split("@")[0]: d for d in loop.plan.decisions}
+    # code generation first (the pass the buckets build on), then G = 2, 4, 8 in order
+    assert list(dict.fromkeys(tried)) == ["codegen", "subgraph_parallelism"]
+    assert decisions["codegen:lookup"].accepted and decisions["subgraph_parallelism:buckets2"].accepted
+    assert decisions["subgraph_parallelism:buckets2"].measured_ms == pytest.approx(-5.0)
+    # four buckets measured against two: slower, so eight (faster than one, but not tried) is not
+    assert not decisions["subgraph_parallelism:buckets4"].accepted
+    assert decisions["subgraph_parallelism:buckets4"].measured_ms == pytest.approx(0.5)
+    eight = decisions["subgraph_parallelism:buckets8"]
+    assert not eight.accepted and eight.measured_ms is None and "the sweep stopped" in eight.reason
+    assert len(loop.plan.graph.module(EBC).schedule.region("lookup", 0).buckets) == 2
+
+
+def test_a_rung_selected_alone_stands_alone_and_one_after_an_infeasible_rung_is_not_tried():
+    graph = _eight_tables()
+    planner = Planner(select_passes(["subgraph_parallelism:buckets4"]), None, calibrate=True)
+    (four,), rejected = planner.propose(graph)
+    assert four.role == "buckets4" and four.follows is None and not rejected
+    two_tables = _generated(load("table_and_column_wise_2ranks"))
+    feasible, rejected = Planner(select_passes(["subgraph_parallelism"]), None, calibrate=True).propose(two_tables)
+    assert not feasible and [d.candidate.split("@")[0] for d in rejected] == [
+        "subgraph_parallelism:buckets2", "subgraph_parallelism:buckets4", "subgraph_parallelism:buckets8"]
