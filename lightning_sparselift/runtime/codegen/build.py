@@ -44,9 +44,10 @@ class BuiltKernel:
     build_s: float  # compile (or load) time
 
 
-def build(source: str) -> BuiltKernel:
-    """The loaded library of ``source``; :class:`Unsupported` when it cannot be built here."""
-    flags = _BASE_FLAGS + _cpu_flags()
+def build(source: str, openmp: bool = False) -> BuiltKernel:
+    """The loaded library of ``source`` (with ``openmp``: its OpenMP pragmas on, linking the libgomp
+    torch has loaded); :class:`Unsupported` when it cannot be built here."""
+    flags = _BASE_FLAGS + _cpu_flags() + (["-fopenmp"] if openmp else [])
     key = hashlib.sha256("\n".join([source, *flags, torch.__version__]).encode()).hexdigest()[:20]
     # cpp_extension remembers, per process, the extension names it built and where: the cache
     # folder is part of the name so another cache (e.g. a test's) builds its own
@@ -68,7 +69,8 @@ def build(source: str) -> BuiltKernel:
             os.replace(partial, source_file)  # (whole, so another rank never reads half a source)
         try:
             # (ranks building the same source share the folder: cpp_extension locks it)
-            cpp_extension.load(name, [str(source_file)], extra_cflags=flags, build_directory=str(folder),
+            cpp_extension.load(name, [str(source_file)], extra_cflags=flags,
+                               extra_ldflags=["-fopenmp"] if openmp else None, build_directory=str(folder),
                                is_python_module=False, verbose=False)
         except (RuntimeError, OSError, ImportError) as error:
             raise Unsupported(f"the generated kernel did not build here ({str(error).strip().splitlines()[-1]})") \
@@ -80,9 +82,7 @@ def build(source: str) -> BuiltKernel:
         raise Unsupported(f"the generated kernel {library} did not load ({error})") from error
     for fn in (loaded.sl_forward, loaded.sl_backward):
         fn.restype = ctypes.c_int64
-    # (bucket, batch, id bits, offset bits, pointers...): ctypes releases the GIL for the call, so
-    # buckets called from threads of their own run concurrently
-    loaded.sl_forward.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 5
-    loaded.sl_backward.argtypes = ([ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 6
+    loaded.sl_forward.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 5
+    loaded.sl_backward.argtypes = ([ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 6
                                    + [ctypes.c_float])
     return BuiltKernel(loaded, str(library), key, cached, time.perf_counter() - start)

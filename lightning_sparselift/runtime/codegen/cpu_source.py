@@ -14,8 +14,8 @@ is fbgemm's, operation for operation, so results are bitwise identical to its CP
   path). Which operations fuse was read from fbgemm's compiled kernels, so the build turns
   contraction off and the source says every fused multiply-add itself.
 Rows are prefetched 16 ahead, as fbgemm's kernels do (table rows are random reads).
-Each bucket of tables (:attr:`KernelSpec.buckets`) is its own forward and backward, so buckets can
-run on threads of their own. Functions are ``extern "C"`` over raw pointers (called through ctypes): the source includes no
+Each bucket of tables (:attr:`KernelSpec.buckets`) is its own forward and backward; a kernel of
+several buckets runs them on the OpenMP threads torch uses (built with ``openmp``). Functions are ``extern "C"`` over raw pointers (called through ctypes): the source includes no
 torch header, so a cold build takes about a second.
 """
 
@@ -33,6 +33,7 @@ _PRELUDE = r"""
 
 namespace {
 constexpr int64_t TOTAL_D = $total_dim;
+constexpr int64_t BUCKETS = $buckets;
 constexpr float EPS = $eps;
 
 constexpr int64_t PREFETCH = 16;  // rows ahead (as fbgemm's kernels): table rows are random reads
@@ -201,27 +202,50 @@ void update_rowwise_adagrad_shared(float* table, float* state, const Scratch& s,
 
 // one bucket's features (buckets hold disjoint tables and write disjoint output columns)
 template <typename I, typename O>
-int64_t forward(int64_t bucket, int64_t B, const I* ids, const O* offsets, const float* psw, const float* weights,
-                float* out) {
+int64_t forward_bucket(int64_t bucket, int64_t B, const I* ids, const O* offsets, const float* psw,
+                       const float* weights, float* out) {
   int64_t bad = -1;
   switch (bucket) {
 $forward_body
-    default: return -3;
   }
   return -1;
 }
 
-// one bucket's tables; the scratch is per thread, so buckets can run on threads of their own
+// one bucket's tables
 template <typename I, typename O>
-int64_t backward(int64_t bucket, int64_t B, const I* ids, const O* offsets, const float* psw, const float* grad,
-                 float* weights, float* state, float lr) {
+int64_t backward_bucket(int64_t bucket, int64_t B, const I* ids, const O* offsets, const float* psw,
+                        const float* grad, float* weights, float* state, float lr) {
   static thread_local Scratch s;
   int64_t U = 0;
   switch (bucket) {
 $backward_body
-    default: return -3;
   }
   return -1;
+}
+
+// every bucket; several run on the threads of the OpenMP team the process's torch already uses
+// (the kernel links the same libgomp), so they add no threads of their own
+template <typename Run>
+int64_t each_bucket(Run run) {
+  int64_t bad[BUCKETS];
+#pragma omp parallel for schedule(dynamic, 1) if (BUCKETS > 1)
+  for (int64_t b = 0; b < BUCKETS; ++b) bad[b] = run(b);
+  for (int64_t b = 0; b < BUCKETS; ++b)
+    if (bad[b] != -1) return bad[b];
+  return -1;
+}
+
+template <typename I, typename O>
+int64_t forward(int64_t B, const I* ids, const O* offsets, const float* psw, const float* weights, float* out) {
+  return each_bucket([&](int64_t b) { return forward_bucket<I, O>(b, B, ids, offsets, psw, weights, out); });
+}
+
+template <typename I, typename O>
+int64_t backward(int64_t B, const I* ids, const O* offsets, const float* psw, const float* grad, float* weights,
+                 float* state, float lr) {
+  return each_bucket([&](int64_t b) {
+    return backward_bucket<I, O>(b, B, ids, offsets, psw, grad, weights, state, lr);
+  });
 }
 }  // namespace
 
@@ -232,18 +256,16 @@ $backward_body
   if (id_bits == 32 && off_bits == 32) return call(int32_t, int32_t);                       \
   return -2;
 
-// return -1: done; -2: unsupported id/offset width; -3: no such bucket; else the position of an
-// out-of-range id
-extern "C" int64_t sl_forward(int64_t bucket, int64_t B, int id_bits, int off_bits, const void* ids,
-                              const void* offsets, const float* psw, const float* weights, float* out) {
-#define SL_FORWARD(I, O) forward<I, O>(bucket, B, static_cast<const I*>(ids), static_cast<const O*>(offsets), psw, weights, out)
+// return -1: done; -2: unsupported id/offset width; else the position of an out-of-range id
+extern "C" int64_t sl_forward(int64_t B, int id_bits, int off_bits, const void* ids, const void* offsets,
+                              const float* psw, const float* weights, float* out) {
+#define SL_FORWARD(I, O) forward<I, O>(B, static_cast<const I*>(ids), static_cast<const O*>(offsets), psw, weights, out)
   SL_DISPATCH(SL_FORWARD)
 }
 
-extern "C" int64_t sl_backward(int64_t bucket, int64_t B, int id_bits, int off_bits, const void* ids,
-                               const void* offsets, const float* psw, const float* grad, float* weights, float* state,
-                               float lr) {
-#define SL_BACKWARD(I, O) backward<I, O>(bucket, B, static_cast<const I*>(ids), static_cast<const O*>(offsets), psw, grad, weights, state, lr)
+extern "C" int64_t sl_backward(int64_t B, int id_bits, int off_bits, const void* ids, const void* offsets,
+                               const float* psw, const float* grad, float* weights, float* state, float lr) {
+#define SL_BACKWARD(I, O) backward<I, O>(B, static_cast<const I*>(ids), static_cast<const O*>(offsets), psw, grad, weights, state, lr)
   SL_DISPATCH(SL_BACKWARD)
 }
 """
@@ -280,5 +302,5 @@ def cpu_source(spec: KernelSpec) -> str:
                 f"      update_{update}<{table.dim}>(weights + {table.weights_offset}LL, {state}, s, U, lr);")
         forward.append("      break;")
         backward.append("      break;")
-    return Template(_PRELUDE).substitute(total_dim=spec.total_dim, eps=f"{spec.eps!r}f",
+    return Template(_PRELUDE).substitute(total_dim=spec.total_dim, buckets=len(spec.buckets), eps=f"{spec.eps!r}f",
                                          forward_body="\n".join(forward), backward_body="\n".join(backward))

@@ -6,10 +6,8 @@ Forward pools; backward applies the fused optimizer update, as fbgemm's autograd
 from __future__ import annotations
 
 import ctypes
-import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
@@ -32,41 +30,11 @@ def _bits(t: Tensor, what: str) -> int:
         raise TypeError(f"generated lookup: {what} of dtype {t.dtype}; int32 or int64 expected") from None
 
 
-def _raise_bad_id(module: "TableBatchKernel", ids: Tensor, positions: list[int]) -> None:
-    """Raise for the first failure the buckets reported (-1 each: none)."""
-    for position in positions:
-        if position == -1:
-            continue
-        if position < 0:
-            raise TypeError(f"generated lookup: unsupported id/offset widths or bucket (code {position})")
-        raise IndexError(f"generated lookup: id {int(ids[position])} at position {position} is outside its table "
-                         f"(tables {[t.rows for t in module.spec.tables]} rows)")
-
-
-# threads running the buckets after the first (which runs on the calling thread); made on first
-# use and again in a forked child (threads do not survive a fork)
-_pool: Optional[ThreadPoolExecutor] = None
-_POOL_THREADS = 7
-
-
-def _forget_pool() -> None:
-    global _pool
-    _pool = None
-
-
-os.register_at_fork(after_in_child=_forget_pool)
-
-
-def each_bucket(buckets: int, call: Callable[[int], int]) -> list[int]:
-    """``call(b)`` for every bucket ``b``, concurrently: the kernel's calls release the GIL."""
-    if buckets == 1:
-        return [call(0)]
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(_POOL_THREADS, thread_name_prefix="sparselift-bucket")
-    futures = [_pool.submit(call, b) for b in range(1, buckets)]
-    first = call(0)
-    return [first] + [f.result() for f in futures]
+def _raise_bad_id(module: "TableBatchKernel", ids: Tensor, position: int) -> None:
+    if position == -2:
+        raise TypeError("generated lookup: unsupported id/offset widths")
+    raise IndexError(f"generated lookup: id {int(ids[position])} at position {position} is outside its table "
+                     f"(tables {[t.rows for t in module.spec.tables]} rows)")
 
 
 class _Lookup(torch.autograd.Function):
@@ -77,8 +45,8 @@ class _Lookup(torch.autograd.Function):
         out = torch.empty(batch, kernel.spec.total_dim, dtype=torch.float32)
         args = (batch, _bits(ids, "ids"), _bits(offsets, "offsets"), ids.data_ptr(), offsets.data_ptr(), _ptr(weights),
                 tbe.weights_host.data_ptr(), out.data_ptr())
-        bad = each_bucket(len(kernel.spec.buckets), lambda b: kernel.library.sl_forward(b, *args))
-        if bad != [-1] * len(bad):
+        bad = kernel.library.sl_forward(*args)
+        if bad != -1:
             _raise_bad_id(kernel, ids, bad)
         ctx.kernel, ctx.batch = kernel, batch
         ctx.save_for_backward(ids, offsets, weights)
@@ -94,8 +62,8 @@ class _Lookup(torch.autograd.Function):
         args = (ctx.batch, _bits(ids, "ids"), _bits(offsets, "offsets"), ids.data_ptr(), offsets.data_ptr(),
                 _ptr(weights), grad.data_ptr(), tbe.weights_host.data_ptr(), state,
                 ctypes.c_float(float(tbe.learning_rate_tensor)))
-        bad = each_bucket(len(kernel.spec.buckets), lambda b: kernel.library.sl_backward(b, *args))
-        if bad != [-1] * len(bad):
+        bad = kernel.library.sl_backward(*args)
+        if bad != -1:
             _raise_bad_id(kernel, ids, bad)
         return None, None, None, None, None, None
 
@@ -153,7 +121,7 @@ def bucketed(spec: KernelSpec, names: list[str], buckets: list[list[str]]) -> Ke
 class GeneratedLookup:
     """A sharding group's lookup region run by generated kernels. :class:`Unsupported` (the
     reason) when one of the lookup's table-batched modules has no generated kernel. With
-    ``buckets`` (table names), each kernel runs its tables bucket by bucket, concurrently."""
+    ``buckets`` (table names), each kernel runs its tables in those buckets, concurrently."""
 
     def __init__(self, lookup: nn.Module, weighted: bool, check_ids: bool,
                  buckets: Optional[list[list[str]]] = None) -> None:
@@ -171,7 +139,7 @@ class GeneratedLookup:
             spec = spec_of(tbe, weighted, check_ids)
             if buckets:
                 spec = bucketed(spec, table_names(module), buckets)
-            self.kernels.append(TableBatchKernel(tbe, spec, build(cpu_source(spec))))
+            self.kernels.append(TableBatchKernel(tbe, spec, build(cpu_source(spec), openmp=len(spec.buckets) > 1)))
         self.splits = list(lookup._feature_splits)
 
     @property
