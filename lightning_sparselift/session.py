@@ -432,6 +432,7 @@ class SparseLiftSession:
             saved.kernel_builds = self.kernel_builds
             self.plan_reused = True
             self.installed.use(saved.graph)
+            self._record_bucket_builds(saved)
             self.events.append(f"reusing the plan at {self.plan_path} (no calibration): "
                                f"{len(saved.accepted)} optimization(s), {len(saved.graph.collectives())} collectives "
                                f"per step")
@@ -449,10 +450,17 @@ class SparseLiftSession:
             return True
         return False
 
+    def _record_bucket_builds(self, plan: ExecutionPlan) -> None:
+        """Add to ``plan`` the kernels in buckets every rank built for it or its trials (every rank
+        installs a plan at the same step)."""
+        plan.kernel_builds = plan.kernel_builds + [KernelBuild(rank=rank, **b) for rank, ranks in enumerate(
+            self._all_gather(self.installed.take_bucket_builds())) for b in ranks]
+
     def _finish(self) -> None:
         loop, self.loop = self.loop, None
         plan = self.plan = loop.plan
         self.installed.use(plan.graph)
+        self._record_bucket_builds(plan)
         self.phase = "done"
         saved = f"; saved to {self.plan_path}" if self.plan_path else ""
         if self.plan_path and self.rank == 0:

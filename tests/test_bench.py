@@ -54,11 +54,14 @@ def test_all_systems_side_by_side(tmp_path, data_cache):
     assert identity["calibration_steps"] == 0 and identity["plan_decisions"] == []
     assert {d["candidate"].split("@")[0] for d in sl["plan_decisions"]} == {
         "aggregation:input", "aggregation:output", "latency_hiding:early_start",
-        "latency_hiding:next_batch", "codegen:lookup"}
+        "latency_hiding:next_batch", "codegen:lookup", "subgraph_parallelism:buckets2",
+        "subgraph_parallelism:buckets4", "subgraph_parallelism:buckets8"}
     assert {d["candidate"].split(":")[0] for d in summary["systems"]["sparselift-no-aggregation"]["plan_decisions"]} \
-        == {"latency_hiding", "codegen"}
+        == {"latency_hiding", "codegen", "subgraph_parallelism"}
     assert {d["candidate"].split(":")[0] for d in summary["systems"]["sparselift-no-codegen"]["plan_decisions"]} \
         == {"latency_hiding", "aggregation"}
+    assert {d["candidate"].split(":")[0] for d in summary["systems"]["sparselift-no-subgraph"]["plan_decisions"]} \
+        == {"latency_hiding", "aggregation", "codegen"}
     # the generated kernels were built before planning, on every rank, for the fused groups
     assert any(not b["note"] for b in sl["kernel_builds"])
     assert all(not b["note"] or "data-parallel tables" in b["note"] for b in sl["kernel_builds"])

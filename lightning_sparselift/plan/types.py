@@ -64,7 +64,8 @@ class Decision:
 
 @dataclass
 class KernelBuild:
-    """One rank's generated lookup kernel for one sharding group, built before planning."""
+    """One rank's generated lookup kernel for one sharding group: built before planning, or (its
+    tables in buckets) when the planner first ran a trial with those buckets, between steps."""
 
     module: str
     group: int
@@ -72,6 +73,7 @@ class KernelBuild:
     note: str  # "" when built, else why there is none
     seconds: float  # compile time (a cache hit: the load)
     cached: bool  # found in the kernel cache: nothing compiled
+    buckets: int = 1  # its tables' concurrent buckets (subgraph parallelism)
 
 
 @dataclass
@@ -170,10 +172,13 @@ class ExecutionPlan:
                          f"{a2a['beta_ms_per_byte'] * 1e6:.3f} ms/MB; memory bandwidth "
                          f"{self.priors['lookup']['bandwidth_bytes_per_ms'] / 1e6:.2f} GB/s "
                          f"(measured in {self.priors['seconds']:.2f} s)")
-        built = [b for b in self.kernel_builds if not b.note]
-        if built:
+        for when, built in (("before planning", [b for b in self.kernel_builds if not b.note and b.buckets == 1]),
+                            ("in buckets, between calibration steps",
+                             [b for b in self.kernel_builds if not b.note and b.buckets > 1])):
+            if not built:
+                continue
             compiled = [b for b in built if not b.cached]
-            lines.append(f"generated kernels: {len(built)} built before planning, {len(built) - len(compiled)} of them "
+            lines.append(f"generated kernels: {len(built)} built {when}, {len(built) - len(compiled)} of them "
                          f"from the cache (nothing compiled)" + (f", {len(compiled)} compiled in "
                                                                  f"{max(b.seconds for b in compiled):.2f} s at most"
                                                                  if compiled else ""))

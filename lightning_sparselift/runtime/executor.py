@@ -72,6 +72,7 @@ class ModuleExecutor:
         self.observer: Optional[Callable[[str, Any], None]] = None
         # by group and buckets: built once, kept across plan switches
         self.generated: dict[tuple[int, tuple[tuple[str, ...], ...]], GeneratedLookup] = {}
+        self.bucket_builds: list[dict[str, Any]] = []  # the kernels in buckets built since the last take
         self.use(spec.schedule)
 
     def use(self, schedule: ModuleSchedule) -> None:
@@ -109,8 +110,11 @@ class ModuleExecutor:
         if key not in self.generated:
             # ids are checked in the kernel only when no input check runs before it (never twice)
             checked = any(isinstance(h, InputCheck) for h in self.module._forward_pre_hooks.values())
-            self.generated[key] = GeneratedLookup(self.groups[group].lookup, self.spec.weighted,
-                                                  check_ids=not checked, buckets=region.buckets)
+            built = self.generated[key] = GeneratedLookup(self.groups[group].lookup, self.spec.weighted,
+                                                          check_ids=not checked, buckets=region.buckets)
+            if region.buckets:
+                self.bucket_builds.append({"module": self.spec.path, "group": group, "buckets": len(region.buckets),
+                                           "note": "", "seconds": built.build_s, "cached": built.cached})
         return self.generated[key]
 
     def _check(self, features: Any) -> None:

@@ -55,6 +55,15 @@ class InstalledExecutor:
                     out.append({"module": path, "group": group, "note": str(error), "seconds": 0.0, "cached": False})
         return out
 
+    def take_bucket_builds(self) -> list[dict[str, Any]]:
+        """The generated kernels in buckets built on this rank since the last call (as
+        :meth:`build_generated`'s, with ``"buckets"``)."""
+        out = []
+        for executor in self.executors.values():
+            out += executor.bucket_builds
+            executor.bucket_builds = []
+        return out
+
     def announce(self, batch: Any) -> None:
         """The batch the next training step will pass to the model (None: not known). Modules
         whose schedule distributes a step ahead start its input distribution during this step."""
