@@ -249,6 +249,11 @@ def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: in
             graph = lift(model, dmp.plan, sharded.sparse_module_paths, captured, dist.group.WORLD, device,
                          dense_parameter_bytes(dmp, sharded.sparse_module_paths))
             check_against_runtime(graph, model)
+            # several ranks share the machine's 2 cores with one thread each: their buckets (forced on
+            # here) run one after the other, which still checks every rank's partition; one rank runs
+            # two threads and its buckets concurrently
+            assert graph.threads_per_rank == [torch.get_num_threads()] * world
+            graph.threads_per_rank = [2] * world
             installed = install(graph, model, dist.group.WORLD, device)
             if any(p.uses_generated_kernels for p in select_passes(list(optimizations))):
                 # built before planning, as the session does
@@ -286,7 +291,7 @@ def _to_cpu(obj: Any) -> Any:
 
 def worker(rank: int, world: int, port: int, cases: list[tuple[str, str]], out_dir: str, cuda: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    torch.set_num_threads(2 if world == 1 else 1)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)

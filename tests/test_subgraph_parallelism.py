@@ -68,6 +68,10 @@ def test_buckets_apply_to_groups_with_a_generated_kernel_where_a_rank_holds_two_
     assert "in 2 concurrent buckets" in applied.explain() and "g0 in 2 concurrent buckets" in applied.provenance[-1]
     # two tables make at most two buckets: four is what two already is
     assert sweep.candidates(applied)[1].reasons == ["already scheduled"]
+    # one thread on every rank: the buckets would run one after the other
+    graph.threads_per_rank = [1]
+    assert sweep.candidates(graph)[0].reasons == [
+        "every rank runs 1 intra-op thread (torch.get_num_threads()): buckets would run one after the other"]
     # each table on its own rank: nothing runs side by side
     spread = _generated(load("table_and_column_wise_2ranks"))
     assert sweep.candidates(spread)[0].reasons == ["g0 (table_wise): no rank holds two of its tables",
@@ -127,3 +131,40 @@ def test_a_rung_selected_alone_stands_alone_and_one_after_an_infeasible_rung_is_
     feasible, rejected = Planner(select_passes(["subgraph_parallelism"]), None, calibrate=True).propose(two_tables)
     assert not feasible and [d.candidate.split("@")[0] for d in rejected] == [
         "subgraph_parallelism:buckets2", "subgraph_parallelism:buckets4", "subgraph_parallelism:buckets8"]
+
+
+def test_one_rank_with_two_threads_trains_a_user_model_in_buckets_bit_identical_to_torchrec(tmp_path, data_cache):
+    """Trainer.fit on one rank running two intra-op threads, a user's model with two
+    EmbeddingBagCollections, buckets applied without calibration: the same tables, fused optimizer
+    state and dense weights as TorchRec's path, and the plan records the bucketed kernels."""
+    import lightning.pytorch as L
+    import torch
+
+    from helpers import DumpLocalState, assert_same_dumps, tiny_data, trainer
+    from lightning_sparselift import SparseLiftStrategy
+    from user_models import TwoBagCollections
+
+    dm = tiny_data(data_cache, num_train=640)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    plans = {}
+    try:
+        for executor in ("torchrec", "sparselift"):
+            L.seed_everything(0)
+            strategy = SparseLiftStrategy(executor=executor, calibrate=False, sharding_types={
+                f"table_{f}": "table_wise" for f in dm.feature_names}, optimizations=["codegen", "subgraph_parallelism"],
+                embedding_optimizer={"name": "sgd", "lr": 0.05})
+            trainer(1, strategy, limit_val_batches=0, callbacks=[DumpLocalState(tmp_path / executor)]).fit(
+                TwoBagCollections(dm.table_sizes, dm.feature_names), dm)
+            plans[executor] = strategy.execution_plan
+    finally:
+        torch.set_num_threads(threads)
+    assert_same_dumps(tmp_path / "torchrec", tmp_path / "sparselift", world_size=1)
+    plan = plans["sparselift"]
+    assert plan.graph.threads_per_rank == [2]
+    buckets = {m.path: len(m.schedule.region("lookup", 0).buckets) for m in plan.graph.modules}
+    assert buckets == {"embeddings": 3, "second": 3}  # three tables each: G = 4 and 8 make three buckets
+    # (without calibration no trial ran: only the installed plan's kernels were built in buckets)
+    assert sorted((b.module, b.buckets) for b in plan.kernel_builds if b.buckets > 1) == [
+        ("embeddings", 3), ("second", 3)]
+    assert "in buckets, between calibration steps" in plan.explain()

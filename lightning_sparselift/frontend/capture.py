@@ -177,6 +177,7 @@ class RankCapture:
     rank: int
     world_size: int
     modules: dict[str, ModuleCapture]
+    threads: int = 1  # the rank's intra-op threads (torch.get_num_threads()) while capturing
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -185,7 +186,7 @@ class RankCapture:
     def from_dict(cls, data: dict[str, Any]) -> "RankCapture":
         modules = {p: ModuleCapture(**{**m, "features": {f: FeatureStats(**s) for f, s in m["features"].items()}})
                    for p, m in data["modules"].items()}
-        return cls(data["rank"], data["world_size"], modules)
+        return cls(data["rank"], data["world_size"], modules, data.get("threads", 1))
 
 
 class _FeatureAccumulator:
@@ -299,7 +300,7 @@ class SparseCapture:
                                           batch_input=common_path(self._batch_inputs[path]),
                                           announced_exact=self._announced_exact[path],
                                           calls_per_step=self._max_calls[path], **info)
-        return RankCapture(self.rank, self.world_size, modules)
+        return RankCapture(self.rank, self.world_size, modules, torch.get_num_threads())
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -37,7 +37,9 @@ def human_bytes(n: float) -> str:
 
 
 def explain(graph: "SparseGraph") -> str:
-    lines = [f"SparseGraph (SRSV) v{graph.version}: {graph.world_size} rank(s), backend {graph.backend}, "
+    threads = (f" ({'/'.join(map(str, graph.threads_per_rank))} intra-op thread(s) per rank)"
+               if graph.threads_per_rank else "")
+    lines = [f"SparseGraph (SRSV) v{graph.version}: {graph.world_size} rank(s){threads}, backend {graph.backend}, "
              f"fingerprint {graph.fingerprint()}"]
     lines += [f"pass applied: {p}" for p in graph.provenance]
     for m in graph.modules:

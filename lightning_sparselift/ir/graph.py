@@ -112,6 +112,8 @@ class SparseGraph:
     provenance: list[str] = field(default_factory=list)  # the passes applied, in order
     # sharded modules that keep TorchRec's path, with the reason the lifter gave
     not_lifted: dict[str, str] = field(default_factory=dict)
+    # each rank's intra-op threads when captured (a property of the run, not of the graph's structure)
+    threads_per_rank: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.version != GRAPH_VERSION:

@@ -8,8 +8,10 @@ kernel runs one bucket per call and the runtime calls the buckets from threads o
 bit-identical. (fbgemm's reference kernel is one call over all of a module's tables; it cannot be
 split, so the buckets' lookups run the generated kernel.)
 
-Feasibility: a group has a generated kernel on every rank (see the codegen pass) and some rank
-holds at least two of its tables. Partitioning: each table weighs the ids its features bring per
+Feasibility: some rank runs more than one intra-op thread (``torch.get_num_threads()`` when
+captured: the buckets run on torch's OpenMP team, so with one thread they would run one after the
+other), a group has a generated kernel on every rank (see the codegen pass) and some rank holds
+at least two of its tables. Partitioning: each table weighs the ids its features bring per
 step times its dim (what its pooling and update touch, from capture); tables, heaviest first,
 go to the bucket whose load is least on the ranks holding a shard of them (a table sharded over
 ranks is in one bucket everywhere, so the schedule names buckets by table, the same on all
@@ -20,8 +22,8 @@ before it was accepted (``Candidate.follows``), measured against it, so the swee
 first G that does not improve. Planning starts from the plan without buckets (G = 1), so the sweep
 goes up from there. Calibration: one warmup pair, then paired observations of the lookup regions'
 *wall* time (the training thread's CPU time would not see the work moved to other threads),
-mirrored as the code generation's. With one core per rank the threads share it, and the
-measurement is what rejects the buckets there.
+mirrored as the code generation's. Ranks with more threads than cores (e.g. two ranks of two
+threads on two cores) are where the measurement rejects the buckets.
 """
 
 from __future__ import annotations
@@ -114,7 +116,10 @@ class SubgraphParallelism(OptimizationPass):
         count = _count(role)
         buckets = self._buckets(module, count)
         reasons = []
-        if not buckets:
+        if graph.threads_per_rank and max(graph.threads_per_rank) < 2:
+            reasons = [f"every rank runs {max(graph.threads_per_rank)} intra-op thread (torch.get_num_threads()): "
+                       f"buckets would run one after the other"]
+        elif not buckets:
             reasons = [f"g{g.index} ({g.sharding_type}): " + (
                 "no rank holds two of its tables" if GENERATED_KERNEL in g.lookup_kernels else
                 "no generated lookup kernel (buckets run one): " + g.lookup_notes.get(
