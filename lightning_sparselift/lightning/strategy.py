@@ -15,6 +15,7 @@ batch after it), ``optimizer_step`` ends it (``training_step`` with manual optim
 
 from __future__ import annotations
 
+import atexit
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -23,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized, _get_default_process_group_backend_for_device, _init_dist_connection,
-    _sync_ddp_if_available,
+    _destroy_dist_connection, _distributed_is_initialized, _get_default_process_group_backend_for_device,
+    _init_dist_connection, _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
@@ -289,7 +290,12 @@ class SparseLiftStrategy(ParallelStrategy):
         self._process_group_backend = self._process_group_backend or \
             _get_default_process_group_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
+        initialized = _distributed_is_initialized()
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        if not initialized and self._process_group_backend != "nccl":  # (Lightning registers it for NCCL)
+            # a gloo group left to the interpreter's finalization can abort the process at exit
+            # ("terminate called without an active exception"): destroy it while Python is alive
+            atexit.register(_destroy_dist_connection)
         # The checks of every step (inputs compared across ranks, non-finite values) get their own
         # process group: collectives on one group run in order, and on the training group they
         # would wait behind the next batch's input all-to-alls that latency hiding leaves in flight.
