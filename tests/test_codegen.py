@@ -116,10 +116,12 @@ def test_the_second_build_of_a_source_loads_it_from_the_cache(tmp_path, monkeypa
         build(other)
 
 
-def test_an_out_of_range_id_is_an_error_when_no_input_check_ran():
+@pytest.mark.parametrize("buckets", [None, [["t0", "t1"], ["t2", "t3"]]])
+def test_an_out_of_range_id_is_an_error_when_no_input_check_ran(buckets):
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    kernel = _generated(_tbe("sgd", "sum"), False, check_ids=True)
+    # (in buckets, the bad id is in the second one, which another thread runs)
+    kernel = _generated(_tbe("sgd", "sum"), False, check_ids=True, buckets=buckets)
     lengths = torch.ones(len(FEATURE_TABLE) * BATCH, dtype=torch.long)
     ids = torch.zeros(lengths.numel(), dtype=torch.long)
     ids[BATCH * 4 + 2] = ROWS[3]  # one past table 3's last row
