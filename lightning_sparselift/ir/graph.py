@@ -91,6 +91,12 @@ class LiftedModule:
         stats = self.ids_per_step[member]
         return sum(stats[k] for k in (group.features if keys is None else keys))
 
+    def touched_bytes(self, groups: list[int]) -> float:
+        """Bytes of fp32 rows the lookups of ``groups`` touch per step, for the member feeding them
+        the most ids (each id at its group's widest dim)."""
+        return max((sum(self.group_ids(m, self.groups[i]) * max(self.groups[i].embedding_dims, default=0)
+                        for i in groups) for m in range(len(self.ids_per_step))), default=0.0) * 4
+
     def ids_to_each_rank(self, member: int, group: ShardingGroup, world: int) -> list[float]:
         """Mean ids ``member`` sends to each rank in ``group``'s input all-to-all (row-wise: an
         even split across row blocks, the ids' real spread is data-dependent)."""

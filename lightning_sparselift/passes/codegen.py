@@ -29,8 +29,6 @@ from lightning_sparselift.ir import LiftedModule, SparseGraph
 from lightning_sparselift.ir.schedule import GENERATED_KERNEL
 from lightning_sparselift.passes.base import Candidate, OptimizationPass
 
-_FLOAT_BYTES = 4
-
 
 class CodeGeneration(OptimizationPass):
     name = "codegen"
@@ -56,9 +54,7 @@ class CodeGeneration(OptimizationPass):
                                                       "before planning)") for g in module.groups]
         ids = max((sum(module.group_ids(m, module.groups[i]) for i in groups)
                    for m in range(len(module.ids_per_step))), default=0.0)
-        touched = max((sum(module.group_ids(m, module.groups[i]) * max(module.groups[i].embedding_dims, default=0)
-                           for i in groups) for m in range(len(module.ids_per_step))), default=0.0) * _FLOAT_BYTES
-        return reasons, {"groups": float(len(groups)), "ids": ids, "touched_bytes": touched}
+        return reasons, {"groups": float(len(groups)), "ids": ids, "touched_bytes": module.touched_bytes(groups)}
 
     def predict_ms(self, candidate: Candidate, priors: Priors) -> float:
         # fbgemm's serial CPU backward reads each touched row's gradient and weights about twice

@@ -3,9 +3,8 @@ concurrently, forward (pooling) and backward (the fused update) alike.
 
 Each table's lookups, gradient accumulation and update touch only that table's rows and write
 only its features' output columns, so buckets of whole tables are independent: a generated
-kernel runs one bucket per call and the runtime calls the buckets from threads of their own
-(the calls release the GIL), each with the arithmetic of the one-bucket kernel, so results stay
-bit-identical. (fbgemm's reference kernel is one call over all of a module's tables; it cannot be
+kernel runs its buckets on the OpenMP threads torch uses, each with the arithmetic of the
+one-bucket kernel, so results stay bit-identical. (fbgemm's reference kernel is one call over all of a module's tables; it cannot be
 split, so the buckets' lookups run the generated kernel.)
 
 Feasibility: some rank runs more than one intra-op thread (``torch.get_num_threads()`` when
@@ -36,7 +35,6 @@ from lightning_sparselift.ir.schedule import GENERATED_KERNEL
 from lightning_sparselift.passes.base import Candidate, OptimizationPass
 
 BUCKET_COUNTS = (2, 4, 8)
-_FLOAT_BYTES = 4
 
 
 def _role(count: int) -> str:
@@ -127,9 +125,8 @@ class SubgraphParallelism(OptimizationPass):
                 for g in module.groups]
         elif all(module.schedule.region("lookup", i).buckets == b for i, b in buckets.items()):
             reasons = ["already scheduled"]
-        touched = max((sum(module.group_ids(m, module.groups[i]) * max(module.groups[i].embedding_dims, default=0)
-                           for i in buckets) for m in range(len(module.ids_per_step))), default=0.0) * _FLOAT_BYTES
-        return reasons, {"buckets": float(count), "groups": float(len(buckets)), "touched_bytes": touched}
+        return reasons, {"buckets": float(count), "groups": float(len(buckets)),
+                         "touched_bytes": module.touched_bytes(list(buckets))}
 
     def predict_ms(self, candidate: Candidate, priors: Priors) -> float:
         # the lookups' compute C (forward reads, backward reads and writes the touched rows) over

@@ -15,8 +15,9 @@ is fbgemm's, operation for operation, so results are bitwise identical to its CP
   contraction off and the source says every fused multiply-add itself.
 Rows are prefetched 16 ahead, as fbgemm's kernels do (table rows are random reads).
 Each bucket of tables (:attr:`KernelSpec.buckets`) is its own forward and backward; a kernel of
-several buckets runs them on the OpenMP threads torch uses (built with ``openmp``). Functions are ``extern "C"`` over raw pointers (called through ctypes): the source includes no
-torch header, so a cold build takes about a second.
+several buckets runs them on the OpenMP threads torch uses (built with ``openmp``). Functions are
+``extern "C"`` over raw pointers (called through ctypes): the source includes no torch header, so
+a cold build takes about a second.
 """
 
 from __future__ import annotations
@@ -279,7 +280,6 @@ def cpu_source(spec: KernelSpec) -> str:
     """The kernel's C++ translation unit."""
     flags = f"{_bool(spec.weighted)}, {_bool(spec.pooling == 'mean')}, {_bool(spec.check_ids)}"
     features = spec.features
-    columns = spec.columns
     forward, backward = [], []
     for b, tables in enumerate(spec.buckets):
         forward.append(f"    case {b}:")
@@ -297,7 +297,7 @@ def cpu_source(spec: KernelSpec) -> str:
             state = "nullptr" if spec.optimizer == "sgd" else f"state + {table.state_offset}LL"
             backward.append(
                 f"      U = accumulate<{table.dim}, {flags}, I, O>(ids, offsets, psw, grad, B, {table.first_feature}, "
-                f"{table.end_feature}, {columns[t]}, {table.rows}LL, s);\n"
+                f"{table.end_feature}, {features[table.first_feature][2]}, {table.rows}LL, s);\n"
                 f"      if (U < 0) return -U - 1;\n"
                 f"      update_{update}<{table.dim}>(weights + {table.weights_offset}LL, {state}, s, U, lr);")
         forward.append("      break;")

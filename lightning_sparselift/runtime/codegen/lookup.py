@@ -43,9 +43,8 @@ class _Lookup(torch.autograd.Function):
                 weights: Optional[Tensor], batch: int) -> Tensor:
         tbe = kernel.tbe
         out = torch.empty(batch, kernel.spec.total_dim, dtype=torch.float32)
-        args = (batch, _bits(ids, "ids"), _bits(offsets, "offsets"), ids.data_ptr(), offsets.data_ptr(), _ptr(weights),
-                tbe.weights_host.data_ptr(), out.data_ptr())
-        bad = kernel.library.sl_forward(*args)
+        bad = kernel.library.sl_forward(batch, _bits(ids, "ids"), _bits(offsets, "offsets"), ids.data_ptr(),
+                                        offsets.data_ptr(), _ptr(weights), tbe.weights_host.data_ptr(), out.data_ptr())
         if bad != -1:
             _raise_bad_id(kernel, ids, bad)
         ctx.kernel, ctx.batch = kernel, batch
@@ -59,10 +58,10 @@ class _Lookup(torch.autograd.Function):
         grad = grad.contiguous()
         tbe = kernel.tbe
         state = tbe.momentum1_host.data_ptr() if kernel.spec.optimizer != "sgd" else None
-        args = (ctx.batch, _bits(ids, "ids"), _bits(offsets, "offsets"), ids.data_ptr(), offsets.data_ptr(),
-                _ptr(weights), grad.data_ptr(), tbe.weights_host.data_ptr(), state,
-                ctypes.c_float(float(tbe.learning_rate_tensor)))
-        bad = kernel.library.sl_backward(*args)
+        bad = kernel.library.sl_backward(ctx.batch, _bits(ids, "ids"), _bits(offsets, "offsets"), ids.data_ptr(),
+                                         offsets.data_ptr(), _ptr(weights), grad.data_ptr(),
+                                         tbe.weights_host.data_ptr(), state,
+                                         ctypes.c_float(float(tbe.learning_rate_tensor)))
         if bad != -1:
             _raise_bad_id(kernel, ids, bad)
         return None, None, None, None, None, None

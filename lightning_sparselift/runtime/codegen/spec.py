@@ -49,15 +49,6 @@ class KernelSpec:
             raise ValueError(f"buckets {self.buckets} do not hold each of the {len(self.tables)} tables exactly once")
 
     @property
-    def columns(self) -> list[int]:
-        """Per table: the first output column of its first feature."""
-        out, column = [], 0
-        for table in self.tables:
-            out.append(column)
-            column += table.dim * (table.end_feature - table.first_feature)
-        return out
-
-    @property
     def features(self) -> list[tuple[int, int, int]]:
         """Per feature in KJT order: (table, dim, first output column)."""
         out, column = [], 0
