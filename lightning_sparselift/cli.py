@@ -1,6 +1,7 @@
 """``sparselift``: the command line, built on LightningCLI.
 
     sparselift fit --config configs/dlrm_synthetic.yaml
+    sparselift fit --config configs/sequence_synthetic.yaml
     sparselift validate --config configs/tiny.yaml --ckpt_path path/to/checkpoint.ckpt
     sparselift bench --scenario dlrm --world-size 2 --json out.json
     sparselift plan explain PLAN.json
@@ -12,19 +13,31 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
+import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_sparselift  # noqa: F401  (registers the strategy names)
-from lightning_sparselift.data import CriteoDataModule
-from lightning_sparselift.model import DLRMModule
+from lightning_sparselift.rec_module import RecModule
 
 
 class SparseLiftCLI(LightningCLI):
+    """Any model family (a :class:`RecModule`) with any data module that exposes ``table_sizes``,
+    ``feature_names`` and ``num_dense``; a config without ``class_path`` means
+    :class:`~lightning_sparselift.model.DLRMModule` and
+    :class:`~lightning_sparselift.data.CriteoDataModule`."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(RecModule, pl.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                         **kwargs)
+
     def add_arguments_to_parser(self, parser) -> None:
+        parser.set_defaults({"model": {"class_path": "lightning_sparselift.model.DLRMModule", "init_args": {}},
+                             "data": {"class_path": "lightning_sparselift.data.CriteoDataModule", "init_args": {}}})
         # The model's tables follow the data: sizes and feature names come from the datamodule.
-        parser.link_arguments("data.table_sizes", "model.num_embeddings_per_feature", apply_on="instantiate")
-        parser.link_arguments("data.feature_names", "model.feature_names", apply_on="instantiate")
-        parser.link_arguments("data.num_dense", "model.dense_in_features", apply_on="instantiate")
+        parser.link_arguments("data.table_sizes", "model.init_args.num_embeddings_per_feature",
+                              apply_on="instantiate")
+        parser.link_arguments("data.feature_names", "model.init_args.feature_names", apply_on="instantiate")
+        parser.link_arguments("data.num_dense", "model.init_args.dense_in_features", apply_on="instantiate")
 
 
 def main(args: Optional[list[str]] = None) -> Optional[int]:
@@ -41,8 +54,7 @@ def main(args: Optional[list[str]] = None) -> Optional[int]:
         return plan(argv[1:])
     # From the command line (args None) LightningCLI reads sys.argv itself: handing it sys.argv[1:]
     # as ``args`` too makes it warn that both were given.
-    SparseLiftCLI(DLRMModule, CriteoDataModule, args=args,
-                  save_config_kwargs={"overwrite": True})
+    SparseLiftCLI(args=args, save_config_kwargs={"overwrite": True})
 
 
 if __name__ == "__main__":

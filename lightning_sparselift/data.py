@@ -277,8 +277,11 @@ class SyntheticSpec:
         blob = json.dumps({"v": _FORMAT_VERSION, **asdict(self)}, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
+    def generate(self) -> dict[str, np.ndarray]:
+        return generate_synthetic(self)
 
-def _id_effect(feature: int, ids: np.ndarray) -> np.ndarray:
+
+def id_effect(feature: int, ids: np.ndarray) -> np.ndarray:
     """A fixed pseudo-random effect per (feature, id) with mean 0 and variance 1 (a hash, so it
     needs no table as large as the feature's cardinality)."""
     h = (ids.astype(np.uint64) * np.uint64(2654435761) + np.uint64(feature * 40503 + 1)) & np.uint64(0xFFFFFFFF)
@@ -287,7 +290,7 @@ def _id_effect(feature: int, ids: np.ndarray) -> np.ndarray:
     return (h.astype(np.float64) / 2.0**32 - 0.5) * math.sqrt(12.0)
 
 
-def _zipf_ids(rng: np.random.Generator, count: int, rows: int, exponent: float, feature: int) -> np.ndarray:
+def zipf_ids(rng: np.random.Generator, count: int, rows: int, exponent: float, feature: int) -> np.ndarray:
     """Ids in [0, rows) with P(rank k) ~ 1/k^exponent, hot ids scattered over the table."""
     if rows == 1:
         return np.zeros(count, dtype=np.int64)
@@ -302,17 +305,22 @@ def _zipf_ids(rng: np.random.Generator, count: int, rows: int, exponent: float, 
     return (ranks * mult + 17 * feature) % rows
 
 
+def dense_features(rng: np.random.Generator, n: int, num_dense: int, model_seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Lognormal dense features after the usual Criteo preprocessing (``log(1 + x)``), and the
+    planted linear effect of their standardized values (weights drawn from ``model_seed``)."""
+    dense = np.log1p(rng.lognormal(mean=0.0, sigma=1.0, size=(n, num_dense)).astype(np.float32))
+    w = np.random.default_rng(model_seed).standard_normal(num_dense)
+    standardized = (dense - dense.mean(axis=0)) / (dense.std(axis=0) + 1e-6)
+    return dense, standardized @ w
+
+
 def generate_synthetic(spec: SyntheticSpec) -> dict[str, np.ndarray]:
     """Generate one split. Labels are Bernoulli(sigmoid(z)) with
     ``z = base + s * (w . dense + sum_f mean(effect_f(ids in bag f))) / sqrt(13 + F)``; the true
     probability is returned as ``probability`` so the Bayes-optimal AUC can be computed."""
     rng = np.random.default_rng(spec.seed)
     n, num_features = spec.num_samples, len(spec.num_embeddings_per_feature)
-    dense = rng.lognormal(mean=0.0, sigma=1.0, size=(n, spec.num_dense)).astype(np.float32)
-    dense = np.log1p(dense)  # the usual Criteo preprocessing: log(1 + x)
-    w = np.random.default_rng(spec.model_seed).standard_normal(spec.num_dense)
-    standardized = (dense - dense.mean(axis=0)) / (dense.std(axis=0) + 1e-6)
-    z = standardized @ w
+    dense, z = dense_features(rng, n, spec.num_dense, spec.model_seed)
     lengths = np.empty((num_features, n), dtype=np.int32)
     values = []
     for f, (rows, pf) in enumerate(zip(spec.num_embeddings_per_feature, spec.pooling_factors)):
@@ -320,9 +328,9 @@ def generate_synthetic(spec: SyntheticSpec) -> dict[str, np.ndarray]:
             lengths[f] = max(int(round(pf)), 0)
         else:
             lengths[f] = rng.poisson(pf, size=n)
-        ids = _zipf_ids(rng, int(lengths[f].sum()), rows, spec.zipf_exponent, f)
+        ids = zipf_ids(rng, int(lengths[f].sum()), rows, spec.zipf_exponent, f)
         values.append(ids)
-        bag_sum = np.bincount(np.repeat(np.arange(n), lengths[f]), weights=_id_effect(f, ids), minlength=n)
+        bag_sum = np.bincount(np.repeat(np.arange(n), lengths[f]), weights=id_effect(f, ids), minlength=n)
         z += bag_sum / np.maximum(lengths[f], 1)
     logit = spec.base_rate_logit + spec.signal_strength * z / math.sqrt(spec.num_dense + num_features) * 3.0
     probability = 1.0 / (1.0 + np.exp(-logit))
@@ -331,13 +339,14 @@ def generate_synthetic(spec: SyntheticSpec) -> dict[str, np.ndarray]:
             "values": np.concatenate(values).astype(np.int64), "probability": probability.astype(np.float32)}
 
 
-def load_or_generate(spec: SyntheticSpec, cache_dir: Path) -> tuple[RecArrays, np.ndarray]:
-    """Generate ``spec`` once into ``cache_dir/<digest>/`` and memory-map it afterwards."""
+def load_or_generate(spec: Any, cache_dir: Path) -> tuple[RecArrays, np.ndarray]:
+    """Generate ``spec`` (a frozen dataclass with ``digest()`` and ``generate()``, e.g.
+    :class:`SyntheticSpec`) once into ``cache_dir/<digest>/`` and memory-map it afterwards."""
     folder = Path(cache_dir) / spec.digest()
     done = folder / "spec.json"
     if not done.exists():
         folder.mkdir(parents=True, exist_ok=True)
-        arrays = generate_synthetic(spec)
+        arrays = spec.generate()
         for name, array in arrays.items():
             tmp = folder / f".{name}.{os.getpid()}.npy"
             np.save(tmp, array)
@@ -533,8 +542,7 @@ class CriteoDataModule(pl.LightningDataModule):
 
     @property
     def cache_dir(self) -> Path:
-        configured = self.hparams.cache_dir or os.environ.get("SPARSELIFT_CACHE")
-        return Path(configured) if configured else Path.home() / ".cache" / "lightning_sparselift"
+        return cache_root(self.hparams.cache_dir)
 
     def _spec(self, split: str) -> SyntheticSpec:
         size = {"train": self.hparams.num_train, "val": self.hparams.num_val, "test": self.hparams.num_test}[split]
@@ -603,12 +611,9 @@ class CriteoDataModule(pl.LightningDataModule):
 
     def bayes_optimal_auc(self, split: str = "val") -> float:
         """ROC-AUC of the generator's true click probability on ``split``: no model can beat it."""
-        from torchmetrics.functional.classification import binary_auroc
-
         if self._real_data:
             raise ValueError("the Bayes-optimal AUC is only known for synthetic data")
-        labels = torch.from_numpy(np.array(self.split(split).labels)).long()
-        return float(binary_auroc(torch.from_numpy(np.array(self._probability[split])), labels))
+        return bayes_optimal_auc(self._probability[split], self.split(split).labels)
 
     def setup(self, stage: str) -> None:
         wanted = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("test",)}[stage]
@@ -616,15 +621,7 @@ class CriteoDataModule(pl.LightningDataModule):
             self.split(name)
 
     def _loader(self, split: str, train: bool) -> DataLoader:
-        dataset = BatchedRecDataset(self.split(split), self.hparams.batch_size, drop_last=train)
-        args = dict(batch_size=None, num_workers=self.hparams.num_workers, collate_fn=_identity)
-        if self.trainer is None:
-            return DataLoader(dataset, shuffle=train, **args)
-        world, rank = self.trainer.world_size, self.trainer.global_rank
-        if train:
-            sampler = EpochShuffledSampler(dataset, world, rank, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
-            return ResumableLoader(dataset, sampler=sampler, **args)
-        return DataLoader(dataset, sampler=EvenDistributedSampler(dataset, num_replicas=world, rank=rank), **args)
+        return batch_loader(self.split(split), self.hparams.batch_size, self.hparams.num_workers, self.trainer, train)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", train=True)
@@ -637,6 +634,36 @@ class CriteoDataModule(pl.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         return self._loader("test", train=False)
+
+
+def cache_root(configured: Optional[str]) -> Path:
+    """Where generated data is stored: ``configured``, else ``$SPARSELIFT_CACHE``, else
+    ``~/.cache/lightning_sparselift``."""
+    configured = configured or os.environ.get("SPARSELIFT_CACHE")
+    return Path(configured) if configured else Path.home() / ".cache" / "lightning_sparselift"
+
+
+def batch_loader(arrays: Any, batch_size: int, num_workers: int, trainer: Optional[pl.Trainer],
+                 train: bool) -> DataLoader:
+    """A split's loader of whole batches: under a trainer the training loader is resumable and
+    shuffled per epoch (the same permutation on every rank, each rank its share), evaluation
+    loaders give every rank the same number of batches (padding weighted 0)."""
+    dataset = BatchedRecDataset(arrays, batch_size, drop_last=train)
+    args = dict(batch_size=None, num_workers=num_workers, collate_fn=_identity)
+    if trainer is None:
+        return DataLoader(dataset, shuffle=train, **args)
+    world, rank = trainer.world_size, trainer.global_rank
+    if train:
+        sampler = EpochShuffledSampler(dataset, world, rank, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
+        return ResumableLoader(dataset, sampler=sampler, **args)
+    return DataLoader(dataset, sampler=EvenDistributedSampler(dataset, num_replicas=world, rank=rank), **args)
+
+
+def bayes_optimal_auc(probability: np.ndarray, labels: np.ndarray) -> float:
+    """ROC-AUC of a generator's true click probability: no model can beat it."""
+    from torchmetrics.functional.classification import binary_auroc
+
+    return float(binary_auroc(torch.from_numpy(np.array(probability)), torch.from_numpy(np.array(labels)).long()))
 
 
 def _identity(x):

@@ -32,11 +32,13 @@ def kjt_problem(kjt: Any, rows_per_feature: dict[str, int]) -> Optional[str]:
     """What is wrong with ``kjt`` as the input of a module whose features have these row counts
     (None: nothing)."""
     keys = list(kjt.keys())
-    if set(keys) != set(rows_per_feature) or len(keys) != len(rows_per_feature):
-        missing = sorted(set(rows_per_feature) - set(keys))
-        extra = sorted(set(keys) - set(rows_per_feature))
+    # Keys beyond the module's features are allowed: TorchRec's modules select their own keys, so
+    # one batch KJT can feed several collections; each checks the ids of its own features.
+    missing = sorted(set(rows_per_feature) - set(keys))
+    duplicated = sorted({k for k in keys if keys.count(k) > 1})
+    if missing or duplicated:
         return (f"the batch's KeyedJaggedTensor keys do not match the model's features (missing {missing}, "
-                f"unexpected {extra}, duplicated {sorted({k for k in keys if keys.count(k) > 1})})")
+                f"duplicated {duplicated}; the KJT's keys: {keys})")
     values, lengths, weights = kjt.values(), kjt.lengths(), kjt.weights_or_none()
     for name, tensor in (("ids", values), ("lengths", lengths)):
         if tensor.dtype not in _INDEX_DTYPES:
@@ -51,10 +53,12 @@ def kjt_problem(kjt: Any, rows_per_feature: dict[str, int]) -> Optional[str]:
         return f"the KeyedJaggedTensor holds {values.numel()} ids but {weights.numel()} weights"
     if values.numel() == 0:
         return None
-    bounds = torch.tensor([rows_per_feature[k] for k in keys], dtype=values.dtype, device=values.device)
+    bounds = torch.tensor([rows_per_feature.get(k, 0) for k in keys], dtype=values.dtype, device=values.device)
     per_key = lengths.view(len(keys), -1).sum(dim=1)
     limit = torch.repeat_interleave(bounds, per_key)
-    bad = (values < 0) | (values >= limit)
+    checked = torch.repeat_interleave(torch.tensor([k in rows_per_feature for k in keys], device=values.device),
+                                      per_key)
+    bad = checked & ((values < 0) | (values >= limit))
     if bool(bad.any()):
         owner = torch.repeat_interleave(torch.arange(len(keys), device=values.device), per_key)
         first = int(bad.nonzero()[0])

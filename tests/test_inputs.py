@@ -22,11 +22,17 @@ def test_valid_kjt_passes():
     check_kjt("ebc", _kjt(["b", "a"], [], [0, 0]), ROWS)
 
 
-@pytest.mark.parametrize("keys, match", [(["a"], r"missing \['b'\]"), (["a", "b", "c"], r"unexpected \['c'\]"),
-                                         (["a", "a"], r"duplicated \['a'\]")])
+@pytest.mark.parametrize("keys, match", [(["a"], r"missing \['b'\]"), (["a", "a", "b"], r"duplicated \['a'\]")])
 def test_wrong_keys(keys, match):
     with pytest.raises(SparseInputError, match=match):
         check_kjt("ebc", _kjt(keys, [0] * len(keys), [1] * len(keys)), ROWS)
+
+
+def test_keys_of_another_collection_pass_and_their_ids_are_left_to_it():
+    # 'c' belongs to another module (ids beyond this one's tables); 'b' is still checked
+    check_kjt("ebc", _kjt(["c", "a", "b"], [123456, -1, 0, 4], [2, 1, 1]), ROWS)
+    with pytest.raises(SparseInputError, match=r"id 5 of feature 'b'"):
+        check_kjt("ebc", _kjt(["c", "a", "b"], [123456, 0, 5], [1, 1, 1]), ROWS)
 
 
 def test_malformed_kjts():

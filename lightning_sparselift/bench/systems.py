@@ -88,7 +88,7 @@ class WithLoss(nn.Module):
 
 
 def _dense_optimizer(scenario: Scenario, params: Any) -> torch.optim.Optimizer:
-    from lightning_sparselift.model import DENSE_OPTIMIZERS
+    from lightning_sparselift.rec_module import DENSE_OPTIMIZERS
 
     return DENSE_OPTIMIZERS[scenario.optimizer.get("dense", "sgd")](params, lr=scenario.optimizer.get("dense_lr", 0.1))
 
