@@ -17,11 +17,14 @@ from lightning_sparselift.rec_module import RecModule
 from lightning_sparselift.sequence_data import HISTORY_FEATURE, TARGET_FEATURE
 
 
+@torch.fx.wrap  # one call in fx graphs (TorchRec's train pipelines trace the model to find its sparse inputs)
 def target_attention(query: torch.Tensor, history: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Softmax attention of each sample's ``query`` [B, D] over its own rows of the jagged
     ``history`` (values [N, D], ``lengths`` [B]): scores ``<q, h> / sqrt(D)``; a sample with an
     empty history gets zeros. Works on the jagged values directly (no padding to the longest)."""
     batch, dim = query.shape
+    if lengths.shape[0] != batch:
+        raise ValueError(f"{batch} queries (one target item id per sample) for {lengths.shape[0]} histories")
     sample = torch.repeat_interleave(torch.arange(batch, device=query.device), lengths.long())
     scores = (history * query[sample]).sum(dim=1) / math.sqrt(dim)
     with torch.no_grad():  # a per-sample shift for a stable softmax; the softmax does not depend on it
@@ -66,6 +69,8 @@ class SequenceRanker(nn.Module):
         from torchrec.modules.mlp import MLP
 
         self.sparse_arch = sparse_arch
+        self.bag_features = list(sparse_arch.bag_features)
+        self.history_feature, self.target_feature = sparse_arch.sequence_features
         self.dense_arch = MLP(dense_in_features, list(dense_arch_layer_sizes))
         self.query = nn.Linear(item_embedding_dim, item_embedding_dim)
         width = dense_arch_layer_sizes[-1] + embedding_dim * len(sparse_arch.bag_features) + 2 * item_embedding_dim
@@ -74,14 +79,10 @@ class SequenceRanker(nn.Module):
 
     def forward(self, dense_features: torch.Tensor, sparse_features: Any) -> torch.Tensor:
         pooled, sequences = self.sparse_arch(sparse_features)
-        history_feature, target_feature = self.sparse_arch.sequence_features
-        history, target = sequences[history_feature], sequences[target_feature]
-        if target.values().shape[0] != dense_features.shape[0]:
-            raise ValueError(f"feature {target_feature!r} must hold exactly one item id per sample "
-                             f"({target.values().shape[0]} ids for {dense_features.shape[0]} samples)")
+        history, target = sequences[self.history_feature], sequences[self.target_feature]
         interest = target_attention(self.query(target.values()), history.values(), history.lengths())
         pooled = pooled.to_dict()  # by key: a sharded output is in sharding order
-        parts = [self.dense_arch(dense_features)] + [pooled[f] for f in self.sparse_arch.bag_features]
+        parts = [self.dense_arch(dense_features)] + [pooled[f] for f in self.bag_features]
         return self.over_arch(torch.cat(parts + [interest, target.values()], dim=1))
 
 

@@ -30,12 +30,13 @@ def _writable(path: Optional[str]) -> Optional[Path]:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    from lightning_sparselift.bench.runner import ABLATION_SYSTEMS, DEFAULT_SYSTEMS, BenchConfig
+    from lightning_sparselift.bench.runner import ABLATION_SYSTEMS, DEFAULT_SYSTEMS, BenchConfig, default_systems
 
     parser = argparse.ArgumentParser(prog="sparselift bench", description=__doc__)
     parser.add_argument("--scenario", default="dlrm", help=f"one of {scenarios.available()} or a YAML path")
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated, from {ALL_SYSTEMS}")
+    parser.add_argument("--systems", default=None, help=f"comma-separated, from {ALL_SYSTEMS}; default "
+                                                         f"{','.join(DEFAULT_SYSTEMS)} (those that run the scenario)")
     parser.add_argument("--ablations", action="store_true",
                         help=f"also run SparseLift with each pass left out ({', '.join(ABLATION_SYSTEMS)})")
     parser.add_argument("--rounds", type=int, default=8)
@@ -53,9 +54,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--plots", default=None, help="folder for the PNG plots")
     args = parser.parse_args(argv)
     json_path, md_path = _writable(args.json), _writable(args.markdown)
+    try:
+        chosen = ([s.strip() for s in args.systems.split(",") if s.strip()] if args.systems is not None
+                  else default_systems(scenarios.load(args.scenario)))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
     config = BenchConfig(scenario=args.scenario, world_size=args.world_size,
-                         systems=[s.strip() for s in args.systems.split(",") if s.strip()]
-                         + (ABLATION_SYSTEMS if args.ablations else []), rounds=args.rounds,
+                         systems=chosen + (ABLATION_SYSTEMS if args.ablations else []), rounds=args.rounds,
                          steps_per_round=args.steps_per_round, warmup_steps=args.warmup_steps,
                          breakdown_steps=args.breakdown_steps, threads_per_rank=args.threads_per_rank,
                          pin_cores=args.pin_cores,

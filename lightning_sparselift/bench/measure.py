@@ -69,10 +69,7 @@ class StageTimer:
         """Time the backward of every autograd node that ``output`` was computed from."""
         if not self.enabled:
             return
-        tensor = output if isinstance(output, torch.Tensor) else output.values()  # a tensor or a KeyedTensor
-        if not isinstance(tensor, torch.Tensor) or tensor.grad_fn is None:
-            return
-        seen, stack = set(), [tensor.grad_fn]
+        seen, stack = set(), [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
         while stack:
             node = stack.pop()
             if node is None or node in seen or type(node).__name__ == "AccumulateGrad":
@@ -205,3 +202,16 @@ class StepClock:
         self.begin()
         yield
         self.end()
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors of a sparse module's output: a tensor, a KeyedTensor or JaggedTensor (their
+    values), or tuples, lists and dicts of those."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in _tensors(item)]
+    if isinstance(output, dict):
+        return [t for item in output.values() for t in _tensors(item)]
+    values = getattr(output, "values", None)
+    return _tensors(values()) if callable(values) else []

@@ -30,6 +30,11 @@ from lightning_sparselift.bench.systems import (
 )
 
 DEFAULT_SYSTEMS = ["dlrm-baseline", "torchrec-base", "torchrec", "dense-only", "sparselift", LIGHTNING_SYSTEM]
+
+
+def default_systems(scenario: scenarios.Scenario) -> list[str]:
+    """:data:`DEFAULT_SYSTEMS` that run the scenario's model family."""
+    return [n for n in DEFAULT_SYSTEMS if n not in SYSTEMS or scenario.family in SYSTEMS[n].families]
 ABLATION_SYSTEMS = [cls.name for cls in ABLATIONS]
 
 
@@ -57,6 +62,11 @@ class BenchConfig:
             raise ValueError(f"unknown system(s) {unknown}; available: {ALL_SYSTEMS}")
         if not self.systems:
             raise ValueError("no systems selected")
+        family = scenarios.load(self.scenario).family
+        unfit = [n for n in self.systems if n in SYSTEMS and family not in SYSTEMS[n].families]
+        if unfit:
+            raise ValueError(f"system(s) {unfit} run only {sorted({f for n in unfit for f in SYSTEMS[n].families})} "
+                             f"scenarios; {self.scenario!r} is a {family} scenario")
         cores = os.cpu_count() or 1
         if not 1 <= self.world_size <= cores:
             raise ValueError(f"world size {self.world_size} does not fit this machine: it has {cores} core(s), and "
@@ -67,13 +77,8 @@ class BenchConfig:
 
 
 def _data(config: BenchConfig, scenario: scenarios.Scenario):
-    from lightning_sparselift.data import CriteoDataModule
-
     samples = config.num_samples or 64 * config.world_size * scenario.batch_size
-    dm = CriteoDataModule(batch_size=scenario.batch_size, num_train=samples, num_val=max(samples // 4, scenario.batch_size),
-                          num_test=scenario.batch_size, rows_per_feature=scenario.rows,
-                          pooling_factors=scenario.pooling, length_distribution=scenario.length_distribution,
-                          zipf_exponent=scenario.zipf_exponent, seed=config.seed, cache_dir=config.cache_dir)
+    dm = scenario.datamodule(samples, max(samples // 4, scenario.batch_size), config.seed, config.cache_dir)
     dm.prepare_data()
     return dm
 
@@ -214,8 +219,6 @@ def _lightning_run(worker: _Worker) -> None:
     from lightning_sparselift import SparseLiftStrategy
     from lightning_sparselift.bench.measure import StageTimer
     from lightning_sparselift.bench.systems import lightning_env, session_report, time_early_starts
-    from lightning_sparselift.model import DLRMModule
-
     cfg, env = worker.config, worker.env
     name = LIGHTNING_SYSTEM
     k, warm, rounds, bd = cfg.steps_per_round, cfg.warmup_steps, cfg.rounds, cfg.breakdown_steps
@@ -288,7 +291,7 @@ def _lightning_run(worker: _Worker) -> None:
 
     lightning_env(worker.rank, cfg.world_size)
     torch.manual_seed(cfg.seed)
-    module = DLRMModule(**worker.scenario.module_kwargs())
+    module = worker.scenario.module()
     batches = [env.local_batch(i) for i in range(total)]
     strategy = SparseLiftStrategy(**bench_strategy_kwargs(env))
     start = time.perf_counter()

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_sparselift.bench.measure import StageTimer
-from lightning_sparselift.bench.scenarios import Scenario
+from lightning_sparselift.bench.scenarios import FAMILIES, Scenario
 from lightning_sparselift.data import RecArrays, RecBatch
 
 
@@ -68,10 +68,8 @@ class BenchEnv:
 def build_rec_model(scenario: Scenario, seed: int) -> nn.Module:
     """The scenario's recommendation model (tables on meta), seeded so every system starts
     from the same dense weights."""
-    from lightning_sparselift.model import DLRMModule
-
     torch.manual_seed(seed)
-    return DLRMModule(**scenario.module_kwargs()).model
+    return scenario.module().model
 
 
 class WithLoss(nn.Module):
@@ -95,6 +93,8 @@ def _dense_optimizer(scenario: Scenario, params: Any) -> torch.optim.Optimizer:
 
 class System:
     name = ""
+    families: tuple[str, ...] = FAMILIES  # the scenario families it can run
+
 
     def __init__(self, env: BenchEnv):
         self.env = env
@@ -172,12 +172,51 @@ class ConstantSparse(nn.Module):
         return self.output
 
 
+class ConstantSequences(nn.Module):
+    """Stands in for a :class:`~lightning_sparselift.sequence_model.SequenceSparseArch`: fixed
+    pooled embeddings, and for each sequence feature fixed rows in the batch's own lengths (the
+    attention over the history costs what it costs on the real data)."""
+
+    def __init__(self, sparse_arch: nn.Module, batch_size: int, max_ids: int):
+        super().__init__()
+        from torchrec.sparse.jagged_tensor import KeyedTensor
+
+        generator = torch.Generator().manual_seed(1)
+        bag_configs = sparse_arch.bags.embedding_bag_configs()
+        dims = [c.embedding_dim for c in bag_configs for _ in c.feature_names]
+        self.pooled = KeyedTensor(keys=sparse_arch.bag_features, length_per_key=dims,
+                                  values=torch.randn(batch_size, sum(dims), generator=generator))
+        (items,) = sparse_arch.sequences.embedding_configs()
+        self.rows = torch.randn(max_ids, items.embedding_dim, generator=generator)
+        self.sequence_features = list(sparse_arch.sequence_features)
+
+    def forward(self, features: Any) -> tuple[Any, dict[str, Any]]:
+        from torchrec.sparse.jagged_tensor import JaggedTensor
+
+        jagged = features.to_dict()
+        sequences = {}
+        for f in self.sequence_features:
+            lengths = jagged[f].lengths()
+            sequences[f] = JaggedTensor(values=self.rows[: int(lengths.sum())], lengths=lengths)
+        return self.pooled, sequences
+
+
+def stand_in_sparse(rec: nn.Module, env: "BenchEnv") -> nn.Module:
+    """A constant stand-in for ``rec``'s sparse part with its output's shapes (dense-only)."""
+    from lightning_sparselift.sequence_model import SequenceSparseArch
+
+    if isinstance(rec.sparse_arch, SequenceSparseArch):
+        most = max(int(env.local_batch(i).sparse.lengths().sum()) for i in range(env.pool))
+        return ConstantSequences(rec.sparse_arch, env.batch_size, most)
+    return ConstantSparse(rec, env.batch_size)
+
+
 class DenseOnly(LoopSystem):
     name = "dense-only"
 
     def setup(self) -> None:
         rec = build_rec_model(self.env.scenario, self.env.seed)
-        rec.sparse_arch = ConstantSparse(rec, self.env.batch_size)
+        rec.sparse_arch = stand_in_sparse(rec, self.env)
         self.model = nn.parallel.DistributedDataParallel(WithLoss(rec), broadcast_buffers=False)
         self.optimizer = _dense_optimizer(self.env.scenario, self.model.parameters())
         self._timed_model(self.model.module, rec.sparse_arch, self.optimizer)
@@ -391,6 +430,7 @@ class DLRMBaseline(System):
     sparse gradients."""
 
     name = "dlrm-baseline"
+    families = ("dlrm",)
 
     def setup(self) -> None:
         env, scenario = self.env, self.env.scenario
