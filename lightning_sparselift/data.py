@@ -613,7 +613,8 @@ class CriteoDataModule(pl.LightningDataModule):
         """ROC-AUC of the generator's true click probability on ``split``: no model can beat it."""
         if self._real_data:
             raise ValueError("the Bayes-optimal AUC is only known for synthetic data")
-        return bayes_optimal_auc(self._probability[split], self.split(split).labels)
+        labels = self.split(split).labels  # loads the split and its probabilities
+        return bayes_optimal_auc(self._probability[split], labels)
 
     def setup(self, stage: str) -> None:
         wanted = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("test",)}[stage]

@@ -98,8 +98,48 @@ def test_parity_mode_is_identical(tmp_path, data_cache):
     assert "ROC-AUC" in out.stdout
 
 
+TINY_SEQUENCE = """
+name: tiny-sequence
+family: sequence
+description: item histories (mean 6, max 20) of 500 items, 3 one-hot features, batch 64 per rank
+tables: {rows: [40, 300, 7], dims: [8], pooling: [1]}
+sequence: {num_items: 500, item_dim: 8, mean_history: 6, max_history: 20, categories: 10}
+model: {dense_arch_layer_sizes: [16, 8], over_arch_layer_sizes: [16, 1]}
+batch_size: 64
+optimizer: {dense: sgd, dense_lr: 0.1, embedding: rowwise_adagrad, embedding_lr: 0.05}
+"""
+
+
+def test_a_sequence_scenario_side_by_side_and_in_parity(tmp_path, data_cache):
+    (tmp_path / "seq.yaml").write_text(TINY_SEQUENCE)
+    out = _bench("--scenario", str(tmp_path / "seq.yaml"), *FAST, "--json", str(tmp_path / "out.json"),
+                 cache=data_cache)
+    assert out.returncode == 0, out.stderr[-3000:]
+    systems = json.loads((tmp_path / "out.json").read_text())["systems"]
+    # dlrm-baseline reproduces DLRM's reference: not among a sequence scenario's default systems
+    assert list(systems) == [n for n in DEFAULT_SYSTEMS if n != "dlrm-baseline"]
+    for name, r in systems.items():
+        assert r["status"] == "ok", f"{name}: {r['error']}"
+    # the EmbeddingCollection keeps TorchRec's path (with the reason), the bags are lifted
+    for name in ("sparselift", "sparselift-lightning"):
+        assert systems[name]["executor"] == "sparselift"
+        assert "sequences: not lifted, TorchRec's path" in systems[name]["graph_explain"]
+    # dense-only feeds the attention the batch's real history lengths, with no sparse path
+    assert systems["dense-only"]["stages_ms"]["sparse_backward"] == 0
+    assert "all_to_all" not in systems["dense-only"]["collectives_per_step"]["by_op"]
+
+    out = _bench("--scenario", str(tmp_path / "seq.yaml"), "--world-size", "2", "--parity", "--num-samples", "1024",
+                 "--json", str(tmp_path / "parity.json"), cache=data_cache)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "parity.json").read_text())
+    assert summary["identical"] and summary["loss_mae"] == 0.0
+    assert summary["quality"]["torchrec"] == summary["quality"]["sparselift"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--scenario", "nope"], "unknown scenario 'nope'"),
+    (["--scenario", "sequence", "--systems", "torchrec,dlrm-baseline"],
+     r"system\(s\) \['dlrm-baseline'\] run only \['dlrm'\] scenarios; 'sequence' is a sequence scenario"),
     (["--systems", "torchrec,fastest"], r"unknown system\(s\) \['fastest'\]"),
     (["--world-size", "4096"], "does not fit this machine"),
     (["--json", "/nonexistent-dir/out.json"], "cannot write"),

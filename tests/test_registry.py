@@ -55,16 +55,17 @@ def test_cli_runs_tiny_config(tmp_path, data_cache):
     assert "val/auc" in metrics and "val/logloss" in metrics
 
 
-@pytest.mark.parametrize("config", ["tiny.yaml", "dlrm_synthetic.yaml", "dlrmv2_multihot.yaml"])
-def test_configs_parse(config):
+@pytest.mark.parametrize("config, family", [("tiny.yaml", "DLRMModule"), ("dlrm_synthetic.yaml", "DLRMModule"),
+                                            ("dlrmv2_multihot.yaml", "DLRMModule"),
+                                            ("sequence_synthetic.yaml", "SequenceRankingModule")])
+def test_configs_parse(config, family):
     from lightning_sparselift.cli import SparseLiftCLI
-    from lightning_sparselift.data import CriteoDataModule
-    from lightning_sparselift.model import DLRMModule
 
-    cli = SparseLiftCLI(DLRMModule, CriteoDataModule, run=False,
-                        args=["--config", str(ROOT / "configs" / config), "--trainer.logger=false"])
+    cli = SparseLiftCLI(run=False, args=["--config", str(ROOT / "configs" / config), "--trainer.logger=false"])
     assert isinstance(cli.trainer.strategy, SparseLiftStrategy)
+    assert type(cli.model).__name__ == family  # a config without class_path means DLRMModule
     assert cli.model.hparams.num_embeddings_per_feature == cli.datamodule.table_sizes
+    assert cli.model.hparams.feature_names == cli.datamodule.feature_names
 
 
 def test_spawn_launcher_is_ours():
