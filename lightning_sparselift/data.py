@@ -463,7 +463,70 @@ def read_criteo_npy(prefix: str | Path, num_embeddings_per_feature: Sequence[int
                            id_modulus=num_embeddings_per_feature)
 
 
-class CriteoDataModule(pl.LightningDataModule):
+class RecDataModule(pl.LightningDataModule):
+    """What the data modules share: splits as column stores (``split(name)``, the subclass's),
+    generated data under ``cache_dir``, loaders of whole batches and the Bayes-optimal AUC of
+    synthetic data. Under a trainer the training loader is resumable and shuffled per epoch (the
+    same permutation on every rank, each rank its share); evaluation loaders give every rank the
+    same number of batches (padding weighted 0). Subclasses set ``hparams`` ``batch_size``,
+    ``num_workers`` and ``cache_dir``, and fill ``_probability`` for generated splits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._probability: dict[str, np.ndarray] = {}
+
+    def split(self, name: str) -> Any:
+        raise NotImplementedError
+
+    @property
+    def cache_dir(self) -> Path:
+        """Where generated data is stored: ``cache_dir``, else ``$SPARSELIFT_CACHE``, else
+        ``~/.cache/lightning_sparselift``."""
+        configured = self.hparams.cache_dir or os.environ.get("SPARSELIFT_CACHE")
+        return Path(configured) if configured else Path.home() / ".cache" / "lightning_sparselift"
+
+    def bayes_optimal_auc(self, split: str = "val") -> float:
+        """ROC-AUC of the generator's true click probability on ``split``: no model can beat it."""
+        labels = self.split(split).labels  # loads the split and its probabilities
+        return bayes_optimal_auc(self._probability[split], labels)
+
+    def setup(self, stage: str) -> None:
+        wanted = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("test",)}[stage]
+        for name in wanted:
+            self.split(name)
+
+    def _loader(self, split: str, train: bool) -> DataLoader:
+        dataset = BatchedRecDataset(self.split(split), self.hparams.batch_size, drop_last=train)
+        args = dict(batch_size=None, num_workers=self.hparams.num_workers, collate_fn=_identity)
+        if self.trainer is None:
+            return DataLoader(dataset, shuffle=train, **args)
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        if train:
+            sampler = EpochShuffledSampler(dataset, world, rank, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
+            return ResumableLoader(dataset, sampler=sampler, **args)
+        return DataLoader(dataset, sampler=EvenDistributedSampler(dataset, num_replicas=world, rank=rank), **args)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", train=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", train=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader("test", train=False)
+
+
+def bayes_optimal_auc(probability: np.ndarray, labels: np.ndarray) -> float:
+    """ROC-AUC of a generator's true click probability: no model can beat it."""
+    from torchmetrics.functional.classification import binary_auroc
+
+    return float(binary_auroc(torch.from_numpy(np.array(probability)), torch.from_numpy(np.array(labels)).long()))
+
+
+class CriteoDataModule(RecDataModule):
     """Criteo-shaped data for DLRM training: synthetic (default), TorchRec's npy format or raw
     Criteo TSV files.
 
@@ -538,11 +601,6 @@ class CriteoDataModule(pl.LightningDataModule):
             else [f"cat_{i}" for i in range(len(sizes))]
         self.num_dense = NUM_DENSE
         self._splits: dict[str, Any] = {}
-        self._probability: dict[str, np.ndarray] = {}
-
-    @property
-    def cache_dir(self) -> Path:
-        return cache_root(self.hparams.cache_dir)
 
     def _spec(self, split: str) -> SyntheticSpec:
         size = {"train": self.hparams.num_train, "val": self.hparams.num_val, "test": self.hparams.num_test}[split]
@@ -610,61 +668,9 @@ class CriteoDataModule(pl.LightningDataModule):
         return self._splits[name]
 
     def bayes_optimal_auc(self, split: str = "val") -> float:
-        """ROC-AUC of the generator's true click probability on ``split``: no model can beat it."""
         if self._real_data:
             raise ValueError("the Bayes-optimal AUC is only known for synthetic data")
-        labels = self.split(split).labels  # loads the split and its probabilities
-        return bayes_optimal_auc(self._probability[split], labels)
-
-    def setup(self, stage: str) -> None:
-        wanted = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("test",)}[stage]
-        for name in wanted:
-            self.split(name)
-
-    def _loader(self, split: str, train: bool) -> DataLoader:
-        return batch_loader(self.split(split), self.hparams.batch_size, self.hparams.num_workers, self.trainer, train)
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train", train=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val", train=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test", train=False)
-
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader("test", train=False)
-
-
-def cache_root(configured: Optional[str]) -> Path:
-    """Where generated data is stored: ``configured``, else ``$SPARSELIFT_CACHE``, else
-    ``~/.cache/lightning_sparselift``."""
-    configured = configured or os.environ.get("SPARSELIFT_CACHE")
-    return Path(configured) if configured else Path.home() / ".cache" / "lightning_sparselift"
-
-
-def batch_loader(arrays: Any, batch_size: int, num_workers: int, trainer: Optional[pl.Trainer],
-                 train: bool) -> DataLoader:
-    """A split's loader of whole batches: under a trainer the training loader is resumable and
-    shuffled per epoch (the same permutation on every rank, each rank its share), evaluation
-    loaders give every rank the same number of batches (padding weighted 0)."""
-    dataset = BatchedRecDataset(arrays, batch_size, drop_last=train)
-    args = dict(batch_size=None, num_workers=num_workers, collate_fn=_identity)
-    if trainer is None:
-        return DataLoader(dataset, shuffle=train, **args)
-    world, rank = trainer.world_size, trainer.global_rank
-    if train:
-        sampler = EpochShuffledSampler(dataset, world, rank, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
-        return ResumableLoader(dataset, sampler=sampler, **args)
-    return DataLoader(dataset, sampler=EvenDistributedSampler(dataset, num_replicas=world, rank=rank), **args)
-
-
-def bayes_optimal_auc(probability: np.ndarray, labels: np.ndarray) -> float:
-    """ROC-AUC of a generator's true click probability: no model can beat it."""
-    from torchmetrics.functional.classification import binary_auroc
-
-    return float(binary_auroc(torch.from_numpy(np.array(probability)), torch.from_numpy(np.array(labels)).long()))
+        return super().bayes_optimal_auc(split)
 
 
 def _identity(x):

@@ -15,16 +15,12 @@ import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Optional
 
-import lightning.pytorch as pl
 import numpy as np
-from torch.utils.data import DataLoader
 
 from lightning_sparselift.data import (
-    NUM_DENSE, RecArrays, batch_loader, bayes_optimal_auc, cache_root, dense_features, id_effect, load_or_generate,
-    zipf_ids,
+    NUM_DENSE, RecArrays, RecDataModule, dense_features, id_effect, load_or_generate, zipf_ids,
 )
 
 _FORMAT_VERSION = 1
@@ -127,7 +123,7 @@ def generate_sequences(spec: SequenceSpec) -> dict[str, np.ndarray]:
             "probability": probability.astype(np.float32)}
 
 
-class SequenceDataModule(pl.LightningDataModule):
+class SequenceDataModule(RecDataModule):
     """Synthetic sequence-ranking data (see :class:`SequenceSpec`): features ``cat_0..``
     (one id each), ``history`` (variable-length item ids) and ``item`` (the target item).
 
@@ -177,11 +173,6 @@ class SequenceDataModule(pl.LightningDataModule):
         self.table_sizes = list(rows) + [spec.num_items, spec.num_items]
         self.num_dense = spec.num_dense
         self._splits: dict[str, RecArrays] = {}
-        self._probability: dict[str, np.ndarray] = {}
-
-    @property
-    def cache_dir(self) -> Path:
-        return cache_root(self.hparams.cache_dir)
 
     def prepare_data(self) -> None:
         for spec in self._specs.values():
@@ -192,28 +183,3 @@ class SequenceDataModule(pl.LightningDataModule):
         if name not in self._splits:
             self._splits[name], self._probability[name] = load_or_generate(self._specs[name], self.cache_dir)
         return self._splits[name]
-
-    def bayes_optimal_auc(self, split: str = "val") -> float:
-        """ROC-AUC of the generator's true click probability on ``split``: no model can beat it."""
-        labels = self.split(split).labels
-        return bayes_optimal_auc(self._probability[split], labels)
-
-    def setup(self, stage: str) -> None:
-        wanted = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("test",)}[stage]
-        for name in wanted:
-            self.split(name)
-
-    def _loader(self, split: str, train: bool) -> DataLoader:
-        return batch_loader(self.split(split), self.hparams.batch_size, self.hparams.num_workers, self.trainer, train)
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train", train=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val", train=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test", train=False)
-
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader("test", train=False)

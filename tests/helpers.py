@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -84,3 +85,39 @@ def assert_same_dumps(reference: Path, other: Path, world_size: int = 2) -> list
         assert want.keys() == got.keys(), f"rank {rank}: other state keys"
         assert [k for k in want if not torch.equal(want[k], got[k])] == [], f"rank {rank} differs from the reference"
     return wanted
+
+
+class ExecutorReport(L.Callback):
+    """Each rank's counters of the installed executor and the plan's decisions, at the end of fit."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        executor, plan = strategy.lifted_executor, strategy.execution_plan
+        report = {"executor": strategy.executor_in_use, "fallback": strategy.executor_fallback_reason,
+                  "early_steps": sum(f.early_steps for f in executor.executors.values()) if executor else 0,
+                  "prefetched_steps": sum(f.prefetched_steps for f in executor.executors.values()) if executor else 0,
+                  "decisions": [[d.candidate, d.accepted, d.measured_ms is not None or not d.feasible]
+                                for d in plan.decisions]
+                  if plan else None}
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / f"report{trainer.global_rank}.json").write_text(json.dumps(report))
+
+
+class GraphReport(L.Callback):
+    """Rank 0's lifted graph at the end of fit: its modules, those left on TorchRec's path, explain()."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        executor = trainer.strategy.lifted_executor
+        graph = executor.graph if executor is not None else None
+        plan = {path: {t: p.sharding_type for t, p in tables.items()}
+                for path, tables in trainer.strategy.sharding_plan.plan.items()}
+        report = {"plan": plan, **({"modules": [m.path for m in graph.modules], "not_lifted": graph.not_lifted,
+                                    "explain": graph.explain()} if graph else {})}
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / f"graph{trainer.global_rank}.json").write_text(json.dumps(report))

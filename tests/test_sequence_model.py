@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import DumpLocalState, assert_same_dumps, trainer
+from helpers import DumpLocalState, ExecutorReport, GraphReport, assert_same_dumps, trainer
 from lightning_sparselift import SparseLiftStrategy
 from lightning_sparselift.sequence_data import SequenceDataModule, SequenceSpec, generate_sequences
 from lightning_sparselift.sequence_model import SequenceRankingModule, target_attention
@@ -89,42 +89,27 @@ def test_trains_through_the_strategy_bit_identically_to_torchrecs_path(tmp_path,
     # table-wise bags: every pass has something to do; the item table row-wise
     types = {**{f"t_cat_{i}": "table_wise" for i in range(3)}, "t_items": "row_wise"}
 
-    def fit(folder: Path, **kwargs) -> SparseLiftStrategy:
+    def fit(folder: Path, **kwargs) -> tuple[dict, dict]:
         L.seed_everything(0)
         model = SequenceRankingModule(dm.table_sizes, dm.feature_names, dm.num_dense, embedding_dim=8,
                                       item_embedding_dim=8, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1])
         strategy = SparseLiftStrategy(start_method="fork", sharding_types=types, calibrate=False,
                                       embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05}, **kwargs)
-        t = trainer(2, strategy, limit_val_batches=0, callbacks=[DumpLocalState(folder), Report(folder)])
+        t = trainer(2, strategy, limit_val_batches=0,
+                    callbacks=[DumpLocalState(folder), ExecutorReport(folder), GraphReport(folder)])
         t.fit(model, dm)
-        return json.loads((folder / "report0.json").read_text())
+        return (json.loads((folder / "report0.json").read_text()), json.loads((folder / "graph0.json").read_text()))
 
     fit(tmp_path / "torchrec", executor="torchrec")
-    report = fit(tmp_path / "lifted")
-    assert report["executor"] == "sparselift" and report["modules"] == ["model.sparse_arch.bags"]
-    assert "ShardedEmbeddingCollection is not a plain" in report["not_lifted"]["model.sparse_arch.sequences"]
+    report, graph = fit(tmp_path / "lifted")
+    assert report["executor"] == "sparselift" and graph["modules"] == ["model.sparse_arch.bags"]
+    assert "ShardedEmbeddingCollection is not a plain" in graph["not_lifted"]["model.sparse_arch.sequences"]
+    assert graph["plan"]["model.sparse_arch.sequences"] == {"t_items": "row_wise"}
     # the bags' input is the batch's KJT as it is (the collections select their keys): it starts early
-    assert {"latency_hiding:early_start", "latency_hiding:next_batch", "codegen:lookup"} <= set(report["accepted"])
+    accepted = {candidate.split("@")[0] for candidate, ok, _ in report["decisions"] if ok}
+    assert {"latency_hiding:early_start", "latency_hiding:next_batch", "codegen:lookup"} <= accepted
     assert report["early_steps"] > 0 and report["prefetched_steps"] > 0
     assert_same_dumps(tmp_path / "torchrec", tmp_path / "lifted")
-
-
-class Report(L.Callback):
-    def __init__(self, folder: Path):
-        self.folder = Path(folder)
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        strategy = trainer.strategy
-        executor, plan = strategy.lifted_executor, strategy.execution_plan
-        graph = executor.graph if executor else None
-        report = {"executor": strategy.executor_in_use,
-                  "modules": [m.path for m in graph.modules] if graph else [],
-                  "not_lifted": dict(graph.not_lifted) if graph else {},
-                  "accepted": [d.candidate.split("@")[0] for d in plan.decisions if d.accepted] if plan else [],
-                  "early_steps": sum(f.early_steps for f in executor.executors.values()) if executor else 0,
-                  "prefetched_steps": sum(f.prefetched_steps for f in executor.executors.values()) if executor else 0}
-        self.folder.mkdir(parents=True, exist_ok=True)
-        (self.folder / f"report{trainer.global_rank}.json").write_text(json.dumps(report))
 
 
 def test_the_lightning_cli_config_trains_the_sequence_model(tmp_path, data_cache):

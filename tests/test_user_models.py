@@ -10,28 +10,11 @@ from pathlib import Path
 import lightning.pytorch as L
 import pytest
 
-from helpers import DumpLocalState, assert_same_dumps, load_dumps, tiny_data, trainer
+from helpers import (
+    DumpLocalState, ExecutorReport, GraphReport, assert_same_dumps, load_dumps, tiny_data, trainer,
+)
 from lightning_sparselift import SparseLiftStrategy
 from user_models import MODELS
-
-
-class ExecutorReport(L.Callback):
-    """Each rank's counters of the installed executor and the plan's decisions, at the end of fit."""
-
-    def __init__(self, folder: Path):
-        self.folder = Path(folder)
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        strategy = trainer.strategy
-        executor, plan = strategy.lifted_executor, strategy.execution_plan
-        report = {"executor": strategy.executor_in_use, "fallback": strategy.executor_fallback_reason,
-                  "early_steps": sum(f.early_steps for f in executor.executors.values()) if executor else 0,
-                  "prefetched_steps": sum(f.prefetched_steps for f in executor.executors.values()) if executor else 0,
-                  "decisions": [[d.candidate, d.accepted, d.measured_ms is not None or not d.feasible]
-                                for d in plan.decisions]
-                  if plan else None}
-        self.folder.mkdir(parents=True, exist_ok=True)
-        (self.folder / f"report{trainer.global_rank}.json").write_text(json.dumps(report))
 
 
 def _fit(name: str, dm, folder: Path, **strategy_kwargs) -> list[dict]:
@@ -116,23 +99,6 @@ def test_a_model_with_other_torchrec_collections_is_sharded_and_its_bags_lifted(
     assert f"module {kind}: not lifted, TorchRec's path" in report["explain"]
     assert any(k.startswith(f"{kind}.") for state in load_dumps(tmp_path / "lifted", 2) for k in state)
     _assert_identical(tmp_path / "torchrec", tmp_path / "lifted")
-
-
-class GraphReport(L.Callback):
-    """Rank 0's lifted graph at the end of fit: its modules, those left on TorchRec's path, explain()."""
-
-    def __init__(self, folder: Path):
-        self.folder = Path(folder)
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        executor = trainer.strategy.lifted_executor
-        graph = executor.graph if executor is not None else None
-        plan = {path: {t: p.sharding_type for t, p in tables.items()}
-                for path, tables in trainer.strategy.sharding_plan.plan.items()}
-        report = {"plan": plan, **({"modules": [m.path for m in graph.modules], "not_lifted": graph.not_lifted,
-                                    "explain": graph.explain()} if graph else {})}
-        self.folder.mkdir(parents=True, exist_ok=True)
-        (self.folder / f"graph{trainer.global_rank}.json").write_text(json.dumps(report))
 
 
 def test_a_module_whose_capture_fails_keeps_torchrecs_path_and_the_others_are_lifted(tmp_path, data_cache,
