@@ -63,9 +63,10 @@ def test_user_model_with_default_calibration_matches_torchrec(tmp_path, data_cac
 
 # (TorchRec collection, sharding type of its tables) -> the user model holding one next to a plain
 # EmbeddingBagCollection (tests/support_table.py renders the README's table from this)
-OTHER_COLLECTIONS = {("EmbeddingCollection", "table_wise"): "sequence", ("EmbeddingCollection", "row_wise"): "sequence",
-                     ("FeatureProcessedEmbeddingBagCollection", "table_wise"): "positioned",
-                     ("FeatureProcessedEmbeddingBagCollection", "row_wise"): "positioned"}
+OTHER_COLLECTIONS = {(collection, sharding): kind
+                     for collection, kind in (("EmbeddingCollection", "sequence"),
+                                              ("FeatureProcessedEmbeddingBagCollection", "positioned"))
+                     for sharding in ("table_wise", "row_wise", "column_wise", "data_parallel")}
 
 
 @pytest.mark.parametrize("collection, sharding", sorted(OTHER_COLLECTIONS))
@@ -98,6 +99,35 @@ def test_a_model_with_other_torchrec_collections_is_sharded_and_its_bags_lifted(
     assert f"{sharded_type} is not a plain ShardedEmbeddingBagCollection" in report["not_lifted"][kind]
     assert f"module {kind}: not lifted, TorchRec's path" in report["explain"]
     assert any(k.startswith(f"{kind}.") for state in load_dumps(tmp_path / "lifted", 2) for k in state)
+    _assert_identical(tmp_path / "torchrec", tmp_path / "lifted")
+
+
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "column_wise", "data_parallel"])
+def test_a_model_with_every_collection_kind_on_one_kjt_is_sharded_and_its_bags_lifted(sharding, tmp_path,
+                                                                                        data_cache):
+    from user_models import WithEveryCollection
+
+    dm = tiny_data(data_cache, num_train=640)
+    first, weighted = dm.feature_names[0], dm.feature_names[1:3]
+    types = {f"seq_{first}": sharding, **{f"table_{f}": sharding for f in weighted}}
+
+    def fit(folder: Path, **kwargs) -> dict:
+        L.seed_everything(0)
+        strategy = SparseLiftStrategy(start_method="fork", sharding_types=types, calibrate=False,
+                                      embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05}, **kwargs)
+        t = trainer(2, strategy, limit_val_batches=0,
+                    callbacks=[DumpLocalState(folder), ExecutorReport(folder), GraphReport(folder)])
+        t.fit(WithEveryCollection(dm.table_sizes, dm.feature_names), dm)
+        graph = json.loads((folder / "graph0.json").read_text())
+        assert {graph["plan"][m][t] for m in ("sequence", "positioned") for t in graph["plan"][m]} == {sharding}
+        return {**graph, **json.loads((folder / "report0.json").read_text())}
+
+    fit(tmp_path / "torchrec", executor="torchrec")
+    report = fit(tmp_path / "lifted")
+    assert report["executor"] == "sparselift" and report["modules"] == ["embeddings"]
+    assert sorted(report["not_lifted"]) == ["positioned", "sequence"]
+    # the lifted bags read the batch's KJT as it is: they start early and prefetch the next batch
+    assert report["early_steps"] > 0 and report["prefetched_steps"] > 0
     _assert_identical(tmp_path / "torchrec", tmp_path / "lifted")
 
 

@@ -160,6 +160,38 @@ class WithPositionWeights(L.LightningModule):
     configure_optimizers = WithSequenceFeature.configure_optimizers
 
 
+class WithEveryCollection(L.LightningModule):
+    """TorchRec's three collection kinds in one model: the first feature as a sequence
+    (EmbeddingCollection ``sequence``), the next two position-weighted
+    (FeatureProcessedEmbeddingBagCollection ``positioned``), the rest pooled by a plain
+    EmbeddingBagCollection ``embeddings``. The sequence and the bags read the batch's whole KJT
+    (each selects its own keys); the position-weighted collection gets a KJT of its own, since
+    TorchRec's row-wise one writes its position weights into the KJT it is given."""
+
+    def __init__(self, table_sizes: list[int], feature_names: list[str], dim: int = 8):
+        super().__init__()
+        sequence = WithSequenceFeature(table_sizes[:1] + table_sizes[3:], feature_names[:1] + feature_names[3:], dim)
+        positioned = WithPositionWeights(table_sizes[1:], feature_names[1:], dim)
+        self.sequence, self.first = sequence.sequence, sequence.first
+        self.positioned, self.weighted_names = positioned.positioned, positioned.weighted_names
+        self.embeddings, self.rest = sequence.embeddings, sequence.rest
+        self.bottom = nn.Sequential(nn.Linear(13, 16), nn.ReLU(), nn.Linear(16, dim))
+        self.top = nn.Linear(dim * (len(feature_names) + 1), 1)
+
+    def forward(self, dense: torch.Tensor, kjt: Any) -> torch.Tensor:
+        rows = self.sequence(kjt)[self.first]
+        lengths = rows.lengths()
+        samples = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+        history = torch.zeros(lengths.numel(), rows.values().shape[1]).index_add_(0, samples, rows.values())
+        weighted, pooled = self.positioned(kjt.permute([1, 2])), self.embeddings(kjt)
+        parts = [self.bottom(dense), history / lengths.clamp(min=1).unsqueeze(1)]
+        parts += [weighted[f] for f in self.weighted_names] + [pooled[f] for f in self.rest]
+        return self.top(torch.cat(parts, dim=1)).squeeze(1)
+
+    training_step = WithSequenceFeature.training_step
+    configure_optimizers = WithSequenceFeature.configure_optimizers
+
+
 class TwoBagCollections(UserModel):
     """The features split over two EmbeddingBagCollections, ``embeddings`` and ``second``."""
 
