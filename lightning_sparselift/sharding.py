@@ -86,6 +86,10 @@ class TableInfo:
     num_embeddings: int
     embedding_dim: int
     feature_names: list[str] = field(default_factory=list)
+    # the ids the module accepts are [0, id_bound): the rows, or a managed-collision module's raw
+    # input range (it remaps them to rows)
+    id_bound: int = 0
+    managed_collision: bool = False
 
 
 def _sharders() -> dict[type, type]:
@@ -93,11 +97,18 @@ def _sharders() -> dict[type, type]:
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+    from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
+    from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
     from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
     from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+    from torchrec.modules.mc_embedding_modules import (
+        ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection,
+    )
 
     return {EmbeddingBagCollection: EmbeddingBagCollectionSharder, EmbeddingCollection: EmbeddingCollectionSharder,
-            FeatureProcessedEmbeddingBagCollection: FeatureProcessedEmbeddingBagCollectionSharder}
+            FeatureProcessedEmbeddingBagCollection: FeatureProcessedEmbeddingBagCollectionSharder,
+            ManagedCollisionEmbeddingBagCollection: ManagedCollisionEmbeddingBagCollectionSharder,
+            ManagedCollisionEmbeddingCollection: ManagedCollisionEmbeddingCollectionSharder}
 
 
 def sharder_for(module: nn.Module) -> Any:
@@ -105,61 +116,78 @@ def sharder_for(module: nn.Module) -> Any:
 
 
 def find_sparse_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Every TorchRec sparse module of ``model`` (the outermost one: a feature-processed
-    collection's own EmbeddingBagCollection is sharded with it). ValueError naming a module of a
-    kind the strategy does not shard yet."""
-    from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
-
+    """Every TorchRec sparse module of ``model`` (the outermost one: a feature-processed or
+    managed-collision collection's own collection is sharded with it)."""
     kinds = tuple(_sharders())
     found: dict[str, nn.Module] = {}
     for path, module in model.named_modules():
         if any(path.startswith(f"{p}.") for p in found):
             continue
-        if isinstance(module, BaseManagedCollisionEmbeddingCollection):
-            raise ValueError(f"{path or 'the model'} is a {type(module).__name__}: managed-collision collections are "
-                             f"not sharded by SparseLiftStrategy yet (supported: {[k.__name__ for k in kinds]})")
         if type(module) in kinds:
             found[path] = module
     return found
 
 
+def _tables_module(module: nn.Module) -> nn.Module:
+    """The collection that owns the tables: the module itself, or the collection a
+    feature-processed / managed-collision collection wraps."""
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+    from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
+
+    if isinstance(module, FeatureProcessedEmbeddingBagCollection):
+        return module._embedding_bag_collection
+    if isinstance(module, BaseManagedCollisionEmbeddingCollection):
+        return module._embedding_module
+    return module
+
+
 def table_configs(module: nn.Module) -> list[Any]:
     """The table configs of a sparse module (EmbeddingBagConfig or EmbeddingConfig)."""
     from torchrec.modules.embedding_modules import EmbeddingCollection
-    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 
-    if isinstance(module, EmbeddingCollection):
-        return list(module.embedding_configs())
-    if isinstance(module, FeatureProcessedEmbeddingBagCollection):
-        return list(module._embedding_bag_collection.embedding_bag_configs())
-    return list(module.embedding_bag_configs())
+    tables = _tables_module(module)
+    return list(tables.embedding_configs() if isinstance(tables, EmbeddingCollection)
+                else tables.embedding_bag_configs())
 
 
 def table_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The tables' parameters (what the fused optimizer updates; a feature processor's own
     parameters stay with the dense optimizer)."""
-    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+    return list(_tables_module(module).parameters())
 
-    if isinstance(module, FeatureProcessedEmbeddingBagCollection):
-        return list(module._embedding_bag_collection.parameters())
-    return list(module.parameters())
+
+def _id_bounds(module: nn.Module) -> dict[str, int]:
+    """Per table of a managed-collision collection, the raw ids it accepts ([0, bound)): its
+    managed-collision module's input range, remapped to rows by the module."""
+    from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
+
+    if not isinstance(module, BaseManagedCollisionEmbeddingCollection):
+        return {}
+    managers = module._managed_collision_collection._managed_collision_modules
+    return {name: int(manager.input_size()) for name, manager in managers.items()}
 
 
 def describe_tables(model: nn.Module) -> dict[str, TableInfo]:
     """Every table of every sparse module, by table name (names must be unique)."""
     tables: dict[str, TableInfo] = {}
     for path, module in find_sparse_modules(model).items():
+        bounds = _id_bounds(module)
         for cfg in table_configs(module):
             if cfg.name in tables:
                 raise ValueError(f"table name {cfg.name!r} is used by both {tables[cfg.name].module_path!r} and "
                                  f"{path!r}; sharding plans address tables by name, so names must be unique")
             tables[cfg.name] = TableInfo(path, cfg.name, cfg.num_embeddings, cfg.embedding_dim,
-                                         list(cfg.feature_names))
+                                         list(cfg.feature_names), bounds.get(cfg.name, cfg.num_embeddings),
+                                         cfg.name in bounds)
     return tables
 
 
 def validate_sharding_types(sharding_types: Optional[dict[str, str]], tables: dict[str, TableInfo],
                             device_type: str) -> dict[str, str]:
+    # TorchRec shards managed-collision collections row-wise only (so their tables are row-wise
+    # whether asked or not)
+    sharding_types = {**{t: "row_wise" for t, info in tables.items() if info.managed_collision},
+                      **(sharding_types or {})}
     if not sharding_types:
         return {}
     unknown_tables = sorted(set(sharding_types) - set(tables))
@@ -171,6 +199,9 @@ def validate_sharding_types(sharding_types: Optional[dict[str, str]], tables: di
             raise ValueError(f"unknown sharding type {kind!r} for table {table!r}; choose one of {SHARDING_TYPES}")
         if kind in _GPU_ONLY and device_type != "cuda":
             raise ValueError(f"sharding type {kind!r} (table {table!r}) needs CUDA devices")
+        if tables[table].managed_collision and kind != "row_wise":
+            raise ValueError(f"table {table!r} of the managed-collision collection {tables[table].module_path!r} "
+                             f"cannot be {kind!r}: TorchRec shards managed-collision collections row-wise only")
     return dict(sharding_types)
 
 
@@ -242,7 +273,8 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
                 embedding_optimizer: EmbeddingOptimizer, process_group: Any, input_check_group: Optional[Any]
                 ) -> ShardedModel:
     """Shard every TorchRec sparse module of ``module`` (EmbeddingBagCollection,
-    EmbeddingCollection, FeatureProcessedEmbeddingBagCollection) with TorchRec's sharders and
+    EmbeddingCollection, FeatureProcessedEmbeddingBagCollection, the managed-collision
+    collections: row-wise, as TorchRec allows) with TorchRec's sharders and
     DistributedModelParallel
     (which also wraps the rest in DDP), with ``embedding_optimizer`` fused into the tables. With
     an ``input_check_group`` every sharded module checks its input (ranks compare on that group,
@@ -258,6 +290,11 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
                          f"{type(module).__name__}; it shards recommendation models whose sparse features go through "
                          f"TorchRec's embedding collections")
     tables = describe_tables(module)
+    managed = sorted({t.module_path for t in tables.values() if t.managed_collision})
+    if managed and device.type == "cpu" and embedding_optimizer.name == "rowwise_adagrad":
+        raise ValueError(f"managed-collision collection(s) {managed} with the rowwise_adagrad embedding optimizer on "
+                         f"CPU: evicting rows resets their optimizer state with fbgemm::reset_weight_momentum, which "
+                         f"fbgemm implements for CUDA only; use sgd or adagrad on CPU (or CUDA devices)")
     checked = validate_sharding_types(sharding_types, tables, device.type)
     embedding_optimizer.apply_in_backward([p for m in modules.values() for p in table_parameters(m)], device.type)
     # (one per module type, in the order the modules appear: the same list on every rank)

@@ -183,6 +183,6 @@ def install_input_checks(model: nn.Module, module_paths: list[str], tables: dict
     ``row_wise_paths`` are the modules with row-wise sharded tables (one batch size on all ranks
     in training)."""
     for path in module_paths:
-        rows = {f: t.num_embeddings for t in tables.values() if t.module_path == path for f in t.feature_names}
+        rows = {f: t.id_bound for t in tables.values() if t.module_path == path for f in t.feature_names}
         model.get_submodule(path).register_forward_pre_hook(InputCheck(path, rows, group, path in row_wise_paths),
                                                             with_kwargs=True)

@@ -15,7 +15,7 @@ BEGIN, END = "<!-- support table: python tests/support_table.py -->", "<!-- end 
 
 def rows() -> list[tuple[str, str, str]]:
     import lifted_parity as lp
-    from test_user_models import OTHER_COLLECTIONS
+    from test_user_models import MANAGED_COLLECTIONS, OTHER_COLLECTIONS
 
     lifted = [("EmbeddingBagCollection", kind,
                "sharded; lifted; bit-identical to TorchRec on 1-3 ranks with every pass forced on "
@@ -24,7 +24,11 @@ def rows() -> list[tuple[str, str, str]]:
     other = [(collection, kind, "sharded; TorchRec's path (not lifted, the reason in `explain()`); bit-identical "
                                 "next to a lifted EmbeddingBagCollection (`tests/test_user_models.py`)")
              for collection, kind in sorted(OTHER_COLLECTIONS)]
-    return lifted + other
+    managed = [(collection, kind, "sharded (row-wise only, as TorchRec allows; on CPU with SGD or Adagrad); "
+                                  "TorchRec's path; bit-identical next to a lifted EmbeddingBagCollection, exact "
+                                  "resume (`tests/test_user_models.py`, `tests/test_checkpoint.py`)")
+               for collection, kind in sorted(MANAGED_COLLECTIONS)]
+    return lifted + other + managed
 
 
 def markdown() -> str:

@@ -131,6 +131,52 @@ def test_a_model_with_every_collection_kind_on_one_kjt_is_sharded_and_its_bags_l
     _assert_identical(tmp_path / "torchrec", tmp_path / "lifted")
 
 
+MANAGED_COLLECTIONS = {("ManagedCollisionEmbeddingBagCollection", "row_wise"): "WithManagedCollisions",
+                       ("ManagedCollisionEmbeddingCollection", "row_wise"): "WithManagedSequence"}
+
+
+@pytest.mark.parametrize("collection, sharding", sorted(MANAGED_COLLECTIONS))
+def test_a_managed_collision_collection_is_sharded_row_wise_and_trains_like_torchrec(collection, sharding, tmp_path,
+                                                                                     data_cache):
+    import user_models
+
+    dm = tiny_data(data_cache, num_train=640)
+    model = getattr(user_models, MANAGED_COLLECTIONS[(collection, sharding)])
+
+    def fit(folder: Path, **kwargs) -> dict:
+        L.seed_everything(0)
+        # (Adagrad: fbgemm resets evicted rows' row-wise Adagrad state on CUDA only)
+        strategy = SparseLiftStrategy(start_method="fork", calibrate=False,
+                                      embedding_optimizer={"name": "adagrad", "lr": 0.05}, **kwargs)
+        t = trainer(2, strategy, limit_val_batches=0, callbacks=[DumpLocalState(folder), GraphReport(folder)])
+        t.fit(model(dm.table_sizes, dm.feature_names), dm)  # raw ids up to 2^20 pass the input checks
+        report = json.loads((folder / "graph0.json").read_text())
+        assert report["plan"]["managed"] == {f"mc_{dm.feature_names[0]}": sharding}  # row-wise without asking
+        return report
+
+    fit(tmp_path / "torchrec", executor="torchrec")
+    report = fit(tmp_path / "lifted")
+    assert report["modules"] == ["embeddings"]
+    assert f"Sharded{collection} is not a plain" in report["not_lifted"]["managed"]
+    states = assert_same_dumps(tmp_path / "torchrec", tmp_path / "lifted")
+    assert any("_mch_remapped_ids_mapping" in k for k in states[0])
+
+
+@pytest.mark.parametrize("option, message", [
+    (dict(embedding_optimizer="rowwise_adagrad"),
+     r"managed-collision collection\(s\) \['managed'\] with the rowwise_adagrad embedding optimizer on CPU"),
+    (dict(embedding_optimizer="sgd", sharding_types={"mc_cat_0": "table_wise"}),
+     r"table 'mc_cat_0' of the managed-collision collection 'managed' cannot be 'table_wise'"),
+])
+def test_unsupported_managed_collision_settings_are_refused_by_name(option, message, data_cache):
+    from user_models import WithManagedCollisions
+
+    dm = tiny_data(data_cache, num_train=640)
+    t = trainer(2, SparseLiftStrategy(start_method="fork", **option), limit_val_batches=0)
+    with pytest.raises(Exception, match=message):
+        t.fit(WithManagedCollisions(dm.table_sizes, dm.feature_names), dm)
+
+
 def test_a_module_whose_capture_fails_keeps_torchrecs_path_and_the_others_are_lifted(tmp_path, data_cache,
                                                                                     monkeypatch):
     from lightning_sparselift.frontend.capture import SparseCapture

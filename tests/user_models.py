@@ -58,6 +58,14 @@ class PositionalKJT(UserModel):
         return self(batch.dense, batch.sparse)
 
 
+class WithDropout(PositionalKJT):
+    """Dropout in the bottom MLP: a training step draws random numbers."""
+
+    def __init__(self, table_sizes: list[int], feature_names: list[str], dim: int = 8):
+        super().__init__(table_sizes, feature_names, dim)
+        self.bottom = nn.Sequential(nn.Linear(13, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, dim))
+
+
 class KJTInDict(UserModel):
     def forward(self, inputs: dict[str, Any]) -> torch.Tensor:
         return self.score(inputs["dense"], inputs["sparse"])
@@ -190,6 +198,67 @@ class WithEveryCollection(L.LightningModule):
 
     training_step = WithSequenceFeature.training_step
     configure_optimizers = WithSequenceFeature.configure_optimizers
+
+
+class WithManagedCollisions(L.LightningModule):
+    """The first feature's raw ids (any value below ``input_hash_size``) remapped to its table's
+    rows by a managed-collision collection (``managed``, MCH with LFU eviction; pooled, or with
+    ``sequence`` a managed-collision EmbeddingCollection whose rows the model averages), the
+    others pooled by a plain EmbeddingBagCollection."""
+
+    input_hash_size = 1 << 20
+    sequence = False
+
+    def __init__(self, table_sizes: list[int], feature_names: list[str], dim: int = 8):
+        super().__init__()
+        from torchrec import EmbeddingBagCollection, EmbeddingCollection
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+        from torchrec.modules.mc_embedding_modules import (
+            ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection,
+        )
+        from torchrec.modules.mc_modules import (
+            DistanceLFU_EvictionPolicy, ManagedCollisionCollection, MCHManagedCollisionModule,
+        )
+
+        meta = torch.device("meta")
+        self.first, self.rest = feature_names[0], list(feature_names[1:])
+        config, collection, managed = ((EmbeddingConfig, EmbeddingCollection, ManagedCollisionEmbeddingCollection)
+                                       if self.sequence else (EmbeddingBagConfig, EmbeddingBagCollection,
+                                                              ManagedCollisionEmbeddingBagCollection))
+        tables = [config(name=f"mc_{self.first}", embedding_dim=dim, num_embeddings=table_sizes[0],
+                         feature_names=[self.first])]
+        managers = {tables[0].name: MCHManagedCollisionModule(
+            zch_size=table_sizes[0], device=meta, eviction_interval=4, eviction_policy=DistanceLFU_EvictionPolicy(),
+            input_hash_size=self.input_hash_size)}
+        self.managed = managed(collection(tables=tables, device=meta),
+                               ManagedCollisionCollection(managers, embedding_configs=tables),
+                               return_remapped_features=False)
+        self.embeddings = EmbeddingBagCollection(
+            tables=[EmbeddingBagConfig(name=f"table_{f}", embedding_dim=dim, num_embeddings=rows, feature_names=[f])
+                    for f, rows in zip(self.rest, table_sizes[1:])], device=meta)
+        self.bottom = nn.Sequential(nn.Linear(13, 16), nn.ReLU(), nn.Linear(16, dim))
+        self.top = nn.Linear(dim * (len(feature_names) + 1), 1)
+
+    def forward(self, dense: torch.Tensor, kjt: Any) -> torch.Tensor:
+        first_kjt, rest_kjt = kjt.split([1, len(self.rest)])
+        # raw ids: the data's ids spread over the hash range (the module remaps them to rows)
+        raw = type(first_kjt)(keys=first_kjt.keys(), values=first_kjt.values() * 7919 % self.input_hash_size,
+                              lengths=first_kjt.lengths())
+        managed = self.managed(raw)[0][self.first]
+        if self.sequence:
+            lengths = managed.lengths()
+            samples = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+            managed = torch.zeros(lengths.numel(), managed.values().shape[1]).index_add_(0, samples, managed.values())
+        pooled = self.embeddings(rest_kjt)
+        parts = [self.bottom(dense), managed] + [pooled[f] for f in self.rest]
+        return self.top(torch.cat(parts, dim=1)).squeeze(1)
+
+    training_step = WithSequenceFeature.training_step
+    configure_optimizers = WithSequenceFeature.configure_optimizers
+
+
+class WithManagedSequence(WithManagedCollisions):
+    sequence = True
 
 
 class TwoBagCollections(UserModel):

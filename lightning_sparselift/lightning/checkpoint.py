@@ -7,6 +7,9 @@ A checkpoint is a folder:
 - ``param_groups.rank<R>.json``: each rank's optimizer hyper-parameters (learning rates, ...),
   which TorchRec's ``KeyedOptimizer.state_dict()`` leaves out and which differ per rank for the
   fused tables;
+- ``rng.rank<R>.pt``: each rank's random number generators (torch, CUDA, numpy, Python) as plain
+  tensors and numbers, restored on load, so randomness inside training steps (dropout, a
+  managed-collision module re-initialising evicted rows) continues exactly after a resume;
 - ``sparselift.tensors.pt`` (rank 0): the tensors inside Lightning's state (callback scores, ...),
   a list read back with ``torch.load(weights_only=True)``;
 - ``sparselift.meta.json`` (rank 0, written last: the commit record): the format, a sha256 of
@@ -76,6 +79,43 @@ def _param_groups_file(path: Path, rank: int) -> Path:
     return path / f"param_groups.rank{rank}.json"
 
 
+def _rng_file(path: Path, rank: int) -> Path:
+    return path / f"rng.rank{rank}.pt"
+
+
+def _rng_state() -> dict[str, Any]:
+    """This process's random number generators as tensors and numbers (loadable weights-only)."""
+    import random
+
+    import numpy as np
+
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    version, python_state, gauss_next = random.getstate()
+    state = {"torch": torch.get_rng_state(),
+             "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
+                       "cached_gaussian": float(cached)},
+             "python": {"version": version, "state": torch.tensor(python_state, dtype=torch.int64),
+                        "gauss_next": gauss_next}}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    saved = state["numpy"]
+    np.random.set_state(("MT19937", saved["keys"].numpy().astype(np.uint32), saved["pos"], saved["has_gauss"],
+                         saved["cached_gaussian"]))
+    python = state["python"]
+    random.setstate((python["version"], tuple(int(v) for v in python["state"]), python["gauss_next"]))
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 def _hyperparameters(optimizer: Any) -> list[dict[str, Any]]:
     groups = []
     for group in optimizer.param_groups:
@@ -133,8 +173,9 @@ def _replaceable(folder: Path) -> bool:
 
 
 def write_shards(folder: Path, dmp: nn.Module, optimizer: Optional[Any], rank: int) -> None:
-    """Every rank: its DCP shards and optimizer hyper-parameters."""
+    """Every rank: its DCP shards, optimizer hyper-parameters and random number generators."""
     folder.mkdir(parents=True, exist_ok=True)
+    torch.save(_rng_state(), _rng_file(folder, rank))
     state: dict[str, Any] = {"model": dmp.state_dict()}
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
@@ -316,6 +357,12 @@ def load(path: Path, dmp: nn.Module, optimizer: Optional[Any], info: dict[str, A
         state["optimizer"] = opt_state
     dcp.load(state, checkpoint_id=str(path))
     dmp.load_state_dict(state["model"])
+    rng = _rng_file(path, rank)
+    if rng.exists():  # (not when the checkpoint was saved by fewer ranks)
+        _set_rng_state(torch.load(rng, weights_only=True))
+    else:
+        warnings.warn(f"{rng.name} is missing (the checkpoint was saved by a different world size): this rank's "
+                      f"random number generators are not restored", RuntimeWarning)
     if load_optimizer:
         if reset_embedding_state:
             dense = dict(optimizer.optimizers)["dense"]

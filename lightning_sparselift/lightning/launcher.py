@@ -50,5 +50,13 @@ class DenseOnlyMultiProcessingLauncher(_MultiProcessingLauncher):
             state = torch.load(worker_output.weights_path, weights_only=True)
             os.remove(worker_output.weights_path)
             os.rmdir(os.path.dirname(worker_output.weights_path))
-            trainer.lightning_module.load_state_dict(state, strict=False)
+            # Copied tensor by tensor, not through load_state_dict: that would run the sparse
+            # modules' load hooks on their meta tables (a managed-collision module validates its
+            # state there and fails).
+            module = trainer.lightning_module
+            targets = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+            with torch.no_grad():
+                for name, value in state.items():
+                    if name in targets:
+                        targets[name].copy_(value)
         super()._recover_results_in_main_process(worker_output._replace(weights_path=None), trainer)
