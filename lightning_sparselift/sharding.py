@@ -305,9 +305,12 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
     if input_check_group is not None:
         from lightning_sparselift.validation import install_input_checks
 
-        row_wise = {path for path, tables_plan in plan.plan.items()
-                    if any(p.sharding_type in ("row_wise", "table_row_wise") for p in tables_plan.values())}
-        install_input_checks(module, sorted(modules), tables, input_check_group, row_wise)
+        def having(*kinds: str) -> set[str]:
+            return {path for path, tables_plan in plan.plan.items()
+                    if any(p.sharding_type in kinds for p in tables_plan.values())}
+
+        install_input_checks(module, sorted(modules), tables, input_check_group, having("row_wise", "table_row_wise"),
+                             having("data_parallel"))
     return ShardedModel(dmp, tables, sorted(modules))
 
 

@@ -28,10 +28,14 @@ class SparseInputError(ValueError):
     pass
 
 
-def kjt_problem(kjt: Any, rows_per_feature: dict[str, int]) -> Optional[str]:
+def kjt_problem(kjt: Any, rows_per_feature: dict[str, int], variable_batch_ok: bool = True) -> Optional[str]:
     """What is wrong with ``kjt`` as the input of a module whose features have these row counts
-    (None: nothing)."""
+    (None: nothing). ``variable_batch_ok``: whether the module takes a variable batch per feature."""
     keys = list(kjt.keys())
+    if not variable_batch_ok and kjt.variable_stride_per_key():
+        return ("the KeyedJaggedTensor has a variable batch per feature (VBE), which TorchRec's data-parallel lookup "
+                "does not take on CPU (it reads the wrong rows or out of bounds); shard those tables another way "
+                "(sharding_types) or pass one batch size for every feature")
     # Keys beyond the module's features are allowed: TorchRec's modules select their own keys, so
     # one batch KJT can feed several collections; each checks the ids of its own features.
     missing = sorted(set(rows_per_feature) - set(keys))
@@ -43,7 +47,10 @@ def kjt_problem(kjt: Any, rows_per_feature: dict[str, int]) -> Optional[str]:
     for name, tensor in (("ids", values), ("lengths", lengths)):
         if tensor.dtype not in _INDEX_DTYPES:
             return f"the KeyedJaggedTensor's {name} are {tensor.dtype}, expected int32 or int64"
-    if lengths.numel() % max(len(keys), 1) or (lengths.numel() and bool((lengths < 0).any())):
+    # with a variable batch per feature (VBE) each key has its own number of samples
+    strides = kjt.stride_per_key() if kjt.variable_stride_per_key() else None
+    if (lengths.numel() != sum(strides) if strides is not None else lengths.numel() % max(len(keys), 1)) or \
+            (lengths.numel() and bool((lengths < 0).any())):
         return (f"the KeyedJaggedTensor has {lengths.numel()} lengths for {len(keys)} keys (not a whole number of "
                 f"samples per key) or negative lengths")
     total = int(lengths.sum()) if lengths.numel() else 0
@@ -54,7 +61,8 @@ def kjt_problem(kjt: Any, rows_per_feature: dict[str, int]) -> Optional[str]:
     if values.numel() == 0:
         return None
     bounds = torch.tensor([rows_per_feature.get(k, 0) for k in keys], dtype=values.dtype, device=values.device)
-    per_key = lengths.view(len(keys), -1).sum(dim=1)
+    per_key = (torch.stack([part.sum() for part in lengths.split(strides)]) if strides is not None
+               else lengths.view(len(keys), -1).sum(dim=1))
     limit = torch.repeat_interleave(bounds, per_key)
     checked = torch.repeat_interleave(torch.tensor([k in rows_per_feature for k in keys], device=values.device),
                                       per_key)
@@ -136,15 +144,17 @@ class InputCheck:
     then and leaves the ranks' all-gather in flight until that call, which only waits for it.
     Every rank passes the same objects around, so all ranks decide alike."""
 
-    def __init__(self, path: str, rows_per_feature: dict[str, int], group: Any, row_wise: bool) -> None:
+    def __init__(self, path: str, rows_per_feature: dict[str, int], group: Any, row_wise: bool,
+                 data_parallel: bool = False) -> None:
         self.path, self.rows, self.group, self.row_wise = path, rows_per_feature, group, row_wise
+        self.data_parallel = data_parallel
         self._checked: Optional[tuple] = None  # the identity (see _identity) of the KJT checked last
         self._started: Optional[tuple[tuple, RankComparison]] = None  # a check started ahead of its call
 
     def start(self, kjt: Any, backward: bool) -> None:
         """Begin checking ``kjt``, which a later call (in mode ``backward``) will pass."""
         if self._compares_ranks():
-            comparison = RankComparison(kjt, kjt_problem(kjt, self.rows), self.group, async_op=True)
+            comparison = RankComparison(kjt, self._problem(kjt), self.group, async_op=True)
             self._started = (self._identity(kjt, backward), comparison)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -159,10 +169,15 @@ class InputCheck:
         if started is not None and _same_identity(started[0], identity):
             started[1].finish(self.path, uneven_batches_ok)
         elif self._compares_ranks():
-            RankComparison(kjt, kjt_problem(kjt, self.rows), self.group).finish(self.path, uneven_batches_ok)
+            RankComparison(kjt, self._problem(kjt), self.group).finish(self.path, uneven_batches_ok)
         else:
-            check_kjt(self.path, kjt, self.rows)
+            problem = self._problem(kjt)
+            if problem is not None:
+                raise SparseInputError(f"{self.path}: {problem}")
         self._checked = identity
+
+    def _problem(self, kjt: Any) -> Optional[str]:
+        return kjt_problem(kjt, self.rows, variable_batch_ok=not (self.data_parallel and kjt.values().device.type == "cpu"))
 
     def _compares_ranks(self) -> bool:
         return dist.is_initialized() and dist.get_world_size(self.group) > 1
@@ -178,11 +193,12 @@ def _same_identity(a: tuple, b: tuple) -> bool:
 
 
 def install_input_checks(model: nn.Module, module_paths: list[str], tables: dict[str, Any], group: Any,
-                         row_wise_paths: set[str]) -> None:
+                         row_wise_paths: set[str], data_parallel_paths: set[str]) -> None:
     """Register an :class:`InputCheck` on each (sharded) embedding module at ``module_paths``.
     ``row_wise_paths`` are the modules with row-wise sharded tables (one batch size on all ranks
-    in training)."""
+    in training), ``data_parallel_paths`` those with data-parallel tables (no variable batch per
+    feature on CPU)."""
     for path in module_paths:
         rows = {f: t.id_bound for t in tables.values() if t.module_path == path for f in t.feature_names}
-        model.get_submodule(path).register_forward_pre_hook(InputCheck(path, rows, group, path in row_wise_paths),
-                                                            with_kwargs=True)
+        check = InputCheck(path, rows, group, path in row_wise_paths, path in data_parallel_paths)
+        model.get_submodule(path).register_forward_pre_hook(check, with_kwargs=True)

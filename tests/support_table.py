@@ -15,7 +15,7 @@ BEGIN, END = "<!-- support table: python tests/support_table.py -->", "<!-- end 
 
 def rows() -> list[tuple[str, str, str]]:
     import lifted_parity as lp
-    from test_user_models import MANAGED_COLLECTIONS, OTHER_COLLECTIONS
+    from test_user_models import MANAGED_COLLECTIONS, OTHER_COLLECTIONS, VARIABLE_BATCH
 
     lifted = [("EmbeddingBagCollection", kind,
                "sharded; lifted; bit-identical to TorchRec on 1-3 ranks with every pass forced on "
@@ -28,7 +28,12 @@ def rows() -> list[tuple[str, str, str]]:
                                   "TorchRec's path; bit-identical next to a lifted EmbeddingBagCollection, exact "
                                   "resume (`tests/test_user_models.py`, `tests/test_checkpoint.py`)")
                for collection, kind in sorted(MANAGED_COLLECTIONS)]
-    return lifted + other + managed
+    variable = [("EmbeddingBagCollection, variable batch per feature (VBE)", kind,
+                 "sharded; TorchRec's path (the lifted executor takes no VBE; the reason in `explain()`); "
+                 "bit-identical to `executor=\"torchrec\"` (`tests/test_user_models.py`); `data_parallel` "
+                 "refused on CPU by the input checks (TorchRec's data-parallel lookup reads VBE batches wrong there)")
+                for kind in VARIABLE_BATCH]
+    return lifted + other + managed + variable
 
 
 def markdown() -> str:

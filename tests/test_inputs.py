@@ -7,7 +7,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from helpers import tiny_data, tiny_model, trainer
 from lightning_sparselift import RecBatch, SparseLiftStrategy
-from lightning_sparselift.validation import SparseInputError, check_kjt
+from lightning_sparselift.validation import SparseInputError, check_kjt, kjt_problem
 
 ROWS = {"a": 10, "b": 5}
 
@@ -33,6 +33,20 @@ def test_keys_of_another_collection_pass_and_their_ids_are_left_to_it():
     check_kjt("ebc", _kjt(["c", "a", "b"], [123456, -1, 0, 4], [2, 1, 1]), ROWS)
     with pytest.raises(SparseInputError, match=r"id 5 of feature 'b'"):
         check_kjt("ebc", _kjt(["c", "a", "b"], [123456, 0, 5], [1, 1, 1]), ROWS)
+
+
+def _vbe(values):
+    # 'a' for 1 sample, 'b' for 3 (a variable batch per feature), ids [a | b b b]
+    return KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor(values), lengths=torch.tensor([1, 1, 1, 1]),
+                             stride_per_key_per_rank=[[1], [3]],
+                             inverse_indices=(["a", "b"], torch.tensor([[0, 0, 0], [0, 1, 2]])))
+
+
+def test_a_variable_batch_per_feature_is_checked_per_key():
+    check_kjt("ebc", _vbe([9, 0, 1, 4]), ROWS)
+    with pytest.raises(SparseInputError, match=r"id 9 of feature 'b'"):  # 9 fits 'a' (10 rows), not 'b' (5)
+        check_kjt("ebc", _vbe([0, 9, 1, 4]), ROWS)
+    assert "data-parallel lookup does not take on CPU" in kjt_problem(_vbe([9, 0, 1, 4]), ROWS, variable_batch_ok=False)
 
 
 def test_malformed_kjts():

@@ -177,6 +177,36 @@ def test_unsupported_managed_collision_settings_are_refused_by_name(option, mess
         t.fit(WithManagedCollisions(dm.table_sizes, dm.feature_names), dm)
 
 
+VARIABLE_BATCH = ("table_wise", "row_wise", "column_wise")
+
+
+@pytest.mark.parametrize("sharding", [*VARIABLE_BATCH, "data_parallel"])
+def test_a_variable_batch_per_feature_trains_on_torchrecs_path(sharding, tmp_path, data_cache):
+    from user_models import WithVariableBatch
+
+    dm = tiny_data(data_cache, num_train=640)
+
+    def fit(folder: Path, **kwargs) -> dict:
+        L.seed_everything(0)
+        strategy = SparseLiftStrategy(start_method="fork", calibrate=False,
+                                      sharding_types={f"table_{f}": sharding for f in dm.feature_names},
+                                      embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05}, **kwargs)
+        t = trainer(2, strategy, limit_val_batches=0, callbacks=[DumpLocalState(folder), ExecutorReport(folder)])
+        t.fit(WithVariableBatch(dm.table_sizes, dm.feature_names), dm)
+        return json.loads((folder / "report0.json").read_text())
+
+    if sharding == "data_parallel":  # TorchRec's data-parallel lookup reads a VBE batch wrong on CPU: refused
+        with pytest.raises(Exception, match=r"embeddings: .*variable batch per feature \(VBE\), which TorchRec's "
+                                            r"data-parallel lookup does not take on CPU"):
+            fit(tmp_path / "torchrec", executor="torchrec")
+        return
+    fit(tmp_path / "torchrec", executor="torchrec")
+    report = fit(tmp_path / "lifted")
+    # the lifted executor takes no VBE: the module keeps TorchRec's path, saying why
+    assert report["executor"] == "torchrec" and "variable batch size per feature (VBE)" in report["fallback"]
+    _assert_identical(tmp_path / "torchrec", tmp_path / "lifted")
+
+
 def test_a_module_whose_capture_fails_keeps_torchrecs_path_and_the_others_are_lifted(tmp_path, data_cache,
                                                                                     monkeypatch):
     from lightning_sparselift.frontend.capture import SparseCapture

@@ -66,6 +66,28 @@ class WithDropout(PositionalKJT):
         self.bottom = nn.Sequential(nn.Linear(13, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, dim))
 
 
+class WithVariableBatch(PositionalKJT):
+    """The first feature at half the batch (one id per pair of samples, as a user-level feature
+    deduplicated over a user's samples), the others per sample: a KJT with a variable batch per
+    feature (VBE), expanded back to every sample through its inverse indices."""
+
+    def forward(self, dense: torch.Tensor, kjt: Any) -> torch.Tensor:
+        from torchrec import KeyedJaggedTensor
+
+        batch = kjt.stride()
+        per_key = kjt.to_dict()
+        first, *rest = self.feature_names
+        pairs = per_key[first].to_padded_dense(1)[0::2, 0]  # the even samples' (first) id, for each pair
+        keys = [first, *rest]
+        values = torch.cat([pairs] + [per_key[f].values() for f in rest])
+        lengths = torch.cat([torch.ones_like(pairs, dtype=torch.int32)] + [per_key[f].lengths() for f in rest])
+        inverse = torch.stack([torch.arange(batch) // 2] + [torch.arange(batch)] * len(rest))
+        vbe = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths,
+                                stride_per_key_per_rank=[[pairs.numel()]] + [[batch]] * len(rest),
+                                inverse_indices=(keys, inverse))
+        return self.score(dense, vbe)
+
+
 class KJTInDict(UserModel):
     def forward(self, inputs: dict[str, Any]) -> torch.Tensor:
         return self.score(inputs["dense"], inputs["sparse"])
