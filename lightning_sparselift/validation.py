@@ -76,8 +76,8 @@ def kjt_problem(kjt: Any, rows_per_feature: dict[str, int], variable_batch_ok: b
     return None
 
 
-def check_kjt(module_path: str, kjt: Any, rows_per_feature: dict[str, int]) -> None:
-    problem = kjt_problem(kjt, rows_per_feature)
+def check_kjt(module_path: str, kjt: Any, rows_per_feature: dict[str, int], variable_batch_ok: bool = True) -> None:
+    problem = kjt_problem(kjt, rows_per_feature, variable_batch_ok)
     if problem is not None:
         raise SparseInputError(f"{module_path}: {problem}")
 
@@ -154,7 +154,8 @@ class InputCheck:
     def start(self, kjt: Any, backward: bool) -> None:
         """Begin checking ``kjt``, which a later call (in mode ``backward``) will pass."""
         if self._compares_ranks():
-            comparison = RankComparison(kjt, self._problem(kjt), self.group, async_op=True)
+            comparison = RankComparison(kjt, kjt_problem(kjt, self.rows, self._variable_batch_ok(kjt)), self.group,
+                                        async_op=True)
             self._started = (self._identity(kjt, backward), comparison)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -169,15 +170,14 @@ class InputCheck:
         if started is not None and _same_identity(started[0], identity):
             started[1].finish(self.path, uneven_batches_ok)
         elif self._compares_ranks():
-            RankComparison(kjt, self._problem(kjt), self.group).finish(self.path, uneven_batches_ok)
+            RankComparison(kjt, kjt_problem(kjt, self.rows, self._variable_batch_ok(kjt)),
+                           self.group).finish(self.path, uneven_batches_ok)
         else:
-            problem = self._problem(kjt)
-            if problem is not None:
-                raise SparseInputError(f"{self.path}: {problem}")
+            check_kjt(self.path, kjt, self.rows, self._variable_batch_ok(kjt))
         self._checked = identity
 
-    def _problem(self, kjt: Any) -> Optional[str]:
-        return kjt_problem(kjt, self.rows, variable_batch_ok=not (self.data_parallel and kjt.values().device.type == "cpu"))
+    def _variable_batch_ok(self, kjt: Any) -> bool:
+        return not (self.data_parallel and kjt.values().device.type == "cpu")
 
     def _compares_ranks(self) -> bool:
         return dist.is_initialized() and dist.get_world_size(self.group) > 1

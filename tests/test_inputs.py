@@ -161,7 +161,7 @@ def test_input_check_skips_only_what_it_checked_unchanged(monkeypatch):
     from lightning_sparselift import validation
 
     calls = []
-    monkeypatch.setattr(validation, "check_kjt", lambda path, kjt, rows: calls.append(kjt) or check_kjt(path, kjt, rows))
+    monkeypatch.setattr(validation, "check_kjt", lambda path, kjt, *rest: calls.append(kjt) or check_kjt(path, kjt, *rest))
     hook, module = validation.InputCheck("ebc", ROWS, None, row_wise=False), nn.Module()
     kjt = _kjt(["a", "b"], [0, 4], [1, 1])
     hook(module, (kjt,), {})
