@@ -13,6 +13,9 @@ _LAZY = {
     "EvenDistributedSampler": "lightning_sparselift.data",
     "RecBatch": "lightning_sparselift.data",
     "DLRMModule": "lightning_sparselift.model",
+    "RecModule": "lightning_sparselift.rec_module",
+    "SequenceRankingModule": "lightning_sparselift.sequence_model",
+    "SequenceDataModule": "lightning_sparselift.sequence_data",
     "EmbeddingOptimizer": "lightning_sparselift.sharding",
 }
 
