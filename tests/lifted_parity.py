@@ -35,6 +35,11 @@ CASES: dict[str, dict[str, Any]] = {
     "data_parallel": dict(sharding={t: "data_parallel" for t in [*TABLES_A, *TABLES_B]}),
     "mixed": dict(sharding={"ta0": "table_wise", "ta1": "row_wise", "ta2": "column_wise", "ta3": "data_parallel",
                             "tb0": "row_wise", "tb1": "table_wise"}),
+    # mean pooling: table-wise (fbgemm means), row-wise (TorchRec sums, then divides the module's
+    # whole output by bag lengths after the reduce-scatter, its sum-pooled table-wise keys included)
+    "mean_pooling": dict(sharding={"ta0": "table_wise", "ta1": "row_wise", "ta2": "column_wise",
+                                   "ta3": "data_parallel", "tb0": "row_wise", "tb1": "table_wise"},
+                         mean=("ta0", "ta1", "tb0")),
 }
 VARIANTS: dict[str, dict[str, Any]] = {
     "onehot": dict(weighted=False, multi_hot=False, two_modules=False),
@@ -56,12 +61,13 @@ ALL = [(c, v) for c in CASES for v in VARIANTS
        if not (v == "uneven_batch" and any(k == "row_wise" for k in CASES[c]["sharding"].values()))]
 
 
-def _ebc(tables: dict[str, tuple], weighted: bool) -> nn.Module:
+def _ebc(tables: dict[str, tuple], weighted: bool, mean: tuple[str, ...]) -> nn.Module:
     from torchrec import EmbeddingBagCollection
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
     return EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r,
-                                                             feature_names=list(f))
+                                                             feature_names=list(f),
+                                                             pooling=PoolingType.MEAN if n in mean else PoolingType.SUM)
                                           for n, (r, d, f) in tables.items()],
                                   is_weighted=weighted, device=torch.device("meta"))
 
@@ -69,10 +75,10 @@ def _ebc(tables: dict[str, tuple], weighted: bool) -> nn.Module:
 class ParityModel(nn.Module):
     """Dense MLP + one or two EmbeddingBagCollections, pooled outputs read by key."""
 
-    def __init__(self, weighted: bool, two_modules: bool):
+    def __init__(self, weighted: bool, two_modules: bool, mean: tuple[str, ...] = ()):
         super().__init__()
-        self.ebc_a = _ebc(TABLES_A, weighted)
-        self.ebc_b = _ebc(TABLES_B, False) if two_modules else None
+        self.ebc_a = _ebc(TABLES_A, weighted, mean)
+        self.ebc_b = _ebc(TABLES_B, False, mean) if two_modules else None
         self.keys = [f for _, _, fs in TABLES_A.values() for f in fs]
         width = sum(d * len(f) for _, d, f in TABLES_A.values())
         if two_modules:
@@ -202,7 +208,7 @@ def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: in
     from lightning_sparselift.sharding import EmbeddingOptimizer, shard_model
 
     torch.manual_seed(0)
-    model = ParityModel(variant["weighted"], variant["two_modules"])
+    model = ParityModel(variant["weighted"], variant["two_modules"], case.get("mean", ()))
     tables = set(TABLES_A) | (set(TABLES_B) if variant["two_modules"] else set())
     sharding = {t: k for t, k in case["sharding"].items() if t in tables}
     sharded = shard_model(model, world, device, sharding,

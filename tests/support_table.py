@@ -20,7 +20,12 @@ def rows() -> list[tuple[str, str, str]]:
     lifted = [("EmbeddingBagCollection", kind,
                "sharded; lifted; bit-identical to TorchRec on 1-3 ranks with every pass forced on "
                "(`tests/test_lifting.py`)")
-              for kind in lp.CASES if kind != "mixed"]
+              for kind, case in lp.CASES.items() if len(set(case["sharding"].values())) == 1]
+    mean = lp.CASES["mean_pooling"]
+    lifted.append(("EmbeddingBagCollection, mean pooling",
+                   ", ".join(sorted({mean["sharding"][t] for t in mean["mean"]})),
+                   "sharded; lifted (row-wise: TorchRec's division by bag lengths after the reduce-scatter); "
+                   "bit-identical to TorchRec on 1-3 ranks with every pass forced on (`tests/test_lifting.py`)"))
     other = [(collection, kind, "sharded; TorchRec's path (not lifted, the reason in `explain()`); bit-identical "
                                 "next to a lifted EmbeddingBagCollection (`tests/test_user_models.py`)")
              for collection, kind in sorted(OTHER_COLLECTIONS)]

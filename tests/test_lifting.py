@@ -247,15 +247,21 @@ def _mean_pooled_model(dm):
     return model
 
 
-def test_strategy_falls_back_to_torchrec_when_the_path_cannot_be_lifted(tmp_path, data_cache):
-    dm = tiny_data(data_cache, num_train=256)
-    L.seed_everything(0)
-    strategy = SparseLiftStrategy(start_method="fork", sharding_types={"t_cat_2": "row_wise"})
-    t = trainer(2, strategy, callbacks=[SaveExecutor(tmp_path)], limit_val_batches=0)
-    t.fit(_mean_pooled_model(dm), dm)
-    info = torch.load(tmp_path / "executor0.pt", weights_only=False)
-    assert info["executor"] == "torchrec"
-    assert "row-wise with mean pooling" in info["fallback"] and "t_cat_2" in info["fallback"]
+def test_row_wise_mean_pooling_is_lifted_and_matches_torchrec(tmp_path, data_cache):
+    # TorchRec's row-wise lookups sum and its module divides by bag lengths after the reduce-scatter
+    dm = tiny_data(data_cache, num_train=640, pooling_factors=[1, 3, 2, 1, 4, 1], length_distribution="poisson")
+    for executor in ("torchrec", "sparselift"):
+        L.seed_everything(0)
+        strategy = SparseLiftStrategy(start_method="fork", executor=executor, calibrate=False,
+                                      sharding_types={"t_cat_1": "row_wise", "t_cat_2": "row_wise"})
+        folder = tmp_path / executor
+        folder.mkdir()
+        t = trainer(2, strategy, callbacks=[SaveExecutor(folder), DumpLocalState(folder)], limit_val_batches=0)
+        t.fit(_mean_pooled_model(dm), dm)
+    info = torch.load(tmp_path / "sparselift" / "executor0.pt", weights_only=False)
+    assert info["executor"] == "sparselift", info["fallback"]
+    assert "divided by bag lengths after the reduce-scatter" in SparseGraph.from_dict(info["graph"]).explain()
+    assert_same_dumps(tmp_path / "torchrec", tmp_path / "sparselift")
 
 
 def test_ranks_with_different_graphs_raise_instead_of_hanging(data_cache, monkeypatch):

@@ -32,8 +32,10 @@ def check_against_runtime(graph: SparseGraph, model: nn.Module) -> None:
         expect("feature order", m.feature_order, list(sharded._features_order) if sharded._has_features_permute else [])
         expect("embedding names", m.embedding_names, list(sharded._embedding_names))
         expect("embedding dims", m.embedding_dims, list(sharded._embedding_dims))
-        if getattr(sharded, "_has_mean_pooling_callback", False):
-            raise LiftError(f"{m.path}: TorchRec applies a mean-pooling callback the lifted executor does not have")
+        expect("mean pooling after the reduce-scatter", m.mean_after_reduce, sharded._has_mean_pooling_callback)
+        expect("row-wise sum features", m.reduce_sum_features, list(sharded._pooling_type_to_rs_features.get("SUM", [])))
+        if m.mean_after_reduce:
+            expect("dims per output key", m.embedding_dims, [int(d) for d in sharded._dim_per_key.tolist()])
         for g, input_dist, output_dist in zip(m.groups, sharded._input_dists, sharded._output_dists):
             kind = g.sharding_type
             if kind in POOLED_ALL_TO_ALL:

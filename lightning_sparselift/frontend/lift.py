@@ -63,7 +63,6 @@ def _column_order(sharding: Any) -> list[int]:
 
 
 def _lift_groups(path: str, sharded: nn.Module, module_plan: Any, env: Any, device: torch.device) -> list[ShardingGroup]:
-    from torchrec.modules.embedding_configs import PoolingType
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     configs = list(sharded._embedding_bag_configs)
@@ -83,9 +82,6 @@ def _lift_groups(path: str, sharded: nn.Module, module_plan: Any, env: Any, devi
         for info in infos:
             cfg = by_name[info.embedding_config.name]
             pooling = cfg.pooling.name if hasattr(cfg.pooling, "name") else str(cfg.pooling)
-            if sharding_type == "row_wise" and cfg.pooling == PoolingType.MEAN:
-                raise LiftError(f"{path}: table {cfg.name!r} is row-wise with mean pooling (TorchRec divides after "
-                                f"the reduce-scatter); the lifted executor does not implement that")
             tables.extend(_table_shards(cfg, plan[cfg.name], pooling))
         features = list(sharding.feature_names())
         features_per_rank: list[int] = []
@@ -205,9 +201,15 @@ def _lift_module(model: nn.Module, path: str, sharding_plan: Any, captures: list
     if unknown:
         raise LiftError(f"{path}: features {unknown} of the tables are missing from the input KJT keys {keys}")
     feature_order = [] if names == keys else [keys.index(f) for f in names]
+    # (as TorchRec decides it: by the pooling of the row-wise tables' configs)
+    row_wise = [c for c in sharded._embedding_bag_configs
+                if sharding_plan.plan[path][c.name].sharding_type in ("row_wise", "table_row_wise")]
+    mean_after_reduce = any(c.pooling.value == "MEAN" for c in row_wise)
+    reduce_sum_features = [f for c in row_wise if c.pooling.value == "SUM" for f in c.feature_names]
     ids = [{k: c.modules[path].features[k].ids_per_step for k in keys} for c in captures]
     percentiles = {k: captures[0].modules[path].features[k].percentiles for k in keys}
     schedule = identity_schedule([g.sharding_type for g in groups], world, bool(feature_order))
     return LiftedModule(path, keys, weighted, lengths_dtype, values_dtype, feature_order, groups, batch_sizes,
                         ids, percentiles, schedule, root_input=root_input, batch_input=batch_input,
-                        next_batch_note=next_batch_note)
+                        next_batch_note=next_batch_note, mean_after_reduce=mean_after_reduce,
+                        reduce_sum_features=reduce_sum_features)

@@ -74,7 +74,9 @@ def _module(m: "LiftedModule") -> list[str]:
     batch = ",".join(map(str, sorted(set(m.batch_size_per_rank))))
     lines = [f"module {m.path}: {len(m.keys)} features, {'weighted' if m.weighted else 'unweighted'}, "
              f"batch {batch}/rank, ids {m.lengths_dtype}/{m.values_dtype}"
-             + ("" if not m.feature_order else ", keys permuted into group order")]
+             + ("" if not m.feature_order else ", keys permuted into group order")
+             + ("" if not m.mean_after_reduce else ", output divided by bag lengths after the reduce-scatter "
+                "(TorchRec's row-wise mean pooling)")]
     if m.root_input is not None:
         lines.append(f"  input available when the root forward begins: {describe_path(m.root_input)}")
     if m.batch_input is not None:

@@ -73,6 +73,11 @@ class LiftedModule:
     # next_batch_note says why): the next step's input distribution can then start a step early
     batch_input: Optional[list[list[Any]]] = None
     next_batch_note: str = ""
+    # TorchRec's row-wise mean pooling: the lookups of row-wise tables sum, and after the
+    # reduce-scatter the module's whole output is divided by a per-sample divisor per feature:
+    # its bag length (+1e-6), or 1 (+1e-6) for the row-wise sum features listed here
+    mean_after_reduce: bool = False
+    reduce_sum_features: list[str] = field(default_factory=list)
 
     @property
     def embedding_names(self) -> list[str]:

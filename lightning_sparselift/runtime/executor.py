@@ -23,6 +23,7 @@ from lightning_sparselift.ir.schedule import GENERATED_KERNEL, Region
 from lightning_sparselift.runtime.codegen import GeneratedLookup, Unsupported
 from lightning_sparselift.runtime.input_dist import GroupRuntime, InputDistribution
 from lightning_sparselift.runtime.kernels import kernel
+from lightning_sparselift.runtime.mean_pooling import MeanAfterReduce
 from lightning_sparselift.runtime.output_dist import OutputDistribution, Pending
 from lightning_sparselift.validation import InputCheck
 
@@ -58,6 +59,7 @@ class ModuleExecutor:
         self.process_groups = process_groups
         self.groups = [GroupRuntime.build(g, lookup, world_size, rank, device)
                        for g, lookup in zip(spec.groups, sharded._lookups)]
+        self.mean = MeanAfterReduce(spec, device) if spec.mean_after_reduce else None
         # TorchRec's own forward, for the steps where ranks pass different batch sizes
         self.torchrec_forward = type(sharded).forward.__get__(sharded)
         self._started: Optional[_Started] = None
@@ -133,7 +135,7 @@ class ModuleExecutor:
         if self._started is not None and same_features(self._started.features, features):
             started, self._started = self._started, None
             self.early_steps += 1
-            result = self._finish(started.out, started.pending)
+            result = self._finish(started.out, started.pending, features)
         else:
             self._discard_started()
             ran = self._run(features, early=False)
@@ -143,7 +145,7 @@ class ModuleExecutor:
                 self.torchrec_steps += 1
                 result = self.torchrec_forward(features)
             else:
-                result = self._finish(*ran)
+                result = self._finish(*ran, features)
         if self.distributes_ahead and self._announced is not None and self._training():
             self._start_next()
         return result
@@ -228,8 +230,9 @@ class ModuleExecutor:
             self.clock.lookup_backward(out)
         return out
 
-    def _finish(self, out: list[Tensor], pending: list[Pending]) -> Any:
-        return self.output(self.spec.embedding_names, self.spec.embedding_dims, self.outputs.wait(out, pending))
+    def _finish(self, out: list[Tensor], pending: list[Pending], features: Any) -> Any:
+        result = self.output(self.spec.embedding_names, self.spec.embedding_dims, self.outputs.wait(out, pending))
+        return result if self.mean is None else self.mean.apply(result, features)
 
     # ------------------------------------------------------------------ started work not used
     def _discard_started(self) -> None:
