@@ -28,8 +28,8 @@ def _fit(name: str, dm, folder: Path, **strategy_kwargs) -> list[dict]:
     return [json.loads((folder / f"report{r}.json").read_text()) for r in range(2)]
 
 
-def _assert_identical(reference: Path, lifted: Path) -> None:
-    states = assert_same_dumps(reference, lifted)
+def _assert_identical(reference: Path, lifted: Path, world: int = 2) -> None:
+    states = assert_same_dumps(reference, lifted, world)
     assert all(any(k.startswith("optim/") for k in state) for state in states), "no fused optimizer state found"
 
 
@@ -102,12 +102,13 @@ def test_a_model_with_other_torchrec_collections_is_sharded_and_its_bags_lifted(
     _assert_identical(tmp_path / "torchrec", tmp_path / "lifted")
 
 
+@pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "column_wise", "data_parallel"])
-def test_a_model_with_every_collection_kind_on_one_kjt_is_sharded_and_its_bags_lifted(sharding, tmp_path,
+def test_a_model_with_every_collection_kind_on_one_kjt_is_sharded_and_its_bags_lifted(sharding, world, tmp_path,
                                                                                         data_cache):
     from user_models import WithEveryCollection
 
-    dm = tiny_data(data_cache, num_train=640)
+    dm = tiny_data(data_cache, num_train=960)
     first, weighted = dm.feature_names[0], dm.feature_names[1:3]
     types = {f"seq_{first}": sharding, **{f"table_{f}": sharding for f in weighted}}
 
@@ -115,7 +116,7 @@ def test_a_model_with_every_collection_kind_on_one_kjt_is_sharded_and_its_bags_l
         L.seed_everything(0)
         strategy = SparseLiftStrategy(start_method="fork", sharding_types=types, calibrate=False,
                                       embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05}, **kwargs)
-        t = trainer(2, strategy, limit_val_batches=0,
+        t = trainer(world, strategy, limit_val_batches=0,
                     callbacks=[DumpLocalState(folder), ExecutorReport(folder), GraphReport(folder)])
         t.fit(WithEveryCollection(dm.table_sizes, dm.feature_names), dm)
         graph = json.loads((folder / "graph0.json").read_text())
@@ -128,7 +129,7 @@ def test_a_model_with_every_collection_kind_on_one_kjt_is_sharded_and_its_bags_l
     assert sorted(report["not_lifted"]) == ["positioned", "sequence"]
     # the lifted bags read the batch's KJT as it is: they start early and prefetch the next batch
     assert report["early_steps"] > 0 and report["prefetched_steps"] > 0
-    _assert_identical(tmp_path / "torchrec", tmp_path / "lifted")
+    _assert_identical(tmp_path / "torchrec", tmp_path / "lifted", world)
 
 
 MANAGED_COLLECTIONS = {("ManagedCollisionEmbeddingBagCollection", "row_wise"): "WithManagedCollisions",
