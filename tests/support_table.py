@@ -35,7 +35,8 @@ def rows() -> list[tuple[str, str, str]]:
                for collection, kind in sorted(MANAGED_COLLECTIONS)]
     variable = [("EmbeddingBagCollection, variable batch per feature (VBE)", kind,
                  "sharded; TorchRec's path (the lifted executor takes no VBE; the reason in `explain()`); "
-                 "bit-identical to `executor=\"torchrec\"` (`tests/test_user_models.py`); `data_parallel` "
+                 "bit-identical to `executor=\"torchrec\"` (`tests/test_user_models.py`), exact resume "
+                 "(`tests/test_checkpoint.py`, table-wise); `data_parallel` "
                  "refused on CPU by the input checks (TorchRec's data-parallel lookup reads VBE batches wrong there)")
                 for kind in VARIABLE_BATCH]
     return lifted + other + managed + variable

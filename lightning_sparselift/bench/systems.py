@@ -95,7 +95,6 @@ class System:
     name = ""
     families: tuple[str, ...] = FAMILIES  # the scenario families it can run
 
-
     def __init__(self, env: BenchEnv):
         self.env = env
         self.timer = StageTimer()
