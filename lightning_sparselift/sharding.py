@@ -184,10 +184,6 @@ def describe_tables(model: nn.Module) -> dict[str, TableInfo]:
 
 def validate_sharding_types(sharding_types: Optional[dict[str, str]], tables: dict[str, TableInfo],
                             device_type: str) -> dict[str, str]:
-    # TorchRec shards managed-collision collections row-wise only (so their tables are row-wise
-    # whether asked or not)
-    sharding_types = {**{t: "row_wise" for t, info in tables.items() if info.managed_collision},
-                      **(sharding_types or {})}
     if not sharding_types:
         return {}
     unknown_tables = sorted(set(sharding_types) - set(tables))
@@ -295,7 +291,10 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
         raise ValueError(f"managed-collision collection(s) {managed} with the rowwise_adagrad embedding optimizer on "
                          f"CPU: evicting rows resets their optimizer state with fbgemm::reset_weight_momentum, which "
                          f"fbgemm implements for CUDA only; use sgd or adagrad on CPU (or CUDA devices)")
-    checked = validate_sharding_types(sharding_types, tables, device.type)
+    # TorchRec shards managed-collision collections row-wise only: their tables are row-wise unless
+    # asked otherwise (which the validation refuses)
+    requested = {**{t: "row_wise" for t, info in tables.items() if info.managed_collision}, **(sharding_types or {})}
+    checked = validate_sharding_types(requested, tables, device.type)
     embedding_optimizer.apply_in_backward([p for m in modules.values() for p in table_parameters(m)], device.type)
     # (one per module type, in the order the modules appear: the same list on every rank)
     sharders = [cls() for cls in dict.fromkeys(_sharders()[type(m)] for m in modules.values())]

@@ -64,9 +64,10 @@ def kjt_problem(kjt: Any, rows_per_feature: dict[str, int], variable_batch_ok: b
     per_key = (torch.stack([part.sum() for part in lengths.split(strides)]) if strides is not None
                else lengths.view(len(keys), -1).sum(dim=1))
     limit = torch.repeat_interleave(bounds, per_key)
-    checked = torch.repeat_interleave(torch.tensor([k in rows_per_feature for k in keys], device=values.device),
-                                      per_key)
-    bad = checked & ((values < 0) | (values >= limit))
+    bad = (values < 0) | (values >= limit)
+    foreign = [k not in rows_per_feature for k in keys]
+    if any(foreign):  # (another collection's ids: its own check covers them)
+        bad &= ~torch.repeat_interleave(torch.tensor(foreign, device=values.device), per_key)
     if bool(bad.any()):
         owner = torch.repeat_interleave(torch.arange(len(keys), device=values.device), per_key)
         first = int(bad.nonzero()[0])

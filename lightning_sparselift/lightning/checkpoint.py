@@ -358,11 +358,11 @@ def load(path: Path, dmp: nn.Module, optimizer: Optional[Any], info: dict[str, A
     dcp.load(state, checkpoint_id=str(path))
     dmp.load_state_dict(state["model"])
     rng = _rng_file(path, rank)
-    if rng.exists():  # (not when the checkpoint was saved by fewer ranks)
+    if rng.exists():
         _set_rng_state(torch.load(rng, weights_only=True))
     else:
-        warnings.warn(f"{rng.name} is missing (the checkpoint was saved by a different world size): this rank's "
-                      f"random number generators are not restored", RuntimeWarning)
+        warnings.warn(f"{rng.name} is missing (the checkpoint was saved by fewer ranks, or before checkpoints held "
+                      f"generator states): this rank's random number generators are not restored", RuntimeWarning)
     if load_optimizer:
         if reset_embedding_state:
             dense = dict(optimizer.optimizers)["dense"]
