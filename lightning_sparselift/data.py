@@ -469,10 +469,12 @@ class RecDataModule(pl.LightningDataModule):
     synthetic data. Under a trainer the training loader is resumable and shuffled per epoch (the
     same permutation on every rank, each rank its share); evaluation loaders give every rank the
     same number of batches (padding weighted 0). Subclasses set ``hparams`` ``batch_size``,
-    ``num_workers`` and ``cache_dir``, and fill ``_probability`` for generated splits."""
+    ``num_workers`` and ``cache_dir``, and fill ``_splits`` (loaded splits) and ``_probability``
+    (generated splits' true click probabilities)."""
 
     def __init__(self) -> None:
         super().__init__()
+        self._splits: dict[str, Any] = {}
         self._probability: dict[str, np.ndarray] = {}
 
     def split(self, name: str) -> Any:
@@ -600,7 +602,6 @@ class CriteoDataModule(RecDataModule):
         self.feature_names = list(FEATURE_NAMES[: len(sizes)]) if len(sizes) <= len(FEATURE_NAMES) \
             else [f"cat_{i}" for i in range(len(sizes))]
         self.num_dense = NUM_DENSE
-        self._splits: dict[str, Any] = {}
 
     def _spec(self, split: str) -> SyntheticSpec:
         size = {"train": self.hparams.num_train, "val": self.hparams.num_val, "test": self.hparams.num_test}[split]

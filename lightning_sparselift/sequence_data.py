@@ -172,7 +172,6 @@ class SequenceDataModule(RecDataModule):
         self.feature_names = spec.feature_names
         self.table_sizes = list(rows) + [spec.num_items, spec.num_items]
         self.num_dense = spec.num_dense
-        self._splits: dict[str, RecArrays] = {}
 
     def prepare_data(self) -> None:
         for spec in self._specs.values():
