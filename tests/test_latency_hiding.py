@@ -21,8 +21,9 @@ from lightning_sparselift.lightning.lookahead import LookaheadLoader
 
 def test_calibration_observes_the_step_after_each_settle_step_and_extends_to_the_next_look():
     calibrator = Calibrator(CalibrationProtocol(warmup_pairs=1, measured_pairs=2, settle_steps=1),
-                            DecisionRule(max_pairs=5))
-    assert calibrator.looks == [3, 5]  # a t interval needs 3 pairs; then every second pair up to the budget
+                            DecisionRule(max_pairs=12))
+    # the signed-rank bounds need 6 pairs at an error rate of 0.05 / 2 looks; then the budget
+    assert calibrator.looks == [7, 12]
     plans, f = [], 0.0
 
     def run() -> None:
@@ -34,15 +35,15 @@ def test_calibration_observes_the_step_after_each_settle_step_and_extends_to_the
             calibrator.record(f * (10.0 if uses else 1.0))  # distinct values show which steps were kept
 
     run()
-    assert calibrator.protocol.steps_for(3) == len(plans) == calibrator.planned == 16
-    assert plans == [False, False, True, True] * 4
+    assert calibrator.protocol.steps_for(7) == len(plans) == calibrator.planned == 32
+    assert plans == [False, False, True, True] * 8
     assert calibrator.next_uses_candidate() is None and calibrator.can_extend
-    # observed: steps 2, 4 (warmup pair), then 6 / 8, 10 / 12, 14 / 16: [T0, T1] of each measured pair
-    assert calibrator.pairs() == [[6.0, 80.0], [10.0, 120.0], [14.0, 160.0]]
+    # observed: steps 2, 4 (warmup pair), then 6 / 8, 10 / 12, ...: [T0, T1] of each measured pair
+    assert calibrator.pairs() == [[6.0 + 4 * k, 80.0 + 40 * k] for k in range(7)]
     calibrator.extend()
     run()
-    assert len(plans) == 24 and not calibrator.can_extend
-    assert calibrator.pairs()[3:] == [[18.0, 200.0], [22.0, 240.0]]
+    assert len(plans) == 52 and not calibrator.can_extend
+    assert calibrator.pairs()[7:] == [[34.0 + 4 * k, 360.0 + 40 * k] for k in range(5)]
 
 
 def test_lookahead_loader_yields_the_same_batches_and_knows_the_next():

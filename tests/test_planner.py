@@ -17,7 +17,7 @@ from lightning_sparselift.plan import Decision, ExecutionPlan, PlanFileError, Pl
 from graph_fixtures import COMPUTED_INPUT, EBC, ITEM, NOT_IN_BATCH, NOTHING_TO_MERGE, USER, load
 
 ALL = ["aggregation", "latency_hiding"]
-FAST = "faster: -2.000 ms, 95% bounds [-2.000, -2.000] over 3 pairs (noise 0.000 ms)"
+FAST = "faster: -2.000 ms, 95% bounds [-2.000, -2.000] over 8 pairs (noise 0.000 ms)"
 
 
 def _identity() -> SparseGraph:
@@ -45,16 +45,16 @@ def _run(loop: PlanningLoop, step_ms) -> int:
 
 def test_every_candidate_is_calibrated_on_top_of_the_incumbent_and_kept_when_faster():
     loop = _loop(ALL)
-    # the first look: 1 warmup + 3 measured pairs; aggregation and early start T0 T1, next batch settled
-    # (T0 T0 T1 T1)
-    assert loop.progress == (0, 8 + 8 + 8 + 16)
+    # the first look: 1 warmup + 8 measured pairs (the fewest the signed-rank bounds exist for at
+    # 0.05 / 6 looks); aggregation and early start T0 T1, next batch settled (T0 T0 T1 T1)
+    assert loop.progress == (0, 18 + 18 + 18 + 36)
     seen = []
 
     def step_ms(graph: SparseGraph, trial: bool) -> float:
         seen.append(len(graph.provenance))
         return 5.0 if trial else 10.0
 
-    assert _run(loop, step_ms) == 40 == loop.plan.calibration_steps  # noiseless: decided at the first look
+    assert _run(loop, step_ms) == 90 == loop.plan.calibration_steps  # noiseless: decided at the first look
     assert loop.progress is None
     assert [(d.accepted, d.measured_ms) for d in loop.plan.decisions] == [(True, -5.0)] * 4
     # each candidate's T0 steps run the incumbent, which holds every candidate accepted before it
@@ -80,7 +80,7 @@ def test_without_calibration_every_feasible_candidate_is_applied_at_once():
 
 def test_an_abandoned_loop_keeps_its_incumbent_and_records_the_candidates_left():
     loop = _loop(["aggregation"])
-    for _ in range(8):  # the first candidate's steps up to its first look: decided (accepted)
+    for _ in range(18):  # the first candidate's steps up to its first look: decided (accepted)
         graph = loop.next_graph()
         loop.feedback(0.0, 1.0 if graph is loop.trial else 2.0)
     loop.feedback(0.0, 2.0)  # one step into the second
@@ -166,18 +166,20 @@ def test_decide_accepts_a_candidate_only_when_its_interval_is_below_zero_on_the_
     (c,) = [c for c in planner.propose(load("two_modules_2ranks"))[0] if c.id == f"aggregation:input@{ITEM}"]
     predicted = planner.predict_ms(c)
     assert predicted == pytest.approx(-0.19072)
-    # per pair, each arm's slowest rank: T0 [10, 10, 11], T1 [9, 9.5, 10] -> increments -1, -0.5, -1
-    ranks = [[[10.0, 9.0], [9.0, 9.5], [11.0, 10.0]], [[9.5, 8.0], [10.0, 9.0], [10.5, 9.5]]]
+    # per pair, each arm's slowest rank: T0 [10, 10, 11, 10, 10], T1 [9, 9.5, 10, 9.2, 9.4] -> increments
+    # -1, -0.5, -1, -0.8, -0.6 (the Hodges-Lehmann estimate: the median of their pairwise averages)
+    ranks = [[[10.0, 9.0], [9.0, 9.5], [11.0, 10.0], [10.0, 9.2], [9.0, 9.4]],
+             [[9.5, 8.0], [10.0, 9.0], [10.5, 9.5], [9.0, 9.0], [10.0, 9.0]]]
     faster = planner.decide(c, _measurement(ranks))
-    assert (faster.accepted, faster.measured_ms, faster.pairs, faster.outliers) == (True, pytest.approx(-2.5 / 3), 3, 0)
+    assert (faster.accepted, faster.measured_ms, faster.pairs, faster.outliers) == (True, pytest.approx(-0.8), 5, 0)
     low, high = faster.interval_ms
     assert low < faster.measured_ms < high < 0 and faster.confidence == 0.95 and faster.observations_ms == ranks
-    assert faster.reason.startswith("faster: -0.833 ms, 95% bounds [") and "over 3 pairs (noise" in faster.reason
-    undecided = planner.decide(c, _measurement([[[10.0, 9.0], [10.0, 11.0], [10.0, 9.5]]]))
+    assert faster.reason.startswith("faster: -0.800 ms, 95% bounds [") and "over 5 pairs (noise" in faster.reason
+    undecided = planner.decide(c, _measurement([[[10.0, 9.0], [10.0, 11.0], [10.0, 9.5], [10.0, 9.8], [10.0, 10.1]]]))
     assert not undecided.accepted and undecided.reason.startswith("undecided after the pair budget: ")
     assert undecided.reason.endswith("rejected (do no harm)")
-    slower = planner.decide(c, _measurement([[[10.0, 11.0], [10.0, 11.2], [10.0, 10.9]]]))
-    assert not slower.accepted and slower.reason.startswith("slower: +1.033 ms")
+    slower = planner.decide(c, _measurement([[[10.0, 11.0], [10.0, 11.2], [10.0, 10.9], [10.0, 11.0], [10.0, 11.1]]]))
+    assert not slower.accepted and slower.reason.startswith("slower: +1.050 ms")
     assert planner.decide(c, None) == Decision(c.id, "aggregation", ITEM, "input", True, [], predicted, None, None,
                                                True, "accepted without calibration (calibrate=False)")
     assert planner.undecided(c, "training ended") == Decision(c.id, "aggregation", ITEM, "input", True, [], predicted,
@@ -237,26 +239,26 @@ def test_the_loop_decides_each_candidate_from_its_protocol_steps_on_top_of_the_i
                                     f"aggregation:input@{EBC}", f"aggregation:output@{EBC}")
     # latency hiding: a settle step before each observed one (T0 T0 T1 T1), aggregation T0 T1; each
     # candidate's T0 is the incumbent with the candidates accepted before it
-    assert trials == ([(0, False), (1, True)] * 4 + [(1, False), (1, False), (2, True), (2, True)] * 4
-                      + [(2, False), (3, True)] * 4 + [(3, False), (4, True)] * 4)
-    assert progress[:2] == [(0, 40), (1, 40)] and progress[8] == (8, 40) and progress[39] == (39, 40)
-    assert progress[-1] is None and loop.plan.calibration_steps == 40
+    assert trials == ([(0, False), (1, True)] * 9 + [(1, False), (1, False), (2, True), (2, True)] * 9
+                      + [(2, False), (3, True)] * 9 + [(3, False), (4, True)] * 9)
+    assert progress[:2] == [(0, 90), (1, 90)] and progress[18] == (18, 90) and progress[89] == (89, 90)
+    assert progress[-1] is None and loop.plan.calibration_steps == 90
     # early start: 2 ms per step; next batch: 1 ms once settled (its first step's 5 ms are never
     # observed); the merged input: 4 collectives fewer; the merged output: 2 fewer but 3 ms of copies
     assert [(d.candidate, d.accepted, d.measured_ms, [[t1 - t0 for t0, t1 in obs] for obs in d.observations_ms])
             for d in loop.plan.decisions] == [
-        (early, True, -2.0, [[-2.0] * 3]), (ahead, True, -1.0, [[-1.0] * 3]),
-        (packed, True, -4.0, [[-4.0] * 3]), (merged, False, 1.0, [[1.0] * 3])]
+        (early, True, -2.0, [[-2.0] * 8]), (ahead, True, -1.0, [[-1.0] * 8]),
+        (packed, True, -4.0, [[-4.0] * 8]), (merged, False, 1.0, [[1.0] * 8])]
     assert [d.predicted_ms for d in loop.plan.decisions] == pytest.approx([-0.20768, -0.20512, -0.17952, -0.06928])
-    assert loop.plan.decisions[3].reason == "slower: +1.000 ms, 95% bounds [+1.000, +1.000] over 3 pairs (noise 0.000 ms)"
+    assert loop.plan.decisions[3].reason == "slower: +1.000 ms, 95% bounds [+1.000, +1.000] over 8 pairs (noise 0.000 ms)"
     assert loop.events == [
-        f"calibrating {early} (8 steps, up to 50; predicted -0.208 ms)", f"{early}: accepted, {FAST}",
-        f"calibrating {ahead} (16 steps, up to 100; predicted -0.205 ms)",
+        f"calibrating {early} (18 steps, up to 386; predicted -0.208 ms)", f"{early}: accepted, {FAST}",
+        f"calibrating {ahead} (36 steps, up to 772; predicted -0.205 ms)",
         f"{ahead}: accepted, {FAST.replace('2.000', '1.000')}",
-        f"calibrating {packed} (8 steps, up to 50; predicted -0.180 ms)",
+        f"calibrating {packed} (18 steps, up to 386; predicted -0.180 ms)",
         f"{packed}: accepted, {FAST.replace('2.000', '4.000')}",
-        f"calibrating {merged} (8 steps, up to 50; predicted -0.069 ms)",
-        f"{merged}: rejected, slower: +1.000 ms, 95% bounds [+1.000, +1.000] over 3 pairs (noise 0.000 ms)"]
+        f"calibrating {merged} (18 steps, up to 386; predicted -0.069 ms)",
+        f"{merged}: rejected, slower: +1.000 ms, 95% bounds [+1.000, +1.000] over 8 pairs (noise 0.000 ms)"]
     # the plan runs the accepted candidates, in their order, on the identity graph
     expected = identity
     for cid in (early, ahead, packed):
@@ -275,7 +277,7 @@ def test_a_plan_the_loop_made_is_saved_loaded_and_rebuilt(tmp_path):
         loop.feedback(*steps(loop.next_graph()))
     plan = loop.plan
     assert [d.accepted for d in plan.decisions] == [False] * 4 + [True] * 4  # infeasible ones first
-    assert plan.calibration_steps == 8 + 8 + 8 + 16  # each decided at its first look; next batch settled
+    assert plan.calibration_steps == 18 + 18 + 18 + 36  # each decided at its first look; next batch settled
     plan.save(tmp_path / "plan.json")
     loaded = ExecutionPlan.load(tmp_path / "plan.json")
     assert loaded.to_dict() == json.loads(json.dumps(plan.to_dict()))
@@ -330,11 +332,11 @@ def test_with_nothing_feasible_the_loop_is_done_at_once_on_the_identity():
 def test_an_abandoned_loop_records_every_candidate_left_with_its_prediction():
     loop = _calibrating_loop(_identity())
     steps = _Steps()
-    for _ in range(8 + 5):  # early start decided, 5 steps into next batch
+    for _ in range(18 + 5):  # early start decided, 5 steps into next batch
         loop.feedback(*steps(loop.next_graph()))
-    assert loop.progress == (13, 40)
+    assert loop.progress == (23, 90)
     loop.abandon("the trainer stopped")
-    assert loop.done and loop.progress is None and loop.trial is None and loop.plan.calibration_steps == 13
+    assert loop.done and loop.progress is None and loop.trial is None and loop.plan.calibration_steps == 23
     assert [(d.candidate.split("@")[0], d.feasible, d.accepted, d.reason) for d in loop.plan.decisions] == [
         ("latency_hiding:early_start", True, True, FAST),
         ("latency_hiding:next_batch", True, False, "not calibrated: the trainer stopped"),

@@ -38,20 +38,20 @@ class PlanAgain(L.Callback):
 
 
 def test_planning_again_calibrates_and_installs_a_new_plan(tmp_path, data_cache):
-    dm = tiny_data(data_cache, num_train=1408)  # 22 steps: 3 captured, 8 calibrating, 8 calibrating again, 3
+    dm = tiny_data(data_cache, num_train=1920)  # 30 steps: 3 captured, 12 calibrating, 12 calibrating again, 3
     L.seed_everything(0)
-    # a budget of 3 measured pairs (every candidate decided at its first look), no steady-state check
-    strategy = SparseLiftStrategy(start_method="fork", optimizations=["aggregation"], calibration_max_pairs=3,
+    # a budget of 5 measured pairs (one look: every candidate decided there), no steady-state check
+    strategy = SparseLiftStrategy(start_method="fork", optimizations=["aggregation"], calibration_max_pairs=5,
                                   verify_steps=0)
     t = trainer(2, strategy, callbacks=[PlanAgain(tmp_path)], limit_val_batches=0)
     t.fit(tiny_model(dm), dm)
     for rank in range(2):
         info = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         assert info["executor"] == "sparselift"
-        # aggregation: one feasible candidate (1 + 3 pairs), one infeasible; the second round proposes
+        # aggregation: one feasible candidate (1 + 5 pairs), one infeasible; the second round proposes
         # from the identity graph again
-        assert info["plans"] == [(10, 8, 2), (18, 8, 2)]
-        assert info["metrics"]["sparselift/calibration_steps"] == 8 and info["metrics"]["sparselift/plan_reused"] == 0
+        assert info["plans"] == [(14, 12, 2), (26, 12, 2)]
+        assert info["metrics"]["sparselift/calibration_steps"] == 12 and info["metrics"]["sparselift/plan_reused"] == 0
 
 
 def test_planning_again_needs_an_installed_plan():

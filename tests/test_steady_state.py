@@ -34,14 +34,14 @@ def test_steady_state_check_alternates_with_settle_steps():
     assert uses == [False, True] * 8 and check.done
     assert check.pairs() == [[float(i), float(i + 1)] for i in range(2, 16, 2)]  # warmup pair left out
 
-    check = SteadyStateCheck(steps=8, settle_steps=1)  # too few steps: 1 warmup + 3 measured pairs at least
-    assert (check.measured_pairs, check.planned) == (3, 16)
+    check = SteadyStateCheck(steps=8, settle_steps=1)  # too few steps: 1 warmup + 7 measured pairs at least
+    assert (check.measured_pairs, check.planned) == (7, 32)
     uses = []
     for i in range(check.planned):
         uses.append(check.next_uses_candidate())
         check.record(float(i))
-    assert uses == [False, False, True, True] * 4
-    assert check.pairs() == [[5.0, 7.0], [9.0, 11.0], [13.0, 15.0]]  # the second step of each run
+    assert uses == [False, False, True, True] * 8
+    assert check.pairs() == [[5.0 + 4 * k, 7.0 + 4 * k] for k in range(7)]  # the second step of each run
 
 
 def _workload(mean: float, p99: float, batch: list[int], ids: Optional[float] = None) -> dict[str, ModuleWorkload]:
@@ -261,8 +261,9 @@ def test_drift_replans_once_and_stays_bit_identical_to_torchrec(tmp_path, data_c
                           drift_from=30)
         folder = tmp_path / executor
         folder.mkdir()
+        # a budget of 5 pairs (one look): each round ends within 12 steps
         strategy = SparseLiftStrategy(start_method="fork", executor=executor, optimizations=["aggregation"],
-                                      verify_steps=0, min_steps_between_replans=20)
+                                      verify_steps=0, min_steps_between_replans=20, calibration_max_pairs=5)
         callbacks = [DumpLocalState(folder)] + ([SaveSession(folder)] if executor == "sparselift" else [])
         t = trainer(2, strategy, callbacks=callbacks, limit_val_batches=0)
         t.fit(tiny_model(dm), dm)

@@ -330,9 +330,10 @@ def _worker_main(rank: int, config: BenchConfig, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-# cap on the untimed steps a system may add to finish its own warmup (SparseLift's calibration)
-# capture, calibration up to the default budget (24 pairs) of every candidate, the steady-state check
-_MAX_EXTRA_WARMUP = 500
+# cap on the untimed steps a system may add to finish its own warmup (SparseLift's capture, its
+# calibration and the steady-state check): five candidates at the default budget (192 pairs, next
+# batch's with a settle step each) take ~2,300 steps at most; typical is a quarter of it
+_MAX_EXTRA_WARMUP = 3000
 
 
 def _write_atomically(path: str, data: dict[str, Any]) -> None:

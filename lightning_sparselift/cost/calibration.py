@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-from lightning_sparselift.cost.decision import DecisionRule, PairedEstimate, look_points, paired_estimate
+from lightning_sparselift.cost.decision import (
+    NEGLIGIBLE_FROM_PAIRS, DecisionRule, PairedEstimate, look_points, paired_estimate,
+)
 
 
 class RegionClock:
@@ -197,7 +199,7 @@ class Calibrator(PairedSteps):
         super().__init__(protocol.warmup_pairs, protocol.settle_steps, protocol.mirrored)
         self.protocol = protocol
         self.rule = rule
-        self.looks = look_points(protocol.measured_pairs, max(rule.max_pairs, protocol.measured_pairs))
+        self.looks = look_points(protocol.measured_pairs, max(rule.max_pairs, protocol.measured_pairs), rule.confidence)
         self._look = 0
         self.add_pairs(protocol.warmup_pairs + self.looks[0])
 
@@ -211,8 +213,14 @@ class Calibrator(PairedSteps):
         self.add_pairs(self.looks[self._look] - self.looks[self._look - 1])
 
     def measurement(self, group: Any) -> Measurement:
-        """Every rank's pairs (a collective over ``group``), judged on the slowest rank's."""
-        return judge_pairs(self.pairs(), group, self.rule, len(self.looks))
+        """Every rank's pairs (a collective over ``group``), judged on the slowest rank's; an
+        undecided candidate is ``negligible`` once it has :data:`NEGLIGIBLE_FROM_PAIRS` pairs and
+        its estimate is not even half the smallest gain accepted."""
+        measurement = judge_pairs(self.pairs(), group, self.rule, len(self.looks))
+        e = measurement.estimate
+        if e.verdict == "undecided" and e.pairs >= NEGLIGIBLE_FROM_PAIRS and e.increment_ms > e.threshold_ms / 2:
+            measurement.estimate = replace(e, verdict="negligible")
+        return measurement
 
 
 def judge_pairs(pairs: list[list[float]], group: Any, rule: DecisionRule, looks: int) -> Measurement:

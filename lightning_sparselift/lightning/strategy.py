@@ -94,10 +94,12 @@ class SparseLiftStrategy(ParallelStrategy):
         calibrate: decide every feasible candidate by measuring it on real training steps
             (default); ``False`` applies every feasible candidate without measuring.
         calibration_confidence: a candidate is accepted only when its measured step change is
-            below zero with this confidence (paired steps, a t interval; see
-            :mod:`lightning_sparselift.cost.decision`).
+            below minus ``calibration_min_gain`` with this confidence (paired steps, Wilcoxon
+            signed-rank bounds; see :mod:`lightning_sparselift.cost.decision`).
         calibration_max_pairs: the measured pairs (incumbent step, candidate step) one candidate
-            may use while it is undecided; still undecided after them, it is rejected.
+            may use while it is undecided (default 192); still undecided after them, it is
+            rejected. A candidate whose estimate is not half the smallest gain after 24 pairs
+            stops there (negligible).
         calibration_min_gain: the smallest improvement a candidate must show (beyond the noise),
             as a fraction of the incumbent's measured region, to be accepted.
         plan_path: a JSON file for the execution plan: reused (no calibration) when it was made
@@ -110,8 +112,8 @@ class SparseLiftStrategy(ParallelStrategy):
         verify_steps: after a calibrated plan that differs from the identity plan is installed
             (planned or reused), about this many training steps alternate between it and the
             identity plan (in pairs, with a settle step before each measured one when the plan
-            distributes the next batch a step ahead; at least 1 warmup + 3 measured pairs); the
-            paired step times are judged like calibration's (the slowest rank's, a t interval at
+            distributes the next batch a step ahead; at least 1 warmup + 7 measured pairs); the
+            paired step times are judged like calibration's (the slowest rank's, signed-rank bounds at
             ``calibration_confidence``). Slower beyond noise, the identity plan is installed
             instead (a warning with the numbers). Predicted, calibrated and measured step change
             go to the logger (``sparselift/verify/...``) and the session's ``explain()``. ``0``:

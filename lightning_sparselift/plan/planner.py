@@ -98,7 +98,8 @@ class Planner:
         return self.passes[candidate.pass_name].predict_ms(candidate, self.priors)
 
     def decide(self, candidate: Candidate, measurement: Optional[Measurement]) -> Decision:
-        """Accepted when the measurement's interval lies below zero (or without calibration)."""
+        """Accepted when the measurement's upper bound lies below minus the smallest gain worth a
+        change (or without calibration)."""
         predicted = self.predict_ms(candidate)
         if measurement is None:
             return Decision(candidate.id, candidate.pass_name, candidate.module, candidate.role, True, [], predicted,
@@ -109,6 +110,8 @@ class Planner:
                     f"{e.pairs} pairs (noise {e.noise_ms:.3f} ms" + (f", {e.outliers} outlier pair(s) left out)"
                                                                     if e.outliers else ")"))
         reason = {"faster": f"faster: {evidence}", "slower": f"slower: {evidence}",
+                  "negligible": f"negligible: {evidence}; the estimate is not half the smallest gain accepted "
+                                f"({e.threshold_ms:+.3f} ms), so more pairs would not make it win; rejected",
                   "undecided": f"undecided after the pair budget: {evidence}; rejected (do no harm)"}[e.verdict]
         return Decision(candidate.id, candidate.pass_name, candidate.module, candidate.role, True, [], predicted,
                         measurement.observations_ms, e.increment_ms, e.verdict == "faster", reason,

@@ -52,7 +52,7 @@ class Decision:
     reasons: list[str]
     predicted_ms: Optional[float]
     observations_ms: Optional[list[list[list[float]]]]  # per rank, per measured pair: [F(T0), F(T1)]
-    measured_ms: Optional[float]  # the estimated increment (mean paired difference of the slowest rank's)
+    measured_ms: Optional[float]  # the estimated increment (Hodges-Lehmann, of the slowest rank's pairs)
     accepted: bool
     reason: str
     interval_ms: Optional[list[float]] = None  # the estimate's confidence interval

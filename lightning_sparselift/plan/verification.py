@@ -5,7 +5,7 @@ and the watch on the workload statistics a plan was decided on (drift).
 identity plan (T0) and the installed plan (T1), in pairs; when the plan has a schedule that acts
 across steps (the next batch's input distribution starts during the step before), each observed
 step is preceded by ``settle_steps`` unmeasured steps on the same plan. The pairs are judged like
-calibration's (every rank's pairs gathered, per pair the slowest rank's, a t interval, outliers
+calibration's (every rank's pairs gathered, per pair the slowest rank's, signed-rank bounds, outliers
 left out: :func:`~lightning_sparselift.cost.calibration.judge_pairs`), and the result is a
 :class:`PlanVerification`: predicted, calibrated and measured step change side by side.
 
@@ -48,7 +48,7 @@ class PlanVerification:
     confidence: float
     predicted_ms: Optional[float]  # the accepted candidates' predicted step change (priors); None: no priors
     calibrated_ms: Optional[float]  # the sum of their calibrated increments; None: not calibrated (e.g. reused)
-    measured_ms: Optional[float]  # the plan's step minus the identity plan's (mean paired difference)
+    measured_ms: Optional[float]  # the plan's step minus the identity plan's (Hodges-Lehmann estimate)
     interval_ms: Optional[list[float]]  # its confidence interval
     noise_ms: Optional[float]  # robust standard deviation of the identity plan's steps
     identity_step_ms: Optional[float]  # median step of the identity plan (slowest rank)
@@ -84,7 +84,8 @@ class PlanVerification:
         return text + (f"; {self.note}" if self.note else "")
 
 
-MIN_VERIFY_PAIRS = 3  # measured pairs a steady-state check uses at least (a t interval needs a few)
+# measured pairs a steady-state check uses at least: its one look's signed-rank bounds exist up to 99% confidence
+MIN_VERIFY_PAIRS = 7
 
 
 class SteadyStateCheck(PairedSteps):
