@@ -127,6 +127,10 @@ class SparseLiftSession:
         self.steps = 0  # training steps ended since the session began
         self.started = time.perf_counter()
         self.overhead_s = 0.0  # lift, planning, calibration and verification time of the phases finished
+        # what those phases cost the run: the compiler's own work (lift with its kernel builds,
+        # planning) and the calibration and verification steps' excess over the installed plan
+        # (those steps trained; only their excess is lost)
+        self.cost_s = 0.0
         self.verification: Optional[PlanVerification] = None  # the installed plan's last steady-state check
         self.verifications: list[PlanVerification] = []  # every steady-state check, in order
         self.drift_events: list[DriftEvent] = []
@@ -193,6 +197,7 @@ class SparseLiftSession:
             self.capture = None  # (kept while lifting: if the lift raises, abandon() keeps TorchRec's path)
             self.lift_seconds = time.perf_counter() - start
             self.overhead_s += self.lift_seconds
+            self.cost_s += self.lift_seconds
             if self.installed is None:
                 self.phase = "done"
                 return True
@@ -269,8 +274,10 @@ class SparseLiftSession:
         lines += [f"verification {i + 1}: {v.describe()}" for i, v in enumerate(self.verifications)]
         lines += [f"drift: {e.describe()}" for e in self.drift_events]
         lines.append(f"compiler time so far: {self.overhead_s:.2f} s ({self.calibration_fraction:.2%} of "
-                     f"{time.perf_counter() - self.started:.1f} s, {self.steps} training steps); "
-                     f"{self.rollbacks} rollback(s), {self.replans} re-plan(s) on drift")
+                     f"{time.perf_counter() - self.started:.1f} s, {self.steps} training steps; the calibration steps "
+                     f"trained), costing the run {self.cost_s:.2f} s ({self.cost_fraction:.2%}: lift, planning and the "
+                     f"trial steps' excess over the installed plan); {self.rollbacks} rollback(s), {self.replans} "
+                     f"re-plan(s) on drift")
         return "\n".join(lines)
 
     @property
@@ -284,6 +291,13 @@ class SparseLiftSession:
         since the session began (the phases finished so far)."""
         elapsed = time.perf_counter() - self.started
         return self.overhead_s / elapsed if elapsed > 0 else 0.0
+
+    @property
+    def cost_fraction(self) -> float:
+        """What the compiler cost the run (:attr:`cost_s`) as a fraction of the time since the
+        session began."""
+        elapsed = time.perf_counter() - self.started
+        return self.cost_s / elapsed if elapsed > 0 else 0.0
 
     def abandon(self, why: str) -> None:
         """Training stopped before the session finished: keep TorchRec's path (still capturing) or
@@ -437,6 +451,7 @@ class SparseLiftSession:
                                f"{len(saved.accepted)} optimization(s), {len(saved.graph.collectives())} collectives "
                                f"per step")
             self.overhead_s += time.perf_counter() - start
+            self.cost_s += time.perf_counter() - start
             self._steady(saved, self._decided_on)
             return True
         priors = measure_priors(self.group, self.device) if self.passes and self.calibrate else None
@@ -471,6 +486,7 @@ class SparseLiftSession:
                            f"{len(plan.graph.collectives())} collectives per step; calibration "
                            f"{plan.calibration_steps} steps / {plan.calibration_s:.2f} s" + saved)
         self.overhead_s += plan.planning_s + plan.calibration_s
+        self.cost_s += plan.planning_s + (plan.calibration_excess_s or 0.0)
         self._steady(plan, self.identity)
 
     # ------------------------------------------------------------------ steady state
@@ -482,6 +498,7 @@ class SparseLiftSession:
         self.watch = DriftWatch(decided_on, self.rank, self.world, self.drift_check_every, self.drift_ratio)
         self._drift_noted = None
         self.metrics["sparselift/calibration_fraction"] = self.calibration_fraction
+        self.metrics["sparselift/cost_fraction"] = self.cost_fraction
         if not (self.verify_steps and self.calibrate) or plan.graph.fingerprint() == self.identity.fingerprint():
             self.phase = "done"
             return
@@ -557,6 +574,8 @@ class SparseLiftSession:
         if self.plan_path and self.rank == 0:
             self.plan.save_as_cache(self.plan_path)
         self.overhead_s += time.perf_counter() - self._verify_start
+        if finite:  # half the window ran the plan not kept, each step off by the measured change
+            self.cost_s += check.planned / 2 * (e.increment_ms if verification.rolled_back else -e.increment_ms) / 1e3
         m = self.metrics
         for key, value in (("predicted_ms", verification.predicted_ms), ("calibrated_ms", verification.calibrated_ms),
                            ("measured_ms", verification.measured_ms), ("noise_ms", verification.noise_ms),
@@ -570,6 +589,7 @@ class SparseLiftSession:
         m["sparselift/verify/verdict"] = {"faster": -1.0, "undecided": 0.0, "slower": 1.0}[e.verdict]
         m["sparselift/verify/rolled_back"] = float(verification.rolled_back)
         m["sparselift/calibration_fraction"] = self.calibration_fraction
+        m["sparselift/cost_fraction"] = self.cost_fraction
 
     def _observe(self, path: str, features: Any) -> None:
         if self.watch is not None and self.phase in ("verify", "done"):
@@ -584,6 +604,7 @@ class SparseLiftSession:
             return False
         findings, _live = watch.check(self.check_group, self.device)
         self.metrics["sparselift/calibration_fraction"] = self.calibration_fraction
+        self.metrics["sparselift/cost_fraction"] = self.cost_fraction
         if not findings:
             return False
         texts = [f.text for f in findings]

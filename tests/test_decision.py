@@ -75,6 +75,17 @@ def test_outliers_are_not_evidence():
     assert estimate.increment_ms == pytest.approx(-15.0)
 
 
+def test_the_smallest_gain_is_a_fraction_of_the_step_not_of_the_region():
+    # a lookup region of ~3 ms that a candidate makes 0.3 ms faster, every pair alike, in an 80 ms step
+    t0 = [3.0 + 0.01 * k for k in range(10)]
+    t1 = [t - 0.3 for t in t0]
+    steps = [80.0 + k for k in range(10)]
+    assert paired_estimate(t0, t1, 0.95, 1, 0.005).verdict == "faster"  # 0.5% of the region: 0.015 ms
+    small = paired_estimate(t0, t1, 0.95, 1, 0.005, steps)  # 0.5% of the step: 0.42 ms
+    assert small.verdict == "undecided" and small.threshold_ms == pytest.approx(-0.005 * 84.5)
+    assert paired_estimate(t0, [t - 0.6 for t in t0], 0.95, 1, 0.005, steps).verdict == "faster"
+
+
 def test_the_estimate_and_bounds_are_the_signed_rank_ones():
     from scipy.stats import wilcoxon
 

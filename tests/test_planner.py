@@ -55,6 +55,8 @@ def test_every_candidate_is_calibrated_on_top_of_the_incumbent_and_kept_when_fas
         return 5.0 if trial else 10.0
 
     assert _run(loop, step_ms) == 90 == loop.plan.calibration_steps  # noiseless: decided at the first look
+    # half the steps ran a 10 ms incumbent, 5 ms longer than the plan installed (the last trial)
+    assert loop.plan.calibration_excess_s == pytest.approx(45 * 5.0 / 1e3)
     assert loop.progress is None
     assert [(d.accepted, d.measured_ms) for d in loop.plan.decisions] == [(True, -5.0)] * 4
     # each candidate's T0 steps run the incumbent, which holds every candidate accepted before it

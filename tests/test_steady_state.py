@@ -199,10 +199,14 @@ def test_a_slower_installed_plan_is_rolled_back(tmp_path, data_cache, monkeypatc
         identity = SparseGraph.from_dict(info["identity"])
         assert SparseGraph.from_dict(info["graph"]).fingerprint() == identity.fingerprint()
         assert "ROLLED BACK" in info["explain"] and "verification 1:" in info["explain"]
+        assert "costing the run" in info["explain"]
     metrics = torch.load(tmp_path / "session0.pt", weights_only=False)["metrics"]
     assert metrics["sparselift/verify/rolled_back"] == 1 and metrics["sparselift/verify/verdict"] == 1
     assert metrics["sparselift/verify/measured_ms"] > 10
     assert 0 < metrics["sparselift/calibration_fraction"] < 1
+    # what the compiler cost: the lift, and the check's 8 steps on the plan rolled back (~20 ms each
+    # beyond the identity plan's), less than the check's whole window
+    assert 0 < metrics["sparselift/cost_fraction"] < metrics["sparselift/calibration_fraction"]
     assert [k for k in metrics if k.endswith("/accepted")] and all(
         metrics[k] == 0 for k in metrics if k.endswith("/accepted"))  # the rolled-back decisions, logged again
     # the plan file now holds the rolled-back (identity) plan

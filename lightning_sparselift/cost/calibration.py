@@ -148,7 +148,7 @@ class PairedSteps:
         self._schedule: list[tuple[bool, bool]] = []
         self._steps = 0
         self._pairs_added = 0
-        self._observed: list[tuple[bool, float]] = []  # (ran T1, F)
+        self._observed: list[tuple[bool, float, float]] = []  # (ran T1, F, the step's wall ms)
 
     def add_pairs(self, pairs: int) -> None:
         run = 1 + self.settle_steps
@@ -161,11 +161,12 @@ class PairedSteps:
         """Whether the next step runs T1 (True) or T0 (False); None once the scheduled steps ran."""
         return self._schedule[self._steps][0] if self._steps < len(self._schedule) else None
 
-    def record(self, f_ms: float) -> None:
-        """The measured region of the step just run (ignored for settle steps)."""
+    def record(self, f_ms: float, step_ms: Optional[float] = None) -> None:
+        """The measured region of the step just run and the step's wall time (default: the region
+        is the step); settle steps are not observed."""
         uses, observed = self._schedule[self._steps]
         if observed:
-            self._observed.append((uses, f_ms))
+            self._observed.append((uses, f_ms, f_ms if step_ms is None else step_ms))
         self._steps += 1
 
     @property
@@ -183,11 +184,18 @@ class PairedSteps:
         """Steps scheduled so far."""
         return len(self._schedule)
 
+    def _measured(self) -> list[list[tuple[bool, float, float]]]:
+        """This rank's complete measured pairs, T0's observation first."""
+        observed = self._observed[2 * self.warmup_pairs:]
+        return [sorted(observed[i:i + 2], key=lambda o: o[0]) for i in range(0, len(observed) - 1, 2)]
+
     def pairs(self) -> list[list[float]]:
         """This rank's complete measured pairs: [F(T0), F(T1)] each."""
-        observed = self._observed[2 * self.warmup_pairs:]
-        return [[f for _, f in sorted(observed[i:i + 2], key=lambda o: o[0])]
-                for i in range(0, len(observed) - 1, 2)]
+        return [[f for _, f, _ in pair] for pair in self._measured()]
+
+    def incumbent_steps(self) -> list[float]:
+        """Per measured pair, the wall time of its T0 step (what ``min_gain`` is a fraction of)."""
+        return [pair[0][2] for pair in self._measured()]
 
 
 class Calibrator(PairedSteps):
@@ -216,17 +224,20 @@ class Calibrator(PairedSteps):
         """Every rank's pairs (a collective over ``group``), judged on the slowest rank's; an
         undecided candidate is ``negligible`` once it has :data:`NEGLIGIBLE_FROM_PAIRS` pairs and
         its estimate is not even half the smallest gain accepted."""
-        measurement = judge_pairs(self.pairs(), group, self.rule, len(self.looks))
+        measurement = judge_pairs(self.pairs(), group, self.rule, len(self.looks), self.incumbent_steps())
         e = measurement.estimate
         if e.verdict == "undecided" and e.pairs >= NEGLIGIBLE_FROM_PAIRS and e.increment_ms > e.threshold_ms / 2:
             measurement.estimate = replace(e, verdict="negligible")
         return measurement
 
 
-def judge_pairs(pairs: list[list[float]], group: Any, rule: DecisionRule, looks: int) -> Measurement:
+def judge_pairs(pairs: list[list[float]], group: Any, rule: DecisionRule, looks: int,
+                incumbent_steps: Optional[list[float]] = None) -> Measurement:
     """All ranks' [F(T0), F(T1)] pairs gathered; per pair, each arm's slowest rank; the increment
-    estimated from those (the same result on every rank)."""
-    local = torch.tensor(pairs, dtype=torch.float64).reshape(-1, 2)
+    estimated from those (the same result on every rank). ``incumbent_steps``: per pair the T0
+    step's wall time, when the region is not the step (the smallest gain is a fraction of the step)."""
+    steps = incumbent_steps if incumbent_steps is not None else [t0 for t0, _ in pairs]
+    local = torch.tensor([[t0, t1, s] for (t0, t1), s in zip(pairs, steps)], dtype=torch.float64).reshape(-1, 3)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         # NCCL exchanges only CUDA tensors
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
@@ -238,5 +249,5 @@ def judge_pairs(pairs: list[list[float]], group: Any, rule: DecisionRule, looks:
         gathered = [local]
     slowest = torch.stack(gathered).amax(dim=0)
     estimate = paired_estimate(slowest[:, 0].tolist(), slowest[:, 1].tolist(), rule.confidence, looks,
-                               rule.min_gain)
-    return Measurement([g.tolist() for g in gathered], estimate)
+                               rule.min_gain, slowest[:, 2].tolist())
+    return Measurement([g[:, :2].tolist() for g in gathered], estimate)

@@ -23,6 +23,7 @@ graphs; the loop never touches the runtime::
 from __future__ import annotations
 
 import time
+from statistics import median
 from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_sparselift.cost.calibration import Calibrator, Measurement
@@ -176,6 +177,7 @@ class PlanningLoop:
         self._queue: list[Candidate] = []  # feasible candidates still to calibrate, the first one in calibration
         self._calibrator: Optional[Calibrator] = None
         self._calibration_start = 0.0
+        self._ran: list[tuple[SparseGraph, float]] = []  # per calibration step: the graph it ran, its wall ms
 
     def propose(self, since: Optional[float] = None) -> None:
         """Propose the candidates (without calibration: apply every feasible one, and the loop is
@@ -207,11 +209,12 @@ class PlanningLoop:
         the candidate's protocol says which one counts). Decides the candidate once its protocol
         is done (a collective over ``group``)."""
         calibrator = self._calibrator
+        self._ran.append((self.trial if calibrator.next_uses_candidate() else self.incumbent, step_ms))
         measured = {"step": step_ms, "sparse": sparse_ms, "lookup": lookup_ms,
                     "lookup_wall": lookup_wall_ms}[calibrator.protocol.region]
         if measured is None:
             raise ValueError(f"{calibrator.protocol.region!r} calibration needs the lookup regions' time")
-        calibrator.record(measured)
+        calibrator.record(measured, step_ms)
         self.plan.calibration_steps += 1
         if not calibrator.done:
             return
@@ -287,4 +290,7 @@ class PlanningLoop:
         plan = self.plan
         plan.calibration_s = time.perf_counter() - self._calibration_start if plan.calibration_steps else 0.0
         plan.graph = self.incumbent
+        installed = [ms for graph, ms in self._ran if graph is self.incumbent]
+        if installed:  # (the last candidate's arms always include the plan installed)
+            plan.calibration_excess_s = (sum(ms for _, ms in self._ran) - len(self._ran) * median(installed)) / 1e3
         self.done = True

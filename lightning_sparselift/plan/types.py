@@ -84,6 +84,9 @@ class ExecutionPlan:
     priors: Optional[dict[str, Any]] = None
     calibration_steps: int = 0
     calibration_s: float = 0.0
+    # what trying the candidates cost: the calibration steps' time beyond as many steps of the
+    # installed plan (its median step among them); those steps trained, so only this is lost
+    calibration_excess_s: Optional[float] = None
     planning_s: float = 0.0
     verification: Optional[PlanVerification] = None  # the steady-state check against the identity plan
     trigger: Optional[DriftEvent] = None  # why this plan's round ran (None: the run's first round)
@@ -191,7 +194,9 @@ class ExecutionPlan:
                 per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{t1 - t0:+.2f}" for t0, t1 in obs)
                                      for r, obs in enumerate(d.observations_ms))
                 lines.append(f"             increments T1-T0 (ms) {per_rank}")
-        lines.append(f"calibration: {self.calibration_steps} training steps, {self.calibration_s:.2f} s; planning "
+        excess = (f" ({self.calibration_excess_s:+.2f} s beyond as many steps of this plan)"
+                  if self.calibration_excess_s is not None else "")
+        lines.append(f"calibration: {self.calibration_steps} training steps, {self.calibration_s:.2f} s{excess}; planning "
                      f"{self.planning_s:.3f} s; accepted change predicted {self.predicted_change_ms:+.3f} ms, "
                      f"measured {self.measured_change_ms:+.3f} ms per step")
         if self.trigger is not None:
