@@ -11,7 +11,9 @@ import statistics
 
 import pytest
 
-from lightning_sparselift.cost.decision import DecisionRule, bounding_pairs, look_points, paired_estimate, signed_rank_bounds
+from lightning_sparselift.cost.decision import (
+    DecisionRule, bounding_pairs, look_points, paired_estimate, signed_rank_bounds,
+)
 from lightning_sparselift.passes import select_passes
 from lightning_sparselift.plan import PlanFingerprint, Planner, PlanningLoop
 

@@ -14,11 +14,11 @@ pairs each of early start, next batch and an A/A trial on dlrm: 0.1-0.4% false a
 adding pairs until a candidate is decided does not inflate it. A candidate is faster when its
 upper bound is below minus the smallest gain worth a plan change (``min_gain`` of the incumbent's
 step, whatever region measures the candidate: a real but negligible effect would otherwise be
-accepted in some runs and not in others, and 1% of a 3 ms lookup region is no gain worth a
-change of a 80 ms step), slower when its lower bound is above zero, else undecided (more pairs, or, once the
-budget is spent, rejected: do no harm). A sequential calibration also stops a candidate whose
-estimate, after enough pairs, is not even half that smallest gain (``negligible``: more pairs
-would spend steps on a candidate that cannot win).
+accepted in some runs and not in others, and 1% of a 3 ms lookup region is no gain worth
+changing an 80 ms step's plan), slower when its lower bound is above zero, else undecided (more
+pairs, or, once the budget is spent, rejected: do no harm). A sequential calibration also stops
+a candidate whose estimate, after enough pairs, is not even half that smallest gain
+(``negligible``: more pairs would spend steps on a candidate that cannot win).
 """
 
 from __future__ import annotations

@@ -26,8 +26,9 @@ def report_events(session: "SparseLiftSession") -> None:
 
 def report_metrics(session: "SparseLiftSession", module: "pl.LightningModule") -> None:
     """The session's metrics not logged yet (steady-state checks, drift, the compiler's share of
-    the run: ``sparselift/verify/...``, ``sparselift/drift/...``, ``sparselift/calibration_fraction``, ``sparselift/cost_fraction``)
-    to the Lightning logger; after a steady-state check, the plan file next to the logs again."""
+    the run: ``sparselift/verify/...``, ``sparselift/drift/...``, ``sparselift/calibration_fraction``,
+    ``sparselift/cost_fraction``) to the Lightning logger; after a steady-state check, the plan file
+    next to the logs again."""
     if not session.metrics:
         return
     metrics, session.metrics = session.metrics, {}

@@ -196,8 +196,8 @@ class ExecutionPlan:
                 lines.append(f"             increments T1-T0 (ms) {per_rank}")
         excess = (f" ({self.calibration_excess_s:+.2f} s beyond as many steps of this plan)"
                   if self.calibration_excess_s is not None else "")
-        lines.append(f"calibration: {self.calibration_steps} training steps, {self.calibration_s:.2f} s{excess}; planning "
-                     f"{self.planning_s:.3f} s; accepted change predicted {self.predicted_change_ms:+.3f} ms, "
+        lines.append(f"calibration: {self.calibration_steps} training steps, {self.calibration_s:.2f} s{excess}; "
+                     f"planning {self.planning_s:.3f} s; accepted change predicted {self.predicted_change_ms:+.3f} ms, "
                      f"measured {self.measured_change_ms:+.3f} ms per step")
         if self.trigger is not None:
             lines.append(f"planned because of {self.trigger.describe()}")
