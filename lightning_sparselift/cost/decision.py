@@ -10,7 +10,7 @@ their pairwise averages) and its interval's two ends are one-sided Wilcoxon sign
 (heavy-tailed: ~10% of pairs differ by more than 15 ms on an 80 ms step) they reject a candidate
 without effect far more reliably than a t interval at the same power (replayed on 150 measured
 pairs each of early start, next batch and an A/A trial on dlrm: 0.1-0.4% false acceptances against
-0.7-2%). The error rate is split over the looks a sequential calibration takes (Bonferroni), so
+0.5-2%). The error rate is split over the looks a sequential calibration takes (Bonferroni), so
 adding pairs until a candidate is decided does not inflate it. A candidate is faster when its
 upper bound is below minus the smallest gain worth a plan change (``min_gain`` of the incumbent's
 step, whatever region measures the candidate: a real but negligible effect would otherwise be
