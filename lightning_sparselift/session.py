@@ -285,19 +285,26 @@ class SparseLiftSession:
         """Planning rounds started because the workload drifted."""
         return sum(e.action.startswith("re-planned") for e in self.drift_events)
 
+    def _share(self, seconds: float) -> float:
+        """``seconds`` as a fraction of the time since the session began."""
+        elapsed = time.perf_counter() - self.started
+        return seconds / elapsed if elapsed > 0 else 0.0
+
     @property
     def calibration_fraction(self) -> float:
         """Lift, planning, calibration and steady-state verification time as a fraction of the time
         since the session began (the phases finished so far)."""
-        elapsed = time.perf_counter() - self.started
-        return self.overhead_s / elapsed if elapsed > 0 else 0.0
+        return self._share(self.overhead_s)
 
     @property
     def cost_fraction(self) -> float:
         """What the compiler cost the run (:attr:`cost_s`) as a fraction of the time since the
         session began."""
-        elapsed = time.perf_counter() - self.started
-        return self.cost_s / elapsed if elapsed > 0 else 0.0
+        return self._share(self.cost_s)
+
+    def _report_shares(self) -> None:
+        self.metrics["sparselift/calibration_fraction"] = self.calibration_fraction
+        self.metrics["sparselift/cost_fraction"] = self.cost_fraction
 
     def abandon(self, why: str) -> None:
         """Training stopped before the session finished: keep TorchRec's path (still capturing) or
@@ -450,8 +457,9 @@ class SparseLiftSession:
             self.events.append(f"reusing the plan at {self.plan_path} (no calibration): "
                                f"{len(saved.accepted)} optimization(s), {len(saved.graph.collectives())} collectives "
                                f"per step")
-            self.overhead_s += time.perf_counter() - start
-            self.cost_s += time.perf_counter() - start
+            reuse_s = time.perf_counter() - start
+            self.overhead_s += reuse_s
+            self.cost_s += reuse_s
             self._steady(saved, self._decided_on)
             return True
         priors = measure_priors(self.group, self.device) if self.passes and self.calibrate else None
@@ -497,8 +505,7 @@ class SparseLiftSession:
         self.verification = None
         self.watch = DriftWatch(decided_on, self.rank, self.world, self.drift_check_every, self.drift_ratio)
         self._drift_noted = None
-        self.metrics["sparselift/calibration_fraction"] = self.calibration_fraction
-        self.metrics["sparselift/cost_fraction"] = self.cost_fraction
+        self._report_shares()
         if not (self.verify_steps and self.calibrate) or plan.graph.fingerprint() == self.identity.fingerprint():
             self.phase = "done"
             return
@@ -588,8 +595,7 @@ class SparseLiftSession:
         m["sparselift/verify/pairs"] = float(verification.pairs)
         m["sparselift/verify/verdict"] = {"faster": -1.0, "undecided": 0.0, "slower": 1.0}[e.verdict]
         m["sparselift/verify/rolled_back"] = float(verification.rolled_back)
-        m["sparselift/calibration_fraction"] = self.calibration_fraction
-        m["sparselift/cost_fraction"] = self.cost_fraction
+        self._report_shares()
 
     def _observe(self, path: str, features: Any) -> None:
         if self.watch is not None and self.phase in ("verify", "done"):
@@ -603,8 +609,7 @@ class SparseLiftSession:
         if watch is None or not watch.end_step():
             return False
         findings, _live = watch.check(self.check_group, self.device)
-        self.metrics["sparselift/calibration_fraction"] = self.calibration_fraction
-        self.metrics["sparselift/cost_fraction"] = self.cost_fraction
+        self._report_shares()
         if not findings:
             return False
         texts = [f.text for f in findings]
