@@ -309,8 +309,24 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
                     if any(p.sharding_type in kinds for p in tables_plan.values())}
 
         install_input_checks(module, sorted(modules), tables, input_check_group, having("row_wise", "table_row_wise"),
-                             having("data_parallel"))
+                             having("data_parallel"), _pooling_data_parallel(modules, plan))
     return ShardedModel(dmp, tables, sorted(modules))
+
+
+def _pooling_data_parallel(modules: dict[str, nn.Module], plan: Any) -> dict[str, frozenset[str]]:
+    """Per EmbeddingCollection, the features of its data-parallel tables: on CPU, TorchRec's
+    data-parallel lookup (fbgemm's dense table-batched kernel) ignores the collection's
+    ``PoolingMode.NONE`` and pools each bag into one row, so only bags of one id come out right."""
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+
+    out = {}
+    for path, module in modules.items():
+        if isinstance(module, EmbeddingCollection):
+            features = {f for cfg in module.embedding_configs() if plan.plan[path][cfg.name].sharding_type ==
+                        "data_parallel" for f in cfg.feature_names}
+            if features:
+                out[path] = frozenset(features)
+    return out
 
 
 def combine_optimizers(dmp: nn.Module, dense: torch.optim.Optimizer) -> Any:

@@ -28,9 +28,11 @@ class SparseInputError(ValueError):
     pass
 
 
-def kjt_problem(kjt: Any, rows_per_feature: dict[str, int], variable_batch_ok: bool = True) -> Optional[str]:
+def kjt_problem(kjt: Any, rows_per_feature: dict[str, int], variable_batch_ok: bool = True,
+                single_id: frozenset[str] = frozenset()) -> Optional[str]:
     """What is wrong with ``kjt`` as the input of a module whose features have these row counts
-    (None: nothing). ``variable_batch_ok``: whether the module takes a variable batch per feature."""
+    (None: nothing). ``variable_batch_ok``: whether the module takes a variable batch per feature;
+    ``single_id``: features whose bags must hold exactly one id."""
     keys = list(kjt.keys())
     if not variable_batch_ok and kjt.variable_stride_per_key():
         return ("the KeyedJaggedTensor has a variable batch per feature (VBE), which TorchRec's data-parallel lookup "
@@ -58,6 +60,13 @@ def kjt_problem(kjt: Any, rows_per_feature: dict[str, int], variable_batch_ok: b
         return f"the KeyedJaggedTensor's lengths add up to {total} but it holds {values.numel()} ids"
     if weights is not None and weights.numel() != values.numel():
         return f"the KeyedJaggedTensor holds {values.numel()} ids but {weights.numel()} weights"
+    for key in sorted(single_id & set(keys)):
+        bags = kjt[key].lengths()
+        if bool((bags != 1).any()):
+            return (f"feature {key!r} has bags of {int(bags.min())}-{int(bags.max())} ids, but its table is a "
+                    f"data-parallel table of an EmbeddingCollection on CPU, where TorchRec's lookup (fbgemm's dense "
+                    f"kernel) pools each bag into one row instead of returning a row per id; give it one id per "
+                    f"sample, shard the table another way (sharding_types), or train on CUDA")
     if values.numel() == 0:
         return None
     bounds = torch.tensor([rows_per_feature.get(k, 0) for k in keys], dtype=values.dtype, device=values.device)
@@ -77,8 +86,9 @@ def kjt_problem(kjt: Any, rows_per_feature: dict[str, int], variable_batch_ok: b
     return None
 
 
-def check_kjt(module_path: str, kjt: Any, rows_per_feature: dict[str, int], variable_batch_ok: bool = True) -> None:
-    problem = kjt_problem(kjt, rows_per_feature, variable_batch_ok)
+def check_kjt(module_path: str, kjt: Any, rows_per_feature: dict[str, int], variable_batch_ok: bool = True,
+              single_id: frozenset[str] = frozenset()) -> None:
+    problem = kjt_problem(kjt, rows_per_feature, variable_batch_ok, single_id)
     if problem is not None:
         raise SparseInputError(f"{module_path}: {problem}")
 
@@ -146,17 +156,16 @@ class InputCheck:
     Every rank passes the same objects around, so all ranks decide alike."""
 
     def __init__(self, path: str, rows_per_feature: dict[str, int], group: Any, row_wise: bool,
-                 data_parallel: bool = False) -> None:
+                 data_parallel: bool = False, single_id_on_cpu: frozenset[str] = frozenset()) -> None:
         self.path, self.rows, self.group, self.row_wise = path, rows_per_feature, group, row_wise
-        self.data_parallel = data_parallel
+        self.data_parallel, self.single_id_on_cpu = data_parallel, single_id_on_cpu
         self._checked: Optional[tuple] = None  # the identity (see _identity) of the KJT checked last
         self._started: Optional[tuple[tuple, RankComparison]] = None  # a check started ahead of its call
 
     def start(self, kjt: Any, backward: bool) -> None:
         """Begin checking ``kjt``, which a later call (in mode ``backward``) will pass."""
         if self._compares_ranks():
-            comparison = RankComparison(kjt, kjt_problem(kjt, self.rows, self._variable_batch_ok(kjt)), self.group,
-                                        async_op=True)
+            comparison = RankComparison(kjt, self._problem(kjt), self.group, async_op=True)
             self._started = (self._identity(kjt, backward), comparison)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -171,14 +180,18 @@ class InputCheck:
         if started is not None and _same_identity(started[0], identity):
             started[1].finish(self.path, uneven_batches_ok)
         elif self._compares_ranks():
-            RankComparison(kjt, kjt_problem(kjt, self.rows, self._variable_batch_ok(kjt)),
-                           self.group).finish(self.path, uneven_batches_ok)
+            RankComparison(kjt, self._problem(kjt), self.group).finish(self.path, uneven_batches_ok)
         else:
-            check_kjt(self.path, kjt, self.rows, self._variable_batch_ok(kjt))
+            check_kjt(self.path, kjt, self.rows, *self._rules(kjt))
         self._checked = identity
 
-    def _variable_batch_ok(self, kjt: Any) -> bool:
-        return not (self.data_parallel and kjt.values().device.type == "cpu")
+    def _rules(self, kjt: Any) -> tuple[bool, frozenset[str]]:
+        """Whether a variable batch per feature is taken, and the features whose bags must hold one id."""
+        cpu = kjt.values().device.type == "cpu"
+        return not (self.data_parallel and cpu), self.single_id_on_cpu if cpu else frozenset()
+
+    def _problem(self, kjt: Any) -> Optional[str]:
+        return kjt_problem(kjt, self.rows, *self._rules(kjt))
 
     def _compares_ranks(self) -> bool:
         return dist.is_initialized() and dist.get_world_size(self.group) > 1
@@ -194,12 +207,15 @@ def _same_identity(a: tuple, b: tuple) -> bool:
 
 
 def install_input_checks(model: nn.Module, module_paths: list[str], tables: dict[str, Any], group: Any,
-                         row_wise_paths: set[str], data_parallel_paths: set[str]) -> None:
+                         row_wise_paths: set[str], data_parallel_paths: set[str],
+                         single_id_on_cpu: dict[str, frozenset[str]]) -> None:
     """Register an :class:`InputCheck` on each (sharded) embedding module at ``module_paths``.
     ``row_wise_paths`` are the modules with row-wise sharded tables (one batch size on all ranks
     in training), ``data_parallel_paths`` those with data-parallel tables (no variable batch per
-    feature on CPU)."""
+    feature on CPU), ``single_id_on_cpu`` per module the features whose bags must hold one id on
+    CPU."""
     for path in module_paths:
         rows = {f: t.id_bound for t in tables.values() if t.module_path == path for f in t.feature_names}
-        check = InputCheck(path, rows, group, path in row_wise_paths, path in data_parallel_paths)
+        check = InputCheck(path, rows, group, path in row_wise_paths, path in data_parallel_paths,
+                           single_id_on_cpu.get(path, frozenset()))
         model.get_submodule(path).register_forward_pre_hook(check, with_kwargs=True)

@@ -12,7 +12,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "graphs"
 EBC = "model.sparse_arch.embedding_bag_collection"
 USER, ITEM = "model.user_ebc", "model.item_ebc"
 
-NOTHING_TO_MERGE = ("{} table/column-wise bucket(s): nothing to merge (row-wise reduce-scatters and data-parallel "
+NOTHING_TO_MERGE = ("{} output all-to-all bucket(s): nothing to merge (row-wise reduce-scatters and data-parallel "
                     "groups have no all-to-all)")
 COMPUTED_INPUT = ("the module's input was not among the root forward's arguments in the captured steps (the model "
                   "computes it), so it cannot start before the model reaches the module")

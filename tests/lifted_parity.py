@@ -40,7 +40,16 @@ CASES: dict[str, dict[str, Any]] = {
     "mean_pooling": dict(sharding={"ta0": "table_wise", "ta1": "row_wise", "ta2": "column_wise",
                                    "ta3": "data_parallel", "tb0": "row_wise", "tb1": "table_wise"},
                          mean=("ta0", "ta1", "tb0")),
+    # an EmbeddingCollection's tables split into column shards on every rank (TorchRec's planner
+    # keeps its narrow tables whole; a row-wise table makes us construct the plan)
+    "column_shards": dict(sharding={"ta0": "row_wise", "ta1": "table_wise", "ta2": "column_wise", "ta3": "table_wise",
+                                    "ta4": "column_wise", "tb0": "table_wise", "tb1": "table_wise"}),
 }
+POOLED_CASES = ("table_wise", "column_wise", "table_column_wise", "row_wise", "data_parallel", "mixed", "mean_pooling")
+# module "a" as an EmbeddingCollection (one width for all its tables, as TorchRec requires; wide
+# enough for column-wise shards): its rows are read per position, padded to the longest bag
+SEQUENCE_DIM = 48
+LONGEST_BAG = 3
 VARIANTS: dict[str, dict[str, Any]] = {
     "onehot": dict(weighted=False, multi_hot=False, two_modules=False),
     "multihot_weighted": dict(weighted=True, multi_hot=True, two_modules=False),
@@ -49,6 +58,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "uneven_batch": dict(weighted=True, multi_hot=True, two_modules=False, short_step=WARMUP_STEPS + 2),
     # fused SGD (the others train with rowwise Adagrad); module "a" weighted, "b" not
     "sgd": dict(weighted=True, multi_hot=True, two_modules=True, optimizer="sgd"),
+    # (TorchRec shards an EmbeddingCollection table-wise, column-wise, row-wise or data-parallel;
+    # on CPU its data-parallel tables take bags of one id: fbgemm's dense kernel pools)
+    "sequence": dict(weighted=False, multi_hot=True, two_modules=False,
+                     sequence=("table_wise", "column_wise", "row_wise", "column_shards")),
+    "sequence_onehot": dict(weighted=False, multi_hot=False, two_modules=False,
+                            sequence=("table_wise", "column_wise", "row_wise", "data_parallel", "mixed")),
+    # the EmbeddingCollection next to an EmbeddingBagCollection, fused SGD
+    "sequence_two_modules": dict(weighted=False, multi_hot=True, two_modules=True, optimizer="sgd",
+                                 sequence=("table_wise", "column_wise", "row_wise", "column_shards")),
 }
 # the lifted runs with passes forced on (every feasible candidate; "pass:role": only that role's)
 OPTIMIZED = {"aggregated": ("aggregation",), "latency_hidden": ("latency_hiding",),
@@ -58,7 +76,8 @@ OPTIMIZED = {"aggregated": ("aggregation",), "latency_hidden": ("latency_hiding"
 # TorchRec's own row-wise backward fails on uneven batches over gloo ("ProcessGroupGloo::allgather:
 # invalid tensor size"), so there is no reference to compare with.
 ALL = [(c, v) for c in CASES for v in VARIANTS
-       if not (v == "uneven_batch" and any(k == "row_wise" for k in CASES[c]["sharding"].values()))]
+       if not (v == "uneven_batch" and any(k == "row_wise" for k in CASES[c]["sharding"].values()))
+       and c in VARIANTS[v].get("sequence", POOLED_CASES)]
 
 
 def _ebc(tables: dict[str, tuple], weighted: bool, mean: tuple[str, ...]) -> nn.Module:
@@ -72,15 +91,27 @@ def _ebc(tables: dict[str, tuple], weighted: bool, mean: tuple[str, ...]) -> nn.
                                   is_weighted=weighted, device=torch.device("meta"))
 
 
-class ParityModel(nn.Module):
-    """Dense MLP + one or two EmbeddingBagCollections, pooled outputs read by key."""
+def _ec(tables: dict[str, tuple]) -> nn.Module:
+    from torchrec import EmbeddingCollection
+    from torchrec.modules.embedding_configs import EmbeddingConfig
 
-    def __init__(self, weighted: bool, two_modules: bool, mean: tuple[str, ...] = ()):
+    return EmbeddingCollection(tables=[EmbeddingConfig(name=n, embedding_dim=SEQUENCE_DIM, num_embeddings=r,
+                                                       feature_names=list(f)) for n, (r, _, f) in tables.items()],
+                               device=torch.device("meta"))
+
+
+class ParityModel(nn.Module):
+    """Dense MLP + one or two EmbeddingBagCollections (module "a" may be an EmbeddingCollection
+    instead), pooled outputs read by key, sequence rows by key and position."""
+
+    def __init__(self, weighted: bool, two_modules: bool, mean: tuple[str, ...] = (), sequence: bool = False):
         super().__init__()
-        self.ebc_a = _ebc(TABLES_A, weighted, mean)
+        self.sequence = sequence
+        self.ebc_a = _ec(TABLES_A) if sequence else _ebc(TABLES_A, weighted, mean)
         self.ebc_b = _ebc(TABLES_B, False, mean) if two_modules else None
         self.keys = [f for _, _, fs in TABLES_A.values() for f in fs]
-        width = sum(d * len(f) for _, d, f in TABLES_A.values())
+        width = (len(self.keys) * LONGEST_BAG * SEQUENCE_DIM if sequence else
+                 sum(d * len(f) for _, d, f in TABLES_A.values()))
         if two_modules:
             self.keys_b = [f for _, _, fs in TABLES_B.values() for f in fs]
             width += sum(d * len(f) for _, d, f in TABLES_B.values())
@@ -89,7 +120,10 @@ class ParityModel(nn.Module):
 
     def forward(self, dense: torch.Tensor, kjt_a: Any, kjt_b: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         kt = self.ebc_a(kjt_a)
-        pooled = [kt[k] for k in self.keys]
+        if self.sequence:
+            pooled = [kt[k].to_padded_dense(LONGEST_BAG).flatten(1) for k in self.keys]
+        else:
+            pooled = [kt[k] for k in self.keys]
         if self.ebc_b is not None:
             kt_b = self.ebc_b(kjt_b)
             pooled += [kt_b[k] for k in self.keys_b]
@@ -208,7 +242,7 @@ def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: in
     from lightning_sparselift.sharding import EmbeddingOptimizer, shard_model
 
     torch.manual_seed(0)
-    model = ParityModel(variant["weighted"], variant["two_modules"], case.get("mean", ()))
+    model = ParityModel(variant["weighted"], variant["two_modules"], case.get("mean", ()), "sequence" in variant)
     tables = set(TABLES_A) | (set(TABLES_B) if variant["two_modules"] else set())
     sharding = {t: k for t, k in case["sharding"].items() if t in tables}
     sharded = shard_model(model, world, device, sharding,

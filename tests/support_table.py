@@ -1,6 +1,6 @@
 """The README's table of TorchRec sparse modules and sharding types, rendered from what the tests
-cover: the parity harness's cases (plain EmbeddingBagCollections through the lifted executor) and
-the user-model tests of the other collections. ``python tests/support_table.py`` prints it;
+cover: the parity harness's cases (plain EmbeddingBagCollections and EmbeddingCollections through
+the lifted executor) and the user-model tests of the other collections. ``python tests/support_table.py`` prints it;
 ``test_readme_support_table`` fails when the README's copy differs."""
 
 from __future__ import annotations
@@ -15,20 +15,32 @@ BEGIN, END = "<!-- support table: python tests/support_table.py -->", "<!-- end 
 
 def rows() -> list[tuple[str, str, str]]:
     import lifted_parity as lp
-    from test_user_models import MANAGED_COLLECTIONS, OTHER_COLLECTIONS, VARIABLE_BATCH
+    from test_user_models import LIFTED_COLLECTIONS, MANAGED_COLLECTIONS, OTHER_COLLECTIONS, VARIABLE_BATCH
 
     lifted = [("EmbeddingBagCollection", kind,
                "sharded; lifted; bit-identical to TorchRec on 1-3 ranks with every pass forced on "
                "(`tests/test_lifting.py`)")
-              for kind, case in lp.CASES.items() if len(set(case["sharding"].values())) == 1]
+              for kind, case in lp.CASES.items() if kind in lp.POOLED_CASES and len(set(case["sharding"].values())) == 1]
     mean = lp.CASES["mean_pooling"]
     lifted.append(("EmbeddingBagCollection, mean pooling",
                    ", ".join(sorted({mean["sharding"][t] for t in mean["mean"]})),
                    "sharded; lifted (row-wise: TorchRec's division by bag lengths after the reduce-scatter); "
                    "bit-identical to TorchRec on 1-3 ranks with every pass forced on (`tests/test_lifting.py`)"))
+    # per sharding type, the parity variants of module "a" as an EmbeddingCollection
+    sequence: dict[str, list[dict]] = {}
+    for variant in lp.VARIANTS.values():
+        for case in variant.get("sequence", ()):
+            sequence.setdefault(case, []).append(variant)
+    for kind in sorted(k for k in sequence if len(set(lp.CASES[k]["sharding"].values())) == 1):
+        one_id = all(not v["multi_hot"] for v in sequence[kind])
+        lifted.append(("EmbeddingCollection", kind,
+                       "sharded; lifted; bit-identical to TorchRec on 1-3 ranks with every pass forced on, alone "
+                       "and next to an EmbeddingBagCollection (`tests/test_lifting.py`, `tests/test_user_models.py`)"
+                       + ("; on CPU one id per bag: TorchRec's data-parallel lookup (fbgemm's dense kernel) pools "
+                          "longer bags there, which the input checks refuse" if one_id else "")))
     other = [(collection, kind, "sharded; TorchRec's path (not lifted, the reason in `explain()`); bit-identical "
                                 "next to a lifted EmbeddingBagCollection (`tests/test_user_models.py`)")
-             for collection, kind in sorted(OTHER_COLLECTIONS)]
+             for collection, kind in sorted(OTHER_COLLECTIONS) if collection not in LIFTED_COLLECTIONS]
     managed = [(collection, kind, "sharded (row-wise only, as TorchRec allows; on CPU with SGD or Adagrad); "
                                   "TorchRec's path; bit-identical next to a lifted EmbeddingBagCollection, exact "
                                   "resume (`tests/test_user_models.py`, `tests/test_checkpoint.py`)")

@@ -120,10 +120,11 @@ def test_a_sequence_scenario_side_by_side_and_in_parity(tmp_path, data_cache):
     assert list(systems) == [n for n in DEFAULT_SYSTEMS if n != "dlrm-baseline"]
     for name, r in systems.items():
         assert r["status"] == "ok", f"{name}: {r['error']}"
-    # the EmbeddingCollection keeps TorchRec's path (with the reason), the bags are lifted
+    # the EmbeddingCollection and the bags are lifted
     for name in ("sparselift", "sparselift-lightning"):
         assert systems[name]["executor"] == "sparselift"
-        assert "sequences: not lifted, TorchRec's path" in systems[name]["graph_explain"]
+        assert "sequences: sequence (one row per id" in systems[name]["graph_explain"]
+        assert "not lifted" not in systems[name]["graph_explain"]
     # dense-only feeds the attention the batch's real history lengths, with no sparse path
     assert systems["dense-only"]["stages_ms"]["sparse_backward"] == 0
     assert "all_to_all" not in systems["dense-only"]["collectives_per_step"]["by_op"]

@@ -35,6 +35,15 @@ def test_keys_of_another_collection_pass_and_their_ids_are_left_to_it():
         check_kjt("ebc", _kjt(["c", "a", "b"], [123456, 0, 5], [1, 1, 1]), ROWS)
 
 
+def test_bags_of_one_id_where_the_lookup_pools():
+    # 'b' read by a data-parallel EmbeddingCollection table on CPU: a bag of two ids (or none) is refused
+    check_kjt("ec", _kjt(["a", "b"], [0, 9, 4, 3], [2, 0, 1, 1]), ROWS, single_id=frozenset({"b"}))
+    for lengths in ([1, 1, 2, 0], [1, 1, 0, 2]):
+        with pytest.raises(SparseInputError, match=r"feature 'b' has bags of 0-2 ids.*data-parallel table of an "
+                                                   r"EmbeddingCollection on CPU"):
+            check_kjt("ec", _kjt(["a", "b"], [0, 1, 2, 3], lengths), ROWS, single_id=frozenset({"b"}))
+
+
 def _vbe(values):
     # 'a' for 1 sample, 'b' for 3 (a variable batch per feature), ids [a | b b b]
     return KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor(values), lengths=torch.tensor([1, 1, 1, 1]),

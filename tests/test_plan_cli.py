@@ -79,7 +79,7 @@ def test_explain_shows_the_decisions_and_each_modules_schedule(tmp_path):
     status, out, err = _main("explain", path)
     assert (status, err) == (0, "")
     assert out == explain(ExecutionPlan.load(path)) + "\n"
-    assert out.startswith(plan.explain() + "\n\n" + "SparseGraph (SRSV) v2: 2 rank(s), backend gloo")
+    assert out.startswith(plan.explain() + "\n\n" + "SparseGraph (SRSV) v3: 2 rank(s), backend gloo")
     assert f"  ACCEPT     latency_hiding:next_batch@{EBC}: no prediction; accepted without calibration" in out
     assert ("  schedule: lookups at root_forward\n"
             "    input  g0+g1      bytes      issued previous_step on world\n") in out

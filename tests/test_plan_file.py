@@ -57,7 +57,7 @@ def test_a_saved_plan_loads_and_rebuilds_on_the_same_graph(tmp_path):
     assert _rebuild(loaded, identity, ALL).fingerprint() == plan.graph.fingerprint()
     # schema 2: the graph (version 2) carries each module's schedule; the step's nodes are derived, not saved
     saved = json.loads((tmp_path / "plan.json").read_text())
-    assert (saved["schema"], saved["graph"]["version"]) == ("sparselift-plan/2", 2)
+    assert (saved["schema"], saved["graph"]["version"]) == ("sparselift-plan/2", 3)
     assert "nodes" not in saved["graph"]
     (module,) = saved["graph"]["modules"]
     assert "schedules" not in module and "aggregated" not in module
@@ -97,7 +97,7 @@ def _edited(edit) -> bytes:
     (_edited(lambda d: d["graph"]["modules"][0].update(schedule="early_start")),
      r"graph.modules\[0\].schedule: expected an object, got string"),
     (_edited(lambda d: d["graph"].update(world_size=True)), "graph.world_size: expected an integer, got boolean"),
-    (_edited(lambda d: d["graph"].update(version=1)), "malformed plan: graph: sparse graph version 1 is not 2$"),
+    (_edited(lambda d: d["graph"].update(version=1)), "malformed plan: graph: sparse graph version 1 is not 3$"),
     # what version 1 graphs had: the pass flags and layout notes per module, the step's nodes
     (_edited(lambda d: d["graph"]["modules"][0].update(schedules=["early_start"], aggregated=[])),
      r"graph.modules\[0\]: LiftedModule: unknown key\(s\) \['aggregated', 'schedules'\]"),

@@ -67,10 +67,12 @@ OTHER_COLLECTIONS = {(collection, sharding): kind
                      for collection, kind in (("EmbeddingCollection", "sequence"),
                                               ("FeatureProcessedEmbeddingBagCollection", "positioned"))
                      for sharding in ("table_wise", "row_wise", "column_wise", "data_parallel")}
+# the ones the lifted executor runs (the others keep TorchRec's path)
+LIFTED_COLLECTIONS = ("EmbeddingCollection",)
 
 
 @pytest.mark.parametrize("collection, sharding", sorted(OTHER_COLLECTIONS))
-def test_a_model_with_other_torchrec_collections_is_sharded_and_its_bags_lifted(collection, sharding, tmp_path,
+def test_a_model_with_other_torchrec_collections_is_sharded_and_lifted_per_module(collection, sharding, tmp_path,
                                                                                 data_cache):
     from user_models import WithPositionWeights, WithSequenceFeature
 
@@ -93,18 +95,20 @@ def test_a_model_with_other_torchrec_collections_is_sharded_and_its_bags_lifted(
 
     fit(tmp_path / "torchrec", executor="torchrec")
     report = fit(tmp_path / "lifted")
-    # the other collection keeps TorchRec's path (with the reason), the plain bags are lifted
-    assert report["modules"] == ["embeddings"]
-    assert list(report["not_lifted"]) == [kind]
-    assert f"{sharded_type} is not a plain ShardedEmbeddingBagCollection" in report["not_lifted"][kind]
-    assert f"module {kind}: not lifted, TorchRec's path" in report["explain"]
+    if collection in LIFTED_COLLECTIONS:
+        assert report["modules"] == [kind, "embeddings"] and report["not_lifted"] == {}
+    else:  # it keeps TorchRec's path (with the reason), the plain bags are lifted
+        assert report["modules"] == ["embeddings"]
+        assert list(report["not_lifted"]) == [kind]
+        assert f"{sharded_type} is not a plain ShardedEmbeddingBagCollection" in report["not_lifted"][kind]
+        assert f"module {kind}: not lifted, TorchRec's path" in report["explain"]
     assert any(k.startswith(f"{kind}.") for state in load_dumps(tmp_path / "lifted", 2) for k in state)
     _assert_identical(tmp_path / "torchrec", tmp_path / "lifted")
 
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "column_wise", "data_parallel"])
-def test_a_model_with_every_collection_kind_on_one_kjt_is_sharded_and_its_bags_lifted(sharding, world, tmp_path,
+def test_a_model_with_every_collection_kind_on_one_kjt_is_sharded_and_lifted_per_module(sharding, world, tmp_path,
                                                                                         data_cache):
     from user_models import WithEveryCollection
 
@@ -125,9 +129,9 @@ def test_a_model_with_every_collection_kind_on_one_kjt_is_sharded_and_its_bags_l
 
     fit(tmp_path / "torchrec", executor="torchrec")
     report = fit(tmp_path / "lifted")
-    assert report["executor"] == "sparselift" and report["modules"] == ["embeddings"]
-    assert sorted(report["not_lifted"]) == ["positioned", "sequence"]
-    # the lifted bags read the batch's KJT as it is: they start early and prefetch the next batch
+    assert report["executor"] == "sparselift" and report["modules"] == ["sequence", "embeddings"]
+    assert sorted(report["not_lifted"]) == ["positioned"]
+    # the lifted collections read the batch's KJT as it is: they start early and prefetch the next batch
     assert report["early_steps"] > 0 and report["prefetched_steps"] > 0
     _assert_identical(tmp_path / "torchrec", tmp_path / "lifted", world)
 

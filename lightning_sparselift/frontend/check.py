@@ -29,16 +29,30 @@ def check_against_runtime(graph: SparseGraph, model: nn.Module) -> None:
             raise LiftError(f"{m.path}: TorchRec's input/output dists are not initialised (no forward ran yet)")
         expect("sharding types", [g.sharding_type for g in m.groups], list(sharded._sharding_types))
         expect("feature splits", [len(g.features) for g in m.groups], list(sharded._feature_splits))
-        expect("feature order", m.feature_order, list(sharded._features_order) if sharded._has_features_permute else [])
-        expect("embedding names", m.embedding_names, list(sharded._embedding_names))
-        expect("embedding dims", m.embedding_dims, list(sharded._embedding_dims))
-        expect("mean pooling after the reduce-scatter", m.mean_after_reduce, sharded._has_mean_pooling_callback)
-        expect("row-wise sum features", m.reduce_sum_features, list(sharded._pooling_type_to_rs_features.get("SUM", [])))
-        if m.mean_after_reduce:
-            expect("dims per output key", m.embedding_dims, [int(d) for d in sharded._dim_per_key.tolist()])
+        if m.pooled:
+            expect("feature order", m.feature_order,
+                   list(sharded._features_order) if sharded._has_features_permute else [])
+            expect("embedding names", m.embedding_names, list(sharded._embedding_names))
+            expect("embedding dims", m.embedding_dims, list(sharded._embedding_dims))
+            expect("mean pooling after the reduce-scatter", m.mean_after_reduce, sharded._has_mean_pooling_callback)
+            expect("row-wise sum features", m.reduce_sum_features,
+                   list(sharded._pooling_type_to_rs_features.get("SUM", [])))
+            if m.mean_after_reduce:
+                expect("dims per output key", m.embedding_dims, [int(d) for d in sharded._dim_per_key.tolist()])
+        else:
+            expect("feature order", m.feature_order, list(sharded._features_order))
+            expect("embedding names per group", [g.embedding_names for g in m.groups],
+                   [list(n) for n in sharded._embedding_names_per_sharding])
+            expect("column shard order", m.column_shard_order, dict(sharded._features_to_permute_indices))
+            for g in m.groups:
+                if g.dim_sum_per_rank:
+                    expect(f"group {g.index} row width", g.dim_sum_per_rank[0],
+                           sharded._embedding_dim_for_sharding_type(g.sharding_type))
         for g, input_dist, output_dist in zip(m.groups, sharded._input_dists, sharded._output_dists):
             kind = g.sharding_type
-            if kind in POOLED_ALL_TO_ALL:
+            if kind in POOLED_ALL_TO_ALL and not m.pooled:
+                expect(f"group {g.index} features per rank", g.features_per_rank, list(input_dist._dist._splits))
+            elif kind in POOLED_ALL_TO_ALL:
                 expect(f"group {g.index} features per rank", g.features_per_rank, list(input_dist._dist._splits))
                 expect(f"group {g.index} output dims per rank", g.dim_sum_per_rank, list(output_dist._dim_sum_per_rank))
                 callbacks = list(getattr(output_dist, "_callbacks", None) or [])
@@ -54,5 +68,6 @@ def check_against_runtime(graph: SparseGraph, model: nn.Module) -> None:
                        [int(b) for b in input_dist._feature_block_sizes_tensor.tolist()])
                 if getattr(input_dist, "_has_multiple_blocks_per_shard", False) or input_dist.zch_bucketize_row_pos:
                     raise LiftError(f"{m.path}: row-wise group {g.index} uses multi-block bucketization")
-                if input_dist._has_feature_processor or input_dist._is_sequence:
+                if input_dist._has_feature_processor:
                     raise LiftError(f"{m.path}: row-wise group {g.index} bucketizes positions (feature processor)")
+                expect(f"group {g.index} returning rows in id order", not m.pooled, input_dist._is_sequence)

@@ -1,11 +1,12 @@
 """Lifting: a sharded model's sparse path as a :class:`~lightning_sparselift.ir.SparseGraph`.
 
-TorchRec runs each sharded EmbeddingBagCollection as one opaque call. :func:`lift` rebuilds it
-as plain data: per module, its sharding groups (one per sharding type, as TorchRec groups them)
-with the exact layout the executor needs (feature order, features per rank, row blocks, output
-dims per rank, column order), and the identity schedule (TorchRec's own step). The layout is
-derived from public TorchRec structure (the ShardingPlan, the tables' EmbeddingBagConfigs,
-``create_grouped_sharding_infos`` / ``create_embedding_bag_sharding``);
+TorchRec runs each sharded EmbeddingBagCollection or EmbeddingCollection as one opaque call.
+:func:`lift` rebuilds it as plain data: per module, its sharding groups (one per sharding type, as
+TorchRec groups them) with the exact layout the executor needs (feature order, features per rank,
+row blocks, output dims per rank, column order), and the identity schedule (TorchRec's own step).
+The layout is derived from public TorchRec structure (the ShardingPlan, the tables' configs,
+``create_grouped_sharding_infos`` / ``create_embedding_bag_sharding`` /
+``create_embedding_sharding``);
 :func:`~lightning_sparselift.frontend.check.check_against_runtime` cross-checks it against the
 sharded module's own attributes. Anything not understood raises :class:`LiftError` naming the
 module, so the strategy can fall back to TorchRec's path.
@@ -13,7 +14,7 @@ module, so the strategy can fall back to TorchRec's path.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -21,17 +22,21 @@ from torch import nn
 from lightning_sparselift.frontend.capture import RankCapture, common_path
 from lightning_sparselift.ir.graph import LiftedModule, ShardingGroup, SparseGraph, TableShard
 from lightning_sparselift.ir.schedule import identity_schedule
-from lightning_sparselift.ir.vocab import COLUMN_SHARDED, DTYPE_BYTES, LIFTED_SHARDING_TYPES, POOLED_ALL_TO_ALL
+from lightning_sparselift.ir.vocab import (
+    COLUMN_SHARDED, DTYPE_BYTES, INPUT_ALL_TO_ALL, LIFTED_SHARDING_TYPES, POOLED_ALL_TO_ALL,
+)
 
 
 class LiftError(RuntimeError):
     """The sparse path of a module has a structure the lifted executor does not handle."""
 
 
-def _sharded_type() -> type:
+def _sharded_types() -> dict[type, bool]:
+    """The sharded modules the lifter rebuilds, and whether their lookups pool."""
+    from torchrec.distributed.embedding import ShardedEmbeddingCollection
     from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 
-    return ShardedEmbeddingBagCollection
+    return {ShardedEmbeddingBagCollection: True, ShardedEmbeddingCollection: False}
 
 
 def _table_shards(cfg: Any, ps: Any, pooling: str) -> list[TableShard]:
@@ -62,26 +67,79 @@ def _column_order(sharding: Any) -> list[int]:
     return [] if columns == list(range(len(columns))) else columns
 
 
-def _lift_groups(path: str, sharded: nn.Module, module_plan: Any, env: Any, device: torch.device) -> list[ShardingGroup]:
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+def _shardings(sharded: nn.Module, plan: dict[str, Any], env: Any, device: torch.device, pooled: bool
+               ) -> Iterator[tuple[str, list[Any], Any]]:
+    """TorchRec's sharding of each group (sharding type, its tables' sharding infos, the
+    EmbeddingSharding), built as TorchRec's sharded module builds them, from a meta copy of the
+    unsharded module."""
+    if pooled:
+        from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection as Sharded
+        from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    configs = list(sharded._embedding_bag_configs)
-    meta_ebc = EmbeddingBagCollection(tables=configs, is_weighted=sharded._is_weighted, device=torch.device("meta"))
+        meta = EmbeddingBagCollection(tables=list(sharded._embedding_bag_configs), is_weighted=sharded._is_weighted,
+                                      device=torch.device("meta"))
+        for sharding_type, infos in Sharded.create_grouped_sharding_infos(meta, plan, "embedding_bags.", None).items():
+            yield sharding_type, infos, Sharded.create_embedding_bag_sharding(infos, env, device,
+                                                                              permute_embeddings=True)
+    else:
+        from torchrec.distributed.embedding import ShardedEmbeddingCollection as Sharded
+        from torchrec.modules.embedding_modules import EmbeddingCollection
+
+        meta = EmbeddingCollection(tables=list(sharded._embedding_configs), device=torch.device("meta"))
+        for sharding_type, infos in Sharded.create_grouped_sharding_infos(meta, plan, None).items():
+            yield sharding_type, infos, Sharded.create_embedding_sharding(sharding_type, infos, env, device)
+
+
+def _configs(sharded: nn.Module, pooled: bool) -> list[Any]:
+    return list(sharded._embedding_bag_configs if pooled else sharded._embedding_configs)
+
+
+def _row_widths(path: str, sharding_type: str, tables: list[TableShard], world: int) -> list[int]:
+    """EmbeddingCollection: the width of the rows each rank looks up (TorchRec views every rank's
+    lookup output of a group as rows of one width)."""
+    widths = {t.dim for t in tables}
+    if len(widths) != 1:
+        raise LiftError(f"{path}: {sharding_type} shards of widths {sorted(widths)}: TorchRec's sequence lookups "
+                        f"take one width per group")
+    return [widths.pop()] * world
+
+
+def _column_shard_order(configs: list[Any], plan: dict[str, Any]) -> dict[str, list[int]]:
+    """EmbeddingCollection, column-wise: per output key, where each column shard (in shard order)
+    sits among the rows the ranks return in rank order (TorchRec's features_to_permute_indices;
+    a feature read by several tables is keyed ``feature@table``)."""
+    readers: dict[str, int] = {}
+    for cfg in configs:
+        for f in cfg.feature_names:
+            readers[f] = readers.get(f, 0) + 1
+    out = {}
+    for cfg in configs:
+        if plan[cfg.name].sharding_type != "column_wise":
+            continue
+        ranks = list(plan[cfg.name].ranks)
+        by_rank: dict[int, list[int]] = {}
+        for i, r in enumerate(sorted(ranks)):
+            by_rank.setdefault(r, []).append(i)
+        order = [by_rank[r].pop(0) for r in ranks]
+        for f in cfg.feature_names:
+            out[f"{f}@{cfg.name}" if readers[f] > 1 else f] = order
+    return out
+
+
+def _lift_groups(path: str, sharded: nn.Module, module_plan: Any, env: Any, device: torch.device, pooled: bool
+                 ) -> list[ShardingGroup]:
     plan = dict(module_plan)
-    cls = _sharded_type()
-    infos_by_type = cls.create_grouped_sharding_infos(meta_ebc, plan, "embedding_bags.", None)
     groups = []
-    by_name = {c.name: c for c in configs}
-    for index, (sharding_type, infos) in enumerate(infos_by_type.items()):
+    by_name = {c.name: c for c in _configs(sharded, pooled)}
+    world = env.world_size
+    for index, (sharding_type, infos, sharding) in enumerate(_shardings(sharded, plan, env, device, pooled)):
         if sharding_type not in LIFTED_SHARDING_TYPES:
             raise LiftError(f"{path}: sharding type {sharding_type!r} (tables {[i.embedding_config.name for i in infos]}) "
                             f"is not supported by the lifted executor; supported: {LIFTED_SHARDING_TYPES}")
-        sharding = cls.create_embedding_bag_sharding(infos, env, device, permute_embeddings=True)
-        world = env.world_size
         tables = []
         for info in infos:
             cfg = by_name[info.embedding_config.name]
-            pooling = cfg.pooling.name if hasattr(cfg.pooling, "name") else str(cfg.pooling)
+            pooling = (cfg.pooling.name if hasattr(cfg.pooling, "name") else str(cfg.pooling)) if pooled else "NONE"
             tables.extend(_table_shards(cfg, plan[cfg.name], pooling))
         features = list(sharding.feature_names())
         features_per_rank: list[int] = []
@@ -90,6 +148,9 @@ def _lift_groups(path: str, sharded: nn.Module, module_plan: Any, env: Any, devi
         column_order: list[int] = []
         if sharding_type in POOLED_ALL_TO_ALL:
             features_per_rank = list(sharding.features_per_rank())
+        if not pooled and sharding_type in INPUT_ALL_TO_ALL:
+            dim_sum_per_rank = _row_widths(path, sharding_type, tables, world)
+        elif sharding_type in POOLED_ALL_TO_ALL:
             names_per_rank = sharding.embedding_names_per_rank()
             dims = sharding.uncombined_embedding_dims() if sharding_type in COLUMN_SHARDED else sharding.embedding_dims()
             start = 0
@@ -98,7 +159,7 @@ def _lift_groups(path: str, sharded: nn.Module, module_plan: Any, env: Any, devi
                 start += len(names)
             if sharding_type in COLUMN_SHARDED:
                 column_order = _column_order(sharding)
-        elif sharding_type == "row_wise":
+        if sharding_type == "row_wise":
             rows = {}
             for info in infos:
                 for feature in info.embedding_config.feature_names:
@@ -182,34 +243,44 @@ def _lift_module(model: nn.Module, path: str, sharding_plan: Any, captures: list
                  device: torch.device) -> LiftedModule:
     world = env.world_size
     sharded = model.get_submodule(path)
-    if type(sharded) is not _sharded_type():
-        raise LiftError(f"{path}: {type(sharded).__name__} is not a plain ShardedEmbeddingBagCollection; the lifted "
-                        f"executor handles only that module type (this module keeps TorchRec's path)")
+    pooled = _sharded_types().get(type(sharded))
+    if pooled is None:
+        raise LiftError(f"{path}: {type(sharded).__name__} is not a plain ShardedEmbeddingBagCollection or "
+                        f"ShardedEmbeddingCollection; the lifted executor handles only those module types (this "
+                        f"module keeps TorchRec's path)")
     if getattr(sharded, "qcomm_codecs_registry", None):
         raise LiftError(f"{path}: quantized communication codecs are not supported by the lifted executor")
+    if not pooled:
+        for flag, what in (("_need_indices", "need_indices=True (ids returned with the embeddings)"),
+                           ("_use_index_dedup", "index deduplication"),
+                           ("enable_embedding_update", "tables with enable_embedding_update")):
+            if getattr(sharded, flag, False):
+                raise LiftError(f"{path}: an EmbeddingCollection with {what} is not supported by the lifted executor")
     keys, weighted, lengths_dtype, values_dtype, batch_sizes = _module_inputs(path, captures)
     if {lengths_dtype, values_dtype} - set(DTYPE_BYTES):
         raise LiftError(f"{path}: input dtypes {lengths_dtype}/{values_dtype} are not ones the graph knows")
     root_input = common_path([c.modules[path].root_input for c in captures])
     batch_input, next_batch_note = _next_batch_source([c.modules[path] for c in captures])
-    if weighted != bool(sharded._is_weighted):
-        raise LiftError(f"{path}: the module is {'weighted' if sharded._is_weighted else 'unweighted'} but its "
-                        f"captured input {'has' if weighted else 'has no'} weights")
-    groups = _lift_groups(path, sharded, sharding_plan.plan[path], env, device)
+    is_weighted = bool(sharded._is_weighted) if pooled else False
+    if weighted != is_weighted:
+        raise LiftError(f"{path}: the module is {'weighted' if is_weighted else 'unweighted'} but its captured input "
+                        f"{'has' if weighted else 'has no'} weights")
+    groups = _lift_groups(path, sharded, sharding_plan.plan[path], env, device, pooled)
     names = [f for g in groups for f in g.features]
     unknown = sorted(set(names) - set(keys))
     if unknown:
         raise LiftError(f"{path}: features {unknown} of the tables are missing from the input KJT keys {keys}")
     feature_order = [] if names == keys else [keys.index(f) for f in names]
     # (as TorchRec decides it: by the pooling of the row-wise tables' configs)
-    row_wise = [c for c in sharded._embedding_bag_configs
-                if sharding_plan.plan[path][c.name].sharding_type in ("row_wise", "table_row_wise")]
-    mean_after_reduce = any(c.pooling.value == "MEAN" for c in row_wise)
-    reduce_sum_features = [f for c in row_wise if c.pooling.value == "SUM" for f in c.feature_names]
+    plan = sharding_plan.plan[path]
+    row_wise = [c for c in _configs(sharded, pooled) if plan[c.name].sharding_type in ("row_wise", "table_row_wise")]
+    mean_after_reduce = pooled and any(c.pooling.value == "MEAN" for c in row_wise)
+    reduce_sum_features = [f for c in row_wise if c.pooling.value == "SUM" for f in c.feature_names] if pooled else []
     ids = [{k: c.modules[path].features[k].ids_per_step for k in keys} for c in captures]
     percentiles = {k: captures[0].modules[path].features[k].percentiles for k in keys}
-    schedule = identity_schedule([g.sharding_type for g in groups], world, bool(feature_order))
+    schedule = identity_schedule([g.sharding_type for g in groups], world, bool(feature_order), pooled)
     return LiftedModule(path, keys, weighted, lengths_dtype, values_dtype, feature_order, groups, batch_sizes,
                         ids, percentiles, schedule, root_input=root_input, batch_input=batch_input,
                         next_batch_note=next_batch_note, mean_after_reduce=mean_after_reduce,
-                        reduce_sum_features=reduce_sum_features)
+                        reduce_sum_features=reduce_sum_features, pooled=pooled,
+                        column_shard_order={} if pooled else _column_shard_order(_configs(sharded, False), plan))

@@ -21,6 +21,9 @@ ROLE_LAYOUTS = {
     "input_payload": "bytes per dst: values | weights | lengths of every group, aligned",
     "output_pooled": "[dst sample block][each group's columns] -> per group concat by src rank (+ column order)",
     "grad_pooled": "[dst][each group's columns of dst's samples] -> [src sample block], / world",
+    "output_sequence": "rows [key][src][sample] -> [src][key][sample] -> rows of each dst's ids in its key order "
+                       "(row-wise: unbucketized)",
+    "grad_sequence": "row gradients by [src] -> [key][src][sample]",
     "output_partial_sums": "[dst sample block][columns], summed over members",
     "grad_all_gather": "[src sample block][columns], / world",
     "dp_table_grad": "full table gradients (DDP buckets)",
@@ -72,7 +75,8 @@ def explain(graph: "SparseGraph") -> str:
 
 def _module(m: "LiftedModule") -> list[str]:
     batch = ",".join(map(str, sorted(set(m.batch_size_per_rank))))
-    lines = [f"module {m.path}: {len(m.keys)} features, {'weighted' if m.weighted else 'unweighted'}, "
+    kind = "pooled" if m.pooled else "sequence (one row per id, a JaggedTensor per feature)"
+    lines = [f"module {m.path}: {kind}, {len(m.keys)} features, {'weighted' if m.weighted else 'unweighted'}, "
              f"batch {batch}/rank, ids {m.lengths_dtype}/{m.values_dtype}"
              + ("" if not m.feature_order else ", keys permuted into group order")
              + ("" if not m.mean_after_reduce else ", output divided by bag lengths after the reduce-scatter "

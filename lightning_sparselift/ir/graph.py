@@ -10,7 +10,7 @@ from typing import Any, Optional
 from lightning_sparselift.ir.schedule import ModuleSchedule
 from lightning_sparselift.ir.vocab import Dtype, LiftedShardingType
 
-GRAPH_VERSION = 2
+GRAPH_VERSION = 3
 
 
 @dataclass
@@ -36,7 +36,9 @@ class ShardingGroup:
     features: list[str]  # this group's KJT keys in send order (column-wise repeats a feature per shard)
     features_per_rank: list[int]  # keys sent to each rank (all-to-all groups)
     block_sizes: list[int]  # row_wise: rows per bucket, per feature
-    dim_sum_per_rank: list[int]  # pooled output columns each rank produces (table/column-wise)
+    # output columns each rank produces: pooled (table/column-wise), or, for an EmbeddingCollection,
+    # the width of each rank's rows (every exchanged kind)
+    dim_sum_per_rank: list[int]
     column_order: list[int]  # output column permutation after the all-to-all; [] = identity
     embedding_names: list[str]
     embedding_dims: list[int]
@@ -78,6 +80,12 @@ class LiftedModule:
     # its bag length (+1e-6), or 1 (+1e-6) for the row-wise sum features listed here
     mean_after_reduce: bool = False
     reduce_sum_features: list[str] = field(default_factory=list)
+    # an EmbeddingBagCollection (pooled per bag) or an EmbeddingCollection (False: one row per id,
+    # returned as a JaggedTensor per feature)
+    pooled: bool = True
+    # EmbeddingCollection, column-wise: per output key, the order of its column shards in the
+    # output (TorchRec's features_to_permute_indices); absent: rank order
+    column_shard_order: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def embedding_names(self) -> list[str]:

@@ -8,7 +8,8 @@ executes it (it builds its exchanges and kernels from it once, when a plan is in
 - ``lookup_at``: where the lookups run and the output exchanges are issued (the module's call,
   or the root forward's start);
 - output exchanges: buckets of groups whose lookup outputs travel back together (all-to-all of
-  pooled blocks, or row-wise reduce-scatter) and where the module's call waits for them; their
+  pooled blocks or of an EmbeddingCollection's rows, or row-wise reduce-scatter) and where the
+  module's call waits for them; their
   gradients run the same points in reverse (issued where the forward waited, waited where it was
   issued, i.e. before the fused update);
 - regions: the kernel that runs each compute region.
@@ -26,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from lightning_sparselift.ir.vocab import INPUT_ALL_TO_ALL, POOLED_ALL_TO_ALL, REDUCE_SCATTER, Packing, Point, RegionName
+from lightning_sparselift.ir.vocab import INPUT_ALL_TO_ALL, Packing, Point, RegionName, output_collective
 
 # the kernels TorchRec's own path runs, per region
 REFERENCE_KERNELS: dict[str, str] = {"permute": "torchrec", "bucketize": "fbgemm", "recat": "fbgemm",
@@ -97,18 +98,15 @@ def bucket_label(groups: list[int]) -> str:
     return "+".join(f"g{g}" for g in groups)
 
 
-def identity_schedule(kinds: list[str], world: int, permuted: bool) -> ModuleSchedule:
-    """TorchRec's step for a module whose groups have sharding types ``kinds``: each group's input
-    and output exchanged on its own, synchronously, at the module's call, by the reference kernels."""
+def identity_schedule(kinds: list[str], world: int, permuted: bool, pooled: bool = True) -> ModuleSchedule:
+    """TorchRec's step for a module whose groups have sharding types ``kinds`` (``pooled``: an
+    EmbeddingBagCollection, else an EmbeddingCollection): each group's input and output exchanged
+    on its own, synchronously, at the module's call, by the reference kernels."""
     exchanged = world > 1
     inputs = [InputExchange([i], "per_tensor", "module_call") for i, k in enumerate(kinds)
               if exchanged and k in INPUT_ALL_TO_ALL]
-    outputs = []
-    for i, kind in enumerate(kinds):
-        if exchanged and kind in POOLED_ALL_TO_ALL:
-            outputs.append(OutputExchange([i], "all_to_all_single", "module_call"))
-        elif exchanged and kind in REDUCE_SCATTER:
-            outputs.append(OutputExchange([i], "reduce_scatter", "module_call"))
+    outputs = [OutputExchange([i], op, "module_call") for i, k in enumerate(kinds)
+               if exchanged and (op := output_collective(k, pooled)) is not None]
     regions = [Region("permute", [], REFERENCE_KERNELS["permute"])] if permuted else []
     regions += [Region("bucketize", [i], REFERENCE_KERNELS["bucketize"]) for i, k in enumerate(kinds) if k == "row_wise"]
     regions += [Region("recat", [g], REFERENCE_KERNELS["recat"]) for e in inputs for g in e.groups]
@@ -117,8 +115,9 @@ def identity_schedule(kinds: list[str], world: int, permuted: bool) -> ModuleSch
     return ModuleSchedule("module_call", inputs, outputs, regions)
 
 
-def check_schedule(schedule: ModuleSchedule, kinds: list[str], world: int) -> list[str]:
-    """What makes ``schedule`` not executable for groups of sharding types ``kinds`` ([]: fine)."""
+def check_schedule(schedule: ModuleSchedule, kinds: list[str], world: int, pooled: bool = True) -> list[str]:
+    """What makes ``schedule`` not executable for groups of sharding types ``kinds`` of a module
+    whose lookups pool (``pooled``) or not ([]: fine)."""
     problems = []
     exchanged = world > 1
     if schedule.lookup_at not in ("module_call", "root_forward"):
@@ -140,10 +139,9 @@ def check_schedule(schedule: ModuleSchedule, kinds: list[str], world: int) -> li
     for e in schedule.inputs:
         if e.packing == "per_tensor" and len(e.groups) > 1:
             problems.append(f"input bucket {e.label}: several groups travel together only byte-packed")
-    cover([e.groups for e in schedule.outputs if e.op == "all_to_all_single"],
-          [i for i, k in enumerate(kinds) if exchanged and k in POOLED_ALL_TO_ALL], "output all-to-all")
-    cover([e.groups for e in schedule.outputs if e.op == "reduce_scatter"],
-          [i for i, k in enumerate(kinds) if exchanged and k in REDUCE_SCATTER], "output reduce-scatter")
+    for op, what in (("all_to_all_single", "output all-to-all"), ("reduce_scatter", "output reduce-scatter")):
+        cover([e.groups for e in schedule.outputs if e.op == op],
+              [i for i, k in enumerate(kinds) if exchanged and output_collective(k, pooled) == op], what)
     for e in schedule.outputs:
         if e.op == "reduce_scatter" and (len(e.groups) != 1 or e.wait != schedule.lookup_at):
             problems.append(f"output {e.label}: a row-wise reduce-scatter is one group's, waited where it is issued")

@@ -166,12 +166,17 @@ def _forward(step: _Step, m: "LiftedModule") -> None:
                 groups=[g.index], phase="forward", op="lookup", rank=rank, kernel=s.region("lookup", g.index).kernel,
                 tables=sorted({t.table for t in owned}),
                 workload={"ids": ids, "rows": sum(t.rows for t in owned), "samples": rows_out},
-                workspace_bytes=rows_out * columns * 4, after=ready[g.index]).id)
+                workspace_bytes=round((rows_out if m.pooled else ids) * columns * 4), after=ready[g.index]).id)
         ready[g.index] = lookups
     for e in s.outputs:
         groups = [m.groups[i] for i in e.groups]
         after = sorted({d for i in e.groups for d in ready[i]})
-        if e.op == "all_to_all_single":
+        if e.op == "all_to_all_single" and not m.pooled:
+            # each member sends back a row for every id it received
+            nbytes = [round(sum(m.ids_to_each_rank(src, g, world)[r] * g.dim_sum_per_rank[r] * 4
+                                for g in groups for src in range(world))) for r in range(world)]
+            role = "output_sequence"
+        elif e.op == "all_to_all_single":
             nbytes = [sum(sum(B) * g.dim_sum_per_rank[r] * 4 for g in groups) for r in range(world)]
             role = "output_pooled"
         else:
@@ -180,13 +185,16 @@ def _forward(step: _Step, m: "LiftedModule") -> None:
         node = step.collective(id=f"{m.path}/{e.label}/{role}", module=m.path, groups=list(e.groups),
                                phase="forward", op=e.op, role=role, dtype="float32",
                                process_group=_pg(world, e.process_group), bytes_per_member=nbytes,
-                               data_dependent=False, issue=s.lookup_at, wait=e.wait, after=after)
+                               data_dependent=not m.pooled, issue=s.lookup_at, wait=e.wait, after=after)
         for i in e.groups:
             ready[i] = [node.id]
     outputs = sorted({d for g in m.groups for d in ready[g.index]})
+    # pooled: a [batch, columns] KeyedTensor; sequence: a row per id of each feature
+    rows = B[0] if m.pooled else max(sum(stats.values()) for stats in m.ids_per_step)
+    columns = sum(m.embedding_dims) if m.pooled else max(m.embedding_dims, default=0)
     step.compute(id=f"{m.path}/output", module=m.path, groups=[], phase="forward", op="output", rank=None,
-                 kernel=s.region("output").kernel, tables=[], workload={"columns": sum(m.embedding_dims)},
-                 workspace_bytes=B[0] * sum(m.embedding_dims) * 4, after=outputs)
+                 kernel=s.region("output").kernel, tables=[], workload={"columns": columns},
+                 workspace_bytes=round(rows * columns * 4), after=outputs)
 
 
 def _backward(step: _Step, m: "LiftedModule") -> None:
@@ -195,7 +203,12 @@ def _backward(step: _Step, m: "LiftedModule") -> None:
     # the gradients' collectives in the order backward issues them
     for e in sorted(reversed(s.outputs), key=lambda e: POINTS.index(BACKWARD_OF[e.wait])):
         groups = [m.groups[i] for i in e.groups]
-        if e.op == "all_to_all_single":
+        if e.op == "all_to_all_single" and not m.pooled:
+            # each member sends the gradient of a row for every id it sent
+            op, role = "all_to_all_single", "grad_sequence"
+            nbytes = [round(sum(ids * g.dim_sum_per_rank[dst] * 4 for g in groups
+                                for dst, ids in enumerate(m.ids_to_each_rank(r, g, world)))) for r in range(world)]
+        elif e.op == "all_to_all_single":
             op, role = "all_to_all_single", "grad_pooled"
             nbytes = [B[r] * sum(sum(g.dim_sum_per_rank) for g in groups) * 4 for r in range(world)]
         else:
@@ -205,7 +218,7 @@ def _backward(step: _Step, m: "LiftedModule") -> None:
         node = step.collective(id=f"{m.path}/{e.label}/{role}", module=m.path, groups=list(e.groups),
                                phase="backward", op=op, role=role, dtype="float32",
                                process_group=_pg(world, e.process_group), bytes_per_member=nbytes,
-                               data_dependent=False, issue=BACKWARD_OF[e.wait], wait=BACKWARD_OF[s.lookup_at],
+                               data_dependent=not m.pooled, issue=BACKWARD_OF[e.wait], wait=BACKWARD_OF[s.lookup_at],
                                after=[f"{m.path}/output"])
         for i in e.groups:
             start[i] = [node.id]

@@ -23,11 +23,22 @@ COLUMN_SHARDED: tuple[str, ...] = ("column_wise", "table_column_wise")
 # kinds whose partial sums are reduce-scattered by sample block
 REDUCE_SCATTER: tuple[str, ...] = ("row_wise",)
 
+
+def output_collective(kind: str, pooled: bool) -> str | None:
+    """How a group's lookup outputs go back to the ranks that own the samples: pooled blocks of
+    table/column-wise groups by all-to-all and row-wise partial sums by reduce-scatter; an
+    EmbeddingCollection's rows (one per id, not pooled) of every exchanged kind by all-to-all, each
+    row to the rank its id came from; data-parallel outputs stay where they are (None)."""
+    if kind in POOLED_ALL_TO_ALL or (not pooled and kind in INPUT_ALL_TO_ALL):
+        return "all_to_all_single"
+    return "reduce_scatter" if kind in REDUCE_SCATTER else None
+
 CollectiveRole = Literal[
     "input_splits",  # per destination: lengths, values, (weights,) batch size each group sends
     "input_lengths", "input_values", "input_weights",  # TorchRec's payload: one all-to-all per tensor
     "input_payload",  # every tensor of a bucket's groups in one byte-packed all-to-all
     "output_pooled", "grad_pooled",  # pooled embeddings and their gradients (table/column-wise)
+    "output_sequence", "grad_sequence",  # an EmbeddingCollection's rows (one per id) and their gradients
     "output_partial_sums", "grad_all_gather",  # row-wise: reduce-scatter, then all-gather in backward
     "dp_table_grad", "dense_grad",  # gradients all-reduced by DDP (not issued by the executor)
 ]

@@ -14,7 +14,8 @@ the splits, so unpacking is exact and nothing is padded beyond the alignment)::
 
 ``output``: the pooled-embedding all-to-alls of the table-wise and column-wise groups become one
 (per destination: its rows of every group in turn), and so do their backward gradient
-all-to-alls::
+all-to-alls; an EmbeddingCollection's row all-to-alls (every exchanged group, row-wise included)
+merge the same way::
 
     before: pooled(g0) pooled(g1)  ...  grad(g1) grad(g0)
     after:  pooled(g0+g1)          ...  grad(g0+g1)
@@ -38,7 +39,7 @@ from lightning_sparselift.ir import InputExchange, LiftedModule, OutputExchange,
 from lightning_sparselift.passes.base import Candidate, OptimizationPass
 
 _ROLES = {"input": ("input_splits", "input_lengths", "input_values", "input_weights", "input_payload"),
-          "output": ("output_pooled", "grad_pooled")}
+          "output": ("output_pooled", "grad_pooled", "output_sequence", "grad_sequence")}
 
 
 class CommunicationAggregation(OptimizationPass):
@@ -61,7 +62,7 @@ class CommunicationAggregation(OptimizationPass):
             reasons.append("already two collectives")
         elif role == "output" and len(buckets) < 2:
             reasons.append("already aggregated" if buckets and len(buckets[0].groups) > 1 else
-                           f"{len(buckets)} table/column-wise bucket(s): nothing to merge (row-wise reduce-scatters "
+                           f"{len(buckets)} output all-to-all bucket(s): nothing to merge (row-wise reduce-scatters "
                            f"and data-parallel groups have no all-to-all)")
         if len({(e.process_group, e.stream) for e in buckets}) > 1:
             reasons.append(f"different process groups/streams {sorted({(e.process_group, e.stream or '') for e in buckets})}")

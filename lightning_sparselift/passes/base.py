@@ -92,7 +92,7 @@ class OptimizationPass(ABC):
         out = graph.copy()
         module = out.module(candidate.module)
         note = self.rewrite(out, module, candidate)
-        problems = check_schedule(module.schedule, module.kinds, out.world_size)
+        problems = check_schedule(module.schedule, module.kinds, out.world_size, module.pooled)
         if problems:
             raise ScheduleError(f"{candidate.id} gives a schedule the runtime cannot execute: {'; '.join(problems)}")
         out.provenance.append(f"{self.name}: {note}")

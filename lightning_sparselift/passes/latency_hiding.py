@@ -28,8 +28,8 @@ prefetched ones is an error (ranks would disagree on the collectives that follow
 
 Feasibility: more than one rank and, per schedule, what capture showed (the input among the
 root's arguments / in the announced next batch), else the pass proposes nothing and says why;
-``early_start`` needs a table/column-wise group (row-wise reduce-scatters and data-parallel
-groups stay synchronous), ``next_batch`` an exchanged (non data-parallel) group. Cost inputs: the
+``early_start`` needs an output all-to-all (a table/column-wise group, or any exchanged group of
+an EmbeddingCollection; row-wise reduce-scatters and data-parallel groups stay synchronous), ``next_batch`` an exchanged (non data-parallel) group. Cost inputs: the
 bytes of the collectives each schedule takes off the critical path (their alpha-beta time is the
 most it can hide). Calibration: one warmup pair, then complete-step observations per plan (the
 decision rule says how many); ``next_batch`` acts across two steps, so each of its observed steps
@@ -45,12 +45,12 @@ from lightning_sparselift.frontend.capture import describe_path
 from lightning_sparselift.cost.calibration import CalibrationProtocol
 from lightning_sparselift.cost.priors import Priors
 from lightning_sparselift.ir import LiftedModule, SparseGraph, member_bytes
-from lightning_sparselift.ir.vocab import INPUT_ALL_TO_ALL, POOLED_ALL_TO_ALL
+from lightning_sparselift.ir.vocab import INPUT_ALL_TO_ALL, output_collective
 from lightning_sparselift.passes.base import Candidate, OptimizationPass
 
 # the collectives each schedule takes off the critical path (the splits exchange stays
 # synchronous: the payload's sizes depend on it)
-_HIDDEN_ROLES = {"early_start": ("output_pooled", "grad_pooled"),
+_HIDDEN_ROLES = {"early_start": ("output_pooled", "grad_pooled", "output_sequence", "grad_sequence"),
                  "next_batch": ("input_lengths", "input_values", "input_weights", "input_payload")}
 
 
@@ -70,8 +70,9 @@ class LatencyHiding(OptimizationPass):
             if module.root_input is None:
                 reasons.append("the module's input was not among the root forward's arguments in the captured steps "
                                "(the model computes it), so it cannot start before the model reaches the module")
-            if not any(k in POOLED_ALL_TO_ALL for k in module.kinds):
-                reasons.append("no table/column-wise group: nothing asynchronous to overlap")
+            if not any(output_collective(k, module.pooled) == "all_to_all_single" for k in module.kinds):
+                reasons.append("no output all-to-all (only row-wise reduce-scatters or data-parallel groups): "
+                               "nothing asynchronous to overlap")
             if s.lookup_at == "root_forward":
                 reasons.append("already scheduled")
         else:

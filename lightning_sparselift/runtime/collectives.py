@@ -1,17 +1,20 @@
 """The output distribution's collectives as autograd Functions: each carries its backward
 collective (the gradient takes the reverse path, divided by world size as TorchRec's backward
-does), synchronous or split into an issue and a wait."""
+does; the layout says how a bucket's pooled blocks or rows are packed), synchronous or split into
+an issue and a wait."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sparselift.cost.calibration import RegionClock
-from lightning_sparselift.runtime.layout import PooledLayout
+from lightning_sparselift.runtime.layout import PooledLayout, SequenceLayout
+
+Layout = Union[PooledLayout, SequenceLayout]
 
 
 def exchange(send: Tensor, recv_sizes: list[int], send_sizes: list[int], group: Any, async_op: bool = False
@@ -21,11 +24,11 @@ def exchange(send: Tensor, recv_sizes: list[int], send_sizes: list[int], group: 
     return received, work
 
 
-class MergedPooledAllToAll(torch.autograd.Function):
-    """The output all-to-all of :class:`PooledLayout`, synchronous in both directions."""
+class OutputAllToAll(torch.autograd.Function):
+    """The output all-to-all of a layout, synchronous in both directions."""
 
     @staticmethod
-    def forward(ctx: Any, layout: PooledLayout, clock: RegionClock, *locals_: Tensor) -> tuple[Tensor, ...]:
+    def forward(ctx: Any, layout: Layout, clock: RegionClock, *locals_: Tensor) -> tuple[Tensor, ...]:
         received, _ = exchange(*layout.send_outputs(locals_), layout.group)
         ctx.layout, ctx.clock = layout, clock
         return layout.unpack_outputs(received)
@@ -37,14 +40,14 @@ class MergedPooledAllToAll(torch.autograd.Function):
             return (None, None, *ctx.layout.unpack_grads(received))
 
 
-class IssuePooledAllToAll(torch.autograd.Function):
-    """Starts the output all-to-all; :class:`WaitPooledAllToAll` finishes it. In backward the
+class IssueOutputAllToAll(torch.autograd.Function):
+    """Starts the output all-to-all; :class:`WaitOutputAllToAll` finishes it. In backward the
     roles swap: the wait's backward starts the gradient all-to-all and this backward waits for
     it, so whatever autograd runs in between (the backward of compute that ran between issue and
     wait in forward, e.g. the bottom MLP) overlaps the exchange."""
 
     @staticmethod
-    def forward(ctx: Any, layout: PooledLayout, box: dict, clock: RegionClock, *locals_: Tensor) -> Tensor:
+    def forward(ctx: Any, layout: Layout, box: dict, clock: RegionClock, *locals_: Tensor) -> Tensor:
         received, box["work"] = exchange(*layout.send_outputs(locals_), layout.group, async_op=True)
         ctx.layout, ctx.box, ctx.clock = layout, box, clock
         return received
@@ -56,9 +59,9 @@ class IssuePooledAllToAll(torch.autograd.Function):
             return (None, None, None, *ctx.layout.unpack_grads(ctx.box.pop("grad_received")))
 
 
-class WaitPooledAllToAll(torch.autograd.Function):
+class WaitOutputAllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, received: Tensor, layout: PooledLayout, box: dict, clock: RegionClock) -> tuple[Tensor, ...]:
+    def forward(ctx: Any, received: Tensor, layout: Layout, box: dict, clock: RegionClock) -> tuple[Tensor, ...]:
         with clock.region():
             box.pop("work").wait()
         ctx.layout, ctx.box, ctx.shape = layout, box, received.shape

@@ -21,7 +21,7 @@ from lightning_sparselift.cost.calibration import RegionClock
 from lightning_sparselift.ir import LiftedModule, ModuleSchedule, ScheduleError, check_schedule
 from lightning_sparselift.ir.schedule import GENERATED_KERNEL, Region
 from lightning_sparselift.runtime.codegen import GeneratedLookup, Unsupported
-from lightning_sparselift.runtime.input_dist import GroupRuntime, InputDistribution
+from lightning_sparselift.runtime.input_dist import Distributed, GroupRuntime, InputDistribution
 from lightning_sparselift.runtime.kernels import kernel
 from lightning_sparselift.runtime.mean_pooling import MeanAfterReduce
 from lightning_sparselift.runtime.output_dist import OutputDistribution, Pending
@@ -35,6 +35,7 @@ class _Started:
     features: Any
     out: list[Tensor]
     pending: list[Pending]
+    inputs: list[Distributed]
 
 
 @dataclass
@@ -57,7 +58,7 @@ class ModuleExecutor:
         self.module = sharded
         self.world, self.rank, self.device, self.clock = world_size, rank, device, clock
         self.process_groups = process_groups
-        self.groups = [GroupRuntime.build(g, lookup, world_size, rank, device)
+        self.groups = [GroupRuntime.build(g, lookup, world_size, rank, device, spec.pooled)
                        for g, lookup in zip(spec.groups, sharded._lookups)]
         self.mean = MeanAfterReduce(spec, device) if spec.mean_after_reduce else None
         # TorchRec's own forward, for the steps where ranks pass different batch sizes
@@ -79,7 +80,7 @@ class ModuleExecutor:
 
     def use(self, schedule: ModuleSchedule) -> None:
         """Run ``schedule`` from the next step on: its exchanges and kernels are built here."""
-        problems = check_schedule(schedule, self.spec.kinds, self.world)
+        problems = check_schedule(schedule, self.spec.kinds, self.world, self.spec.pooled)
         unknown = sorted({e.process_group for e in [*schedule.inputs, *schedule.outputs]} - set(self.process_groups))
         if unknown:
             problems.append(f"process group(s) {unknown} not created by the runtime (it has {sorted(self.process_groups)})")
@@ -135,7 +136,7 @@ class ModuleExecutor:
         if self._started is not None and same_features(self._started.features, features):
             started, self._started = self._started, None
             self.early_steps += 1
-            result = self._finish(started.out, started.pending, features)
+            result = self._finish(started.out, started.pending, started.inputs, features)
         else:
             self._discard_started()
             ran = self._run(features, early=False)
@@ -213,25 +214,27 @@ class ModuleExecutor:
             else:
                 hook(self.module, (features,))
 
-    def _run(self, features: Any, early: bool) -> Optional[tuple[list[Tensor], list[Pending]]]:
+    def _run(self, features: Any, early: bool) -> Optional[tuple[list[Tensor], list[Pending], list[Distributed]]]:
         with self.clock.region():
             prefetch = self._take_prefetch(features)
             complete = prefetch.complete if prefetch is not None else self.inputs.start(features)
             if complete is None:
                 return None
-            locals_ = [self._look_up(lookup, g.lookup, kjt) for lookup, g, kjt in zip(self.lookups, self.groups,
-                                                                                       complete())]
-            return self.outputs.issue(locals_, features.stride(), early)
+            inputs = complete()
+            locals_ = [self._look_up(lookup, g, d.kjt) for lookup, g, d in zip(self.lookups, self.groups, inputs)]
+            return (*self.outputs.issue(locals_, inputs, features.stride(), early), inputs)
 
-    def _look_up(self, lookup: Callable[[nn.Module, Any], Tensor], module: nn.Module, kjt: Any) -> Tensor:
+    def _look_up(self, lookup: Callable[[nn.Module, Any], Tensor], group: GroupRuntime, kjt: Any) -> Tensor:
         with self.clock.lookup():
-            out = lookup(module, kjt)
+            out = lookup(group.lookup, kjt)
+            if group.row_width is not None:  # an EmbeddingCollection's rows, as TorchRec views them
+                out = out.view(-1, group.row_width)
         if self._training():
             self.clock.lookup_backward(out)
         return out
 
-    def _finish(self, out: list[Tensor], pending: list[Pending], features: Any) -> Any:
-        result = self.output(self.spec.embedding_names, self.spec.embedding_dims, self.outputs.wait(out, pending))
+    def _finish(self, out: list[Tensor], pending: list[Pending], inputs: list[Distributed], features: Any) -> Any:
+        result = self.output(self.spec, self.outputs.wait(out, pending), [d.features for d in inputs])
         return result if self.mean is None else self.mean.apply(result, features)
 
     # ------------------------------------------------------------------ started work not used

@@ -3,7 +3,7 @@ split by group, row-wise groups bucketized, then for each input bucket one split
 (what every rank sends every other) and its payload: TorchRec's one all-to-all per tensor, or
 every tensor of the bucket's groups in one byte-packed all-to-all. The payload is issued when
 :meth:`InputDistribution.start` returns; the function it returns waits and builds each group's
-KJT for its lookup."""
+KJT for its lookup (with what an EmbeddingCollection's output distribution needs)."""
 
 from __future__ import annotations
 
@@ -29,21 +29,45 @@ class GroupRuntime:
     spec: ShardingGroup
     lookup: nn.Module  # TorchRec's lookup module of the group (owns its tables and optimizer state)
     local_keys: list[str]
-    recat: Optional[Tensor]
+    recat: Optional[Tensor]  # what arrived, [src][key] -> [key][src] (the lookups' order)
     block_sizes: Optional[Tensor]
     column_index: Optional[Tensor]
+    # an EmbeddingCollection's group: the width of the rows this rank looks up (None: pooled)
+    row_width: Optional[int] = None
+    # ... and its rows, [key][src] -> [src][key] for the output all-to-all and back for their
+    # gradients (None: not exchanged here)
+    row_recat: Optional[Tensor] = None
+    row_back: Optional[Tensor] = None
 
     @classmethod
-    def build(cls, spec: ShardingGroup, lookup: nn.Module, world: int, rank: int, device: torch.device
-              ) -> "GroupRuntime":
+    def build(cls, spec: ShardingGroup, lookup: nn.Module, world: int, rank: int, device: torch.device,
+              pooled: bool) -> "GroupRuntime":
         keys = spec.keys_on_rank(rank) if spec.sharding_type != "data_parallel" else list(spec.features)
-        recat = None
+        recat = row_recat = row_back = None
+        n = len(keys)
         if world > 1 and spec.sharding_type != "data_parallel" and keys:
-            n = len(keys)
             recat = torch.tensor([i + j * n for i in range(n) for j in range(world)], dtype=torch.int32, device=device)
+            if not pooled:
+                row_recat = torch.tensor([j + i * world for j in range(world) for i in range(n)], dtype=torch.int32,
+                                         device=device)
+                row_back = recat
         blocks = torch.tensor(spec.block_sizes, dtype=torch.int64, device=device) if spec.block_sizes else None
         columns = torch.tensor(spec.column_order, dtype=torch.long, device=device) if spec.column_order else None
-        return cls(spec, lookup, keys, recat, blocks, columns)
+        width = None
+        if not pooled:
+            width = spec.dim_sum_per_rank[rank] if spec.dim_sum_per_rank else spec.tables[0].dim
+        return cls(spec, lookup, keys, recat, blocks, columns, width, row_recat, row_back)
+
+
+@dataclass
+class Distributed:
+    """One group's input after its distribution, with what its output distribution needs."""
+
+    kjt: Any  # what the group's lookup reads
+    features: Any  # the group's features before distribution (this rank's samples)
+    sent: list[int]  # ids this rank sent to each rank ([]: not exchanged)
+    received: list[int]  # ids each rank sent here
+    unbucketize: Optional[Tensor]  # EmbeddingCollection, row-wise: where each id's row goes back
 
 
 class _Bucket:
@@ -137,11 +161,14 @@ class InputDistribution:
         different batch sizes (every rank knows every rank's batch size from the splits, so all
         return None together)."""
         permuted = self.permute(features, self.spec.feature_order, self.order) if self.permute else features
-        parts = list(permuted.split(self.splits))
+        before = list(permuted.split(self.splits))
+        parts = list(before)
+        unbucketize: list[Optional[Tensor]] = [None] * len(parts)
         for i, bucketize in self.bucketize.items():
-            parts[i] = bucketize(parts[i], self.groups[i].block_sizes, self.world)
+            parts[i], unbucketize[i] = bucketize(parts[i], self.groups[i].block_sizes, self.world, not self.spec.pooled)
+        local = [Distributed(p, b, [], [], u) for p, b, u in zip(parts, before, unbucketize)]
         if not self.buckets:
-            return (lambda: parts) if features.stride() > 0 else None
+            return (lambda: local) if features.stride() > 0 else None
         kjts = [[parts[i] for i in b.groups] for b in self.buckets]
         counts = [[self._send_counts(self.groups[i], parts[i]) for i in b.groups] for b in self.buckets]
         received = [b.exchange_splits(k, c) for b, k, c in zip(self.buckets, kjts, counts)]
@@ -151,14 +178,16 @@ class InputDistribution:
         recv = [[([row[0] for row in table], [row[1] for row in table]) for table in bucket] for bucket in received]
         waits = [b.issue_payload(k, c, r) for b, k, c, r in zip(self.buckets, kjts, counts, recv)]
 
-        def complete() -> list[Any]:
+        def complete() -> list[Distributed]:
             with torch.no_grad():
-                out = list(parts)
-                for bucket, bucket_kjts, wait in zip(self.buckets, kjts, waits):
-                    for i, kjt, (lengths, values, weights) in zip(bucket.groups, bucket_kjts, wait()):
+                out = list(local)
+                for bucket, bucket_kjts, sent, got, wait in zip(self.buckets, kjts, counts, recv, waits):
+                    for i, kjt, (_, ids_out), (_, ids_in), (lengths, values, weights) in zip(
+                            bucket.groups, bucket_kjts, sent, got, wait()):
                         g = self.groups[i]
-                        out[i] = self.recat[i](g.local_keys, g.recat, lengths, values, weights, kjt.stride(),
-                                               self.world)
+                        out[i] = Distributed(self.recat[i](g.local_keys, g.recat, lengths, values, weights,
+                                                           kjt.stride(), self.world),
+                                             before[i], ids_out, ids_in, unbucketize[i])
                 return out
 
         return complete

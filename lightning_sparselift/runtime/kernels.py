@@ -9,21 +9,24 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_sparselift.ir import LiftedModule
+
 
 def permute_torchrec(features: Any, order: list[int], order_tensor: Tensor) -> Any:
     """The input keys into group order (KeyedJaggedTensor.permute: fbgemm's permute_2D_sparse_data)."""
     return features.permute(order, order_tensor)
 
 
-def bucketize_fbgemm(kjt: Any, block_sizes: Tensor, world: int) -> Any:
-    """Row-wise: each key's ids split into the ranks' row blocks (keys repeated once per rank)."""
+def bucketize_fbgemm(kjt: Any, block_sizes: Tensor, world: int, sequence: bool) -> tuple[Any, Optional[Tensor]]:
+    """Row-wise: each key's ids split into the ranks' row blocks (keys repeated once per rank);
+    with ``sequence`` (an EmbeddingCollection) also where each id lands, to put its row back."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    lengths, values, weights, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(
-        kjt.lengths().view(-1), kjt.values(), bucketize_pos=False, sequence=False,
+    lengths, values, weights, _, unbucketize = torch.ops.fbgemm.block_bucketize_sparse_features(
+        kjt.lengths().view(-1), kjt.values(), bucketize_pos=False, sequence=sequence,
         block_sizes=block_sizes.to(kjt.values().dtype), my_size=world, weights=kjt.weights_or_none())
     return KeyedJaggedTensor(keys=list(kjt.keys()) * world, values=values, weights=weights, lengths=lengths.view(-1),
-                             stride=kjt.stride())
+                             stride=kjt.stride()), unbucketize
 
 
 def recat_fbgemm(keys: list[str], recat: Optional[Tensor], lengths: Tensor, values: Tensor,
@@ -43,12 +46,22 @@ def lookup_torchrec(lookup: nn.Module, kjt: Any) -> Tensor:
     return lookup(kjt)
 
 
-def output_torchrec(names: list[str], dims: list[int], outs: list[Tensor]) -> Any:
-    """The groups' pooled outputs as the KeyedTensor the module returns."""
-    from torchrec.sparse.jagged_tensor import KeyedTensor
+def output_torchrec(module: LiftedModule, outs: list[Tensor], features: list[Any]) -> Any:
+    """What the module returns: the groups' pooled outputs as one KeyedTensor, or (an
+    EmbeddingCollection) a JaggedTensor per feature, built by TorchRec's own function from each
+    group's rows and its ``features`` before distribution."""
+    if module.pooled:
+        from torchrec.sparse.jagged_tensor import KeyedTensor
 
-    values = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    return KeyedTensor(keys=names, length_per_key=dims, values=values, key_dim=1)
+        values = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return KeyedTensor(keys=module.embedding_names, length_per_key=module.embedding_dims, values=values, key_dim=1)
+    from torchrec.modules.utils import construct_jagged_tensors
+
+    out: dict[str, Any] = {}
+    for group, rows, kjt in zip(module.groups, outs, features):
+        out.update(construct_jagged_tensors(rows, kjt, group.embedding_names,
+                                            features_to_permute_indices=module.column_shard_order))
+    return out
 
 
 KERNELS: dict[tuple[str, str], Callable[..., Any]] = {

@@ -1,5 +1,6 @@
-"""The layout of a (possibly merged) pooled-output all-to-all: how every rank's pooled blocks are
-packed for the exchange and unpacked after it, in both directions."""
+"""The layout of a (possibly merged) output all-to-all: how every rank's pooled blocks, or an
+EmbeddingCollection's rows, are packed for the exchange and unpacked after it, in both directions.
+The output all-to-alls (``runtime.collectives``) take either layout."""
 
 from __future__ import annotations
 
@@ -77,3 +78,84 @@ class PooledLayout:
             for g, piece in enumerate(chunk.split(local_sizes)):
                 per_group[g].append(piece.view(b, self.dims[g][self.rank]))
         return [torch.cat(p).div_(world) for p in per_group]
+
+
+@dataclass
+class SequenceLayout:
+    """The layout of one (possibly merged) output all-to-all of an EmbeddingCollection's rows.
+    Each rank looked up a row per id it received, in the order the input distribution leaves them
+    ([key][src][sample]); TorchRec's permute puts them in [src][key][sample] order so that each
+    source's rows go back to it in the order it sent the ids (per destination, group after group).
+    The gradients take the reverse path and are divided by world size, as TorchRec's backward
+    all-to-all does; rows are only copied, never summed."""
+
+    dims: list[list[int]]  # per group: the width of each rank's rows
+    lengths: list[Tensor]  # per group: the lengths of the ids this rank received, [key][src][sample]
+    recat: list[Optional[Tensor]]  # per group: [key][src] -> [src][key] (None: this rank holds none of its keys)
+    back: list[Optional[Tensor]]  # per group: the inverse permutation, for the gradients
+    sent: list[list[int]]  # per group: ids this rank sent to each rank (the rows it gets back)
+    received: list[list[int]]  # per group: ids each rank sent here (the rows this rank returns)
+    group: Any
+    rank: int
+
+    def __post_init__(self) -> None:
+        self.permuted_lengths: list[Optional[Tensor]] = [None] * len(self.dims)
+
+    @property
+    def world(self) -> int:
+        return len(self.dims[0])
+
+    def _per_destination(self, flats: list[Tensor], counts: list[list[int]], dims: list[int]) -> Tensor:
+        """Each group's flat rows (in destination order) interleaved: per destination, group after group."""
+        if len(flats) == 1:
+            return flats[0]
+        pieces = [flat.split([n * d for n in c]) for flat, c, d in zip(flats, counts, dims)]
+        return torch.cat([p[dst] for dst in range(self.world) for p in pieces])
+
+    def _per_group(self, received: Tensor, counts: list[list[int]], dims: list[list[int]]) -> list[Tensor]:
+        """What arrived (per source, group after group) as each group's flat rows in source order."""
+        if len(self.dims) == 1:
+            return [received]
+        chunks = received.split([sum(c[s] * d[s] for c, d in zip(counts, dims)) for s in range(self.world)])
+        per_group: list[list[Tensor]] = [[] for _ in self.dims]
+        for s, chunk in enumerate(chunks):
+            for g, piece in enumerate(chunk.split([c[s] * d[s] for c, d in zip(counts, dims)])):
+                per_group[g].append(piece)
+        return [torch.cat(p) for p in per_group]
+
+    def send_outputs(self, locals_: tuple[Tensor, ...]) -> tuple[Tensor, list[int], list[int]]:
+        flats = []
+        for g, rows in enumerate(locals_):
+            flat = rows.reshape(-1)
+            if self.recat[g] is not None:
+                lengths = self.lengths[g] * self.dims[g][self.rank]
+                self.permuted_lengths[g], flat, _ = torch.ops.fbgemm.permute_2D_sparse_data(
+                    self.recat[g], lengths.view(self.recat[g].numel(), -1), flat, None, flat.numel())
+            flats.append(flat)
+        own = [d[self.rank] for d in self.dims]
+        send = self._per_destination(flats, self.received, own)
+        send_sizes = [sum(c[dst] * d for c, d in zip(self.received, own)) for dst in range(self.world)]
+        recv_sizes = [sum(c[s] * d[s] for c, d in zip(self.sent, self.dims)) for s in range(self.world)]
+        return send, recv_sizes, send_sizes
+
+    def unpack_outputs(self, received: Tensor) -> tuple[Tensor, ...]:
+        flats = self._per_group(received, self.sent, self.dims)
+        return tuple(flat.view(-1, d[0]) for flat, d in zip(flats, self.dims))
+
+    def send_grads(self, grads: tuple[Tensor, ...]) -> tuple[Tensor, list[int], list[int]]:
+        widths = [d[0] for d in self.dims]
+        send = self._per_destination([g.contiguous().view(-1) for g in grads], self.sent, widths)
+        own = [d[self.rank] for d in self.dims]
+        send_sizes = [sum(c[dst] * w for c, w in zip(self.sent, widths)) for dst in range(self.world)]
+        recv_sizes = [sum(c[s] * d for c, d in zip(self.received, own)) for s in range(self.world)]
+        return send, recv_sizes, send_sizes
+
+    def unpack_grads(self, received: Tensor) -> list[Tensor]:
+        own = [[d[self.rank]] * self.world for d in self.dims]
+        out = []
+        for g, flat in enumerate(self._per_group(received, self.received, own)):
+            if self.back[g] is not None:
+                _, flat, _ = torch.ops.fbgemm.permute_2D_sparse_data(
+                    self.back[g], self.permuted_lengths[g], flat, None, flat.numel())
+            out.append(flat.view(-1, self.dims[g][self.rank]).div_(self.world))
+        return out

@@ -1,28 +1,30 @@
-"""Output distribution as a module's schedule says: each output bucket's pooled blocks go back to
-the samples' ranks in one all-to-all (left in flight when the lookups started early and the
-bucket is waited for at the module's call), row-wise partial sums are reduce-scattered; the
-autograd Functions carry the gradients' collectives."""
+"""Output distribution as a module's schedule says: each output bucket's lookup outputs go back to
+the samples' ranks in one all-to-all (pooled blocks, or an EmbeddingCollection's rows), left in
+flight when the lookups started early and the bucket is waited for at the module's call; row-wise
+partial sums are reduce-scattered; an EmbeddingCollection's row-wise rows are put back in the
+order of the ids before bucketization. The autograd Functions carry the gradients' collectives."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
+import torch
 from torch import Tensor
 
 from lightning_sparselift.cost.calibration import RegionClock
 from lightning_sparselift.ir import ModuleSchedule
 from lightning_sparselift.runtime.collectives import (
-    IssuePooledAllToAll, MergedPooledAllToAll, PooledReduceScatter, WaitPooledAllToAll,
+    IssueOutputAllToAll, Layout, OutputAllToAll, PooledReduceScatter, WaitOutputAllToAll,
 )
-from lightning_sparselift.runtime.input_dist import GroupRuntime
-from lightning_sparselift.runtime.layout import PooledLayout
+from lightning_sparselift.runtime.input_dist import Distributed, GroupRuntime
+from lightning_sparselift.runtime.layout import PooledLayout, SequenceLayout
 
 
 @dataclass
 class _OutputBucket:
     groups: list[int]
-    pooled: bool  # all-to-all of pooled blocks (else a row-wise reduce-scatter)
+    all_to_all: bool  # else a row-wise reduce-scatter
     in_flight: bool  # issued with an early start, waited for at the module's call
     process_group: Any
 
@@ -32,9 +34,10 @@ class Pending:
     """An output all-to-all left in flight."""
 
     groups: list[int]
-    layout: PooledLayout
+    layout: Layout
     box: dict
     received: Tensor
+    unbucketize: list[Optional[Tensor]]
 
 
 class OutputDistribution:
@@ -44,32 +47,45 @@ class OutputDistribution:
         self.buckets = [_OutputBucket(e.groups, e.op == "all_to_all_single", e.wait != schedule.lookup_at,
                                       process_groups[e.process_group]) for e in schedule.outputs]
 
-    def issue(self, locals_: list[Tensor], batch_size: int, early: bool) -> tuple[list[Tensor], list[Pending]]:
+    def issue(self, locals_: list[Tensor], inputs: list[Distributed], batch_size: int, early: bool
+              ) -> tuple[list[Tensor], list[Pending]]:
         """Every group's output (data-parallel and one-rank groups as they are), and the
         all-to-alls left in flight when the lookups ran ``early``."""
-        out: list[Tensor] = list(locals_)
+        exchanged = {i for b in self.buckets for i in b.groups}
+        out = [t if i in exchanged else _unbucketize(t, d.unbucketize) for i, (t, d) in enumerate(zip(locals_, inputs))]
         pending = []
         for b in self.buckets:
-            if not b.pooled:
+            if not b.all_to_all:
                 (i,) = b.groups
                 out[i] = PooledReduceScatter.apply(locals_[i], b.process_group, self.clock)
                 continue
-            layout = PooledLayout([self.groups[i].spec.dim_sum_per_rank for i in b.groups], batch_size,
-                                  b.process_group, [self.groups[i].column_index for i in b.groups], self.rank)
+            layout = self._layout(b, inputs, batch_size)
             tensors = [locals_[i] for i in b.groups]
+            unbucketize = [inputs[i].unbucketize for i in b.groups]
             if early and b.in_flight:
                 box: dict = {}
-                pending.append(Pending(b.groups, layout, box,
-                                       IssuePooledAllToAll.apply(layout, box, self.clock, *tensors)))
+                pending.append(Pending(b.groups, layout, box, IssueOutputAllToAll.apply(layout, box, self.clock,
+                                                                                        *tensors), unbucketize))
             else:
-                for i, tensor in zip(b.groups, MergedPooledAllToAll.apply(layout, self.clock, *tensors)):
-                    out[i] = tensor
+                for i, tensor, u in zip(b.groups, OutputAllToAll.apply(layout, self.clock, *tensors), unbucketize):
+                    out[i] = _unbucketize(tensor, u)
         return out, pending
+
+    def _layout(self, b: _OutputBucket, inputs: list[Distributed], batch_size: int) -> Layout:
+        groups = [self.groups[i] for i in b.groups]
+        if groups[0].row_width is None:
+            return PooledLayout([g.spec.dim_sum_per_rank for g in groups], batch_size, b.process_group,
+                                [g.column_index for g in groups], self.rank)
+        got = [inputs[i] for i in b.groups]
+        return SequenceLayout([g.spec.dim_sum_per_rank for g in groups], [d.kjt.lengths() for d in got],
+                              [g.row_recat for g in groups], [g.row_back for g in groups],
+                              [d.sent for d in got], [d.received for d in got], b.process_group, self.rank)
 
     def wait(self, out: list[Tensor], pending: list[Pending]) -> list[Tensor]:
         for p in pending:
-            for i, tensor in zip(p.groups, WaitPooledAllToAll.apply(p.received, p.layout, p.box, self.clock)):
-                out[i] = tensor
+            tensors = WaitOutputAllToAll.apply(p.received, p.layout, p.box, self.clock)
+            for i, tensor, u in zip(p.groups, tensors, p.unbucketize):
+                out[i] = _unbucketize(tensor, u)
         return out
 
     @staticmethod
@@ -78,3 +94,8 @@ class OutputDistribution:
         for p in pending:
             p.box.pop("work").wait()
 
+
+def _unbucketize(rows: Tensor, unbucketize: Optional[Tensor]) -> Tensor:
+    """An EmbeddingCollection's row-wise rows, in bucket order, back in the order of the ids
+    before bucketization (TorchRec's index_select)."""
+    return rows if unbucketize is None else torch.index_select(rows, 0, unbucketize)

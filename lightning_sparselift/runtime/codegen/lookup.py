@@ -127,8 +127,12 @@ class GeneratedLookup:
         from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
 
         if not isinstance(lookup, GroupedPooledEmbeddingsLookup):
-            raise Unsupported(f"a {type(lookup).__name__} lookup (data-parallel tables are updated through DDP and "
-                              f"the dense optimizer, not a fused kernel)")
+            from torchrec.distributed.embedding_lookup import GroupedEmbeddingsLookup
+
+            why = ("an EmbeddingCollection's lookup returns a row per id: generated kernels pool"
+                   if isinstance(lookup, GroupedEmbeddingsLookup) else
+                   "data-parallel tables are updated through DDP and the dense optimizer, not a fused kernel")
+            raise Unsupported(f"a {type(lookup).__name__} lookup ({why})")
         # (a rank holding none of the group's tables runs TorchRec's lookup: it only makes the empty output)
         modules = list(lookup._emb_modules)
         self.lookup = lookup
