@@ -270,7 +270,11 @@ def _lift_module(model: nn.Module, path: str, sharding_plan: Any, captures: list
     unknown = sorted(set(names) - set(keys))
     if unknown:
         raise LiftError(f"{path}: features {unknown} of the tables are missing from the input KJT keys {keys}")
-    feature_order = [] if names == keys else [keys.index(f) for f in names]
+    # TorchRec skips the permute when the keys already are in group order: an EBC only when they are exactly its
+    # features, an EC also when its features are the first keys (the split then takes them, the rest is ignored)
+    feature_order = [keys.index(f) for f in names]
+    if names == keys or (not pooled and feature_order == list(range(len(names)))):
+        feature_order = []
     # (as TorchRec decides it: by the pooling of the row-wise tables' configs)
     plan = sharding_plan.plan[path]
     row_wise = [c for c in _configs(sharded, pooled) if plan[c.name].sharding_type in ("row_wise", "table_row_wise")]
