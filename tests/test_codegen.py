@@ -4,8 +4,10 @@ graphs (process-free)."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,6 +116,24 @@ def test_the_second_build_of_a_source_loads_it_from_the_cache(tmp_path, monkeypa
     other = cpu_source(spec_of(_tbe("sgd", "mean"), False, True))
     with pytest.raises(Unsupported, match="did not build"):
         build(other)
+
+
+def test_a_build_that_was_killed_does_not_block_the_next_one(tmp_path, monkeypatch):
+    import threading
+
+    monkeypatch.setenv("SPARSELIFT_KERNEL_CACHE", str(tmp_path))
+    source = cpu_source(spec_of(_tbe("sgd", "sum"), False, True))
+    folder = Path(build(source).path).parent
+    # what a build killed while compiling leaves: cpp_extension's lock file, no library, no marker
+    for leftover in folder.iterdir():
+        if leftover.name not in ("kernel.cpp", "build.lock"):
+            leftover.unlink() if leftover.is_file() else shutil.rmtree(leftover)
+    (folder / "lock").write_text("")
+    done: list = []
+    worker = threading.Thread(target=lambda: done.append(build(source)), daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    assert done and not done[0].cached, "the build waited for a lock nobody holds"
 
 
 @pytest.mark.parametrize("buckets", [None, [["t0", "t1"], ["t2", "t3"]]])

@@ -5,11 +5,14 @@ same model finds the library there and compiles nothing."""
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -33,6 +36,36 @@ def _cpu_flags() -> list[str]:
     except OSError:
         return []
     return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= flags else []
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` that the system releases when its process dies (a build that
+    was killed leaves nothing that blocks the next one)."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _compile(name: str, folder: Path, source: str, flags: list[str], openmp: bool) -> None:
+    from torch.utils import cpp_extension
+
+    source_file = folder / "kernel.cpp"
+    if not source_file.exists() or source_file.read_text() != source:
+        source_file.write_text(source)
+    # cpp_extension's own lock file, left behind by a build that was killed, would make it wait
+    # forever; under our lock no other build of this folder runs
+    (folder / "lock").unlink(missing_ok=True)
+    try:
+        cpp_extension.load(name, [str(source_file)], extra_cflags=flags,
+                           extra_ldflags=["-fopenmp"] if openmp else None, build_directory=str(folder),
+                           is_python_module=False, verbose=False)
+    except (RuntimeError, OSError, ImportError) as error:
+        raise Unsupported(f"the generated kernel did not build here ({str(error).strip().splitlines()[-1]})") \
+            from error
 
 
 @dataclass
@@ -59,23 +92,13 @@ def build(source: str, openmp: bool = False) -> BuiltKernel:
     start = time.perf_counter()
     cached = built.exists()
     if not cached:
-        from torch.utils import cpp_extension
-
         folder.mkdir(parents=True, exist_ok=True)
-        source_file = folder / "kernel.cpp"
-        if not source_file.exists() or source_file.read_text() != source:
-            partial = folder / f"kernel.cpp.{os.getpid()}"
-            partial.write_text(source)
-            os.replace(partial, source_file)  # (whole, so another rank never reads half a source)
-        try:
-            # (ranks building the same source share the folder: cpp_extension locks it)
-            cpp_extension.load(name, [str(source_file)], extra_cflags=flags,
-                               extra_ldflags=["-fopenmp"] if openmp else None, build_directory=str(folder),
-                               is_python_module=False, verbose=False)
-        except (RuntimeError, OSError, ImportError) as error:
-            raise Unsupported(f"the generated kernel did not build here ({str(error).strip().splitlines()[-1]})") \
-                from error
-        built.touch()
+        # ranks building the same source share the folder: one builds, the others wait and load it
+        with _locked(folder / "build.lock"):
+            cached = built.exists()
+            if not cached:
+                _compile(name, folder, source, flags, openmp)
+                built.touch()
     try:
         loaded = ctypes.CDLL(str(library))
     except OSError as error:
