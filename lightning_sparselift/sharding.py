@@ -13,8 +13,7 @@ from torch import nn
 from lightning_sparselift.ir.vocab import SHARDING_TYPES
 
 # The planner never proposes these on CPU; we build their plan ourselves.
-_CONSTRUCTED_ON_CPU = ("row_wise",)
-_GPU_ONLY = ("table_row_wise",)
+_CONSTRUCTED_ON_CPU = ("row_wise", "table_row_wise")
 
 EMBEDDING_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 # fbgemm's CPU TBE kernels implement only these.
@@ -183,7 +182,9 @@ def describe_tables(model: nn.Module) -> dict[str, TableInfo]:
 
 
 def validate_sharding_types(sharding_types: Optional[dict[str, str]], tables: dict[str, TableInfo],
-                            device_type: str) -> dict[str, str]:
+                            offered: dict[str, list[str]]) -> dict[str, str]:
+    """``sharding_types`` checked against the model's ``tables`` and the types TorchRec's sharder
+    of each table's module ``offered`` (by module path)."""
     if not sharding_types:
         return {}
     unknown_tables = sorted(set(sharding_types) - set(tables))
@@ -193,8 +194,10 @@ def validate_sharding_types(sharding_types: Optional[dict[str, str]], tables: di
     for table, kind in sharding_types.items():
         if kind not in SHARDING_TYPES:
             raise ValueError(f"unknown sharding type {kind!r} for table {table!r}; choose one of {SHARDING_TYPES}")
-        if kind in _GPU_ONLY and device_type != "cuda":
-            raise ValueError(f"sharding type {kind!r} (table {table!r}) needs CUDA devices")
+        module = tables[table].module_path
+        if kind not in offered[module]:
+            raise ValueError(f"sharding type {kind!r} (table {table!r}): TorchRec's sharder of the module {module!r} "
+                             f"offers {offered[module]}")
         if tables[table].managed_collision and kind != "row_wise":
             raise ValueError(f"table {table!r} of the managed-collision collection {tables[table].module_path!r} "
                              f"cannot be {kind!r}: TorchRec shards managed-collision collections row-wise only")
@@ -206,13 +209,15 @@ def build_sharding_plan(model: nn.Module, sharders: list[Any], world_size: int, 
     """A TorchRec ``ShardingPlan`` for every sparse module in ``model``.
 
     Tables listed in ``sharding_types`` get that type; the others are left to TorchRec's
-    planner. On CPU the planner cannot place row-wise tables, so when any is requested the
-    whole plan is constructed: requested types as given, other tables table-wise on the least
-    loaded rank (by rows x dim).
+    planner. On CPU the planner cannot place row-wise or table-row-wise tables, so when any is
+    requested the whole plan is constructed: requested types as given (a table-row-wise table on
+    the least loaded host, hosts as TorchRec's process groups count them), other tables
+    table-wise on the least loaded rank (by rows x dim).
     """
+    from torchrec.distributed.comm import get_topology_group_world_size
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
     from torchrec.distributed.sharding_plan import (
-        column_wise, construct_module_sharding_plan, data_parallel, row_wise, table_wise,
+        column_wise, construct_module_sharding_plan, data_parallel, row_wise, table_row_wise, table_wise,
     )
     from torchrec.distributed.types import ShardingPlan
 
@@ -231,7 +236,10 @@ def build_sharding_plan(model: nn.Module, sharders: list[Any], world_size: int, 
             return planner.collective_plan(model, sharders, process_group)
         return planner.plan(model, sharders)
 
-    load = [0] * world_size
+    # ranks per host matter to table-row-wise tables only (TorchRec's lookup of it logs warnings
+    # when the environment does not say)
+    local_size = get_topology_group_world_size(world_size) if "table_row_wise" in sharding_types.values() else world_size
+    load = [0.0] * world_size
     generators: dict[str, dict[str, Any]] = {}
     for name, info in sorted(tables.items(), key=lambda kv: (-kv[1].num_embeddings * kv[1].embedding_dim, kv[0])):
         kind = sharding_types.get(name, "table_wise")
@@ -243,6 +251,12 @@ def build_sharding_plan(model: nn.Module, sharders: list[Any], world_size: int, 
             gen = column_wise(ranks=list(range(world_size)))
         elif kind == "row_wise":
             gen = row_wise()
+        elif kind == "table_row_wise":
+            hosts = [range(h * local_size, (h + 1) * local_size) for h in range(world_size // local_size)]
+            host = min(range(len(hosts)), key=lambda h: (sum(load[r] for r in hosts[h]), h))
+            for r in hosts[host]:
+                load[r] += info.num_embeddings * info.embedding_dim / local_size
+            gen = table_row_wise(host_index=host)
         elif kind == "data_parallel":
             gen = data_parallel()
         else:
@@ -253,7 +267,7 @@ def build_sharding_plan(model: nn.Module, sharders: list[Any], world_size: int, 
     modules = find_sparse_modules(model)
     return ShardingPlan(plan={
         path: construct_module_sharding_plan(modules[path], per_param, sharder=sharder_for(modules[path]),
-                                             local_size=world_size, world_size=world_size, device_type=device_type)
+                                             local_size=local_size, world_size=world_size, device_type=device_type)
         for path, per_param in generators.items()
     })
 
@@ -294,7 +308,9 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
     # TorchRec shards managed-collision collections row-wise only: their tables are row-wise unless
     # asked otherwise (which the validation refuses)
     requested = {**{t: "row_wise" for t, info in tables.items() if info.managed_collision}, **(sharding_types or {})}
-    checked = validate_sharding_types(requested, tables, device.type)
+    # (what the sharder offers on CUDA: on CPU it leaves out the row-wise types, whose plan we construct)
+    offered = {path: list(sharder_for(m).sharding_types("cuda")) for path, m in modules.items()}
+    checked = validate_sharding_types(requested, tables, offered)
     embedding_optimizer.apply_in_backward([p for m in modules.values() for p in table_parameters(m)], device.type)
     # (one per module type, in the order the modules appear: the same list on every rank)
     sharders = [cls() for cls in dict.fromkeys(_sharders()[type(m)] for m in modules.values())]

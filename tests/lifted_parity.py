@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_sparselift.ir.vocab import ROW_SHARDED
+
 WARMUP_STEPS = 2
 LIFTED_STEPS = 3
 BATCH = 8
@@ -32,20 +34,25 @@ CASES: dict[str, dict[str, Any]] = {
     "column_wise": dict(sharding={t: "column_wise" for t in [*TABLES_A, *TABLES_B]}),
     "table_column_wise": dict(sharding={t: "table_column_wise" for t in [*TABLES_A, *TABLES_B]}),
     "row_wise": dict(sharding={t: "row_wise" for t in [*TABLES_A, *TABLES_B]}),
+    # (one host: every table's row blocks over all ranks, in its own group beside row-wise's)
+    "table_row_wise": dict(sharding={t: "table_row_wise" for t in [*TABLES_A, *TABLES_B]}),
     "data_parallel": dict(sharding={t: "data_parallel" for t in [*TABLES_A, *TABLES_B]}),
     "mixed": dict(sharding={"ta0": "table_wise", "ta1": "row_wise", "ta2": "column_wise", "ta3": "data_parallel",
                             "tb0": "row_wise", "tb1": "table_wise"}),
-    # mean pooling: table-wise (fbgemm means), row-wise (TorchRec sums, then divides the module's
-    # whole output by bag lengths after the reduce-scatter, its sum-pooled table-wise keys included)
+    # mean pooling: table-wise (fbgemm means), row-wise and table-row-wise (TorchRec sums, then
+    # divides the module's whole output by bag lengths after the reduce-scatter, its sum-pooled
+    # table-wise keys included)
     "mean_pooling": dict(sharding={"ta0": "table_wise", "ta1": "row_wise", "ta2": "column_wise",
-                                   "ta3": "data_parallel", "tb0": "row_wise", "tb1": "table_wise"},
+                                   "ta3": "data_parallel", "ta4": "table_row_wise", "tb0": "table_row_wise",
+                                   "tb1": "table_wise"},
                          mean=("ta0", "ta1", "tb0")),
     # an EmbeddingCollection's tables split into column shards on every rank (TorchRec's planner
     # keeps its narrow tables whole; a row-wise table makes us construct the plan)
     "column_shards": dict(sharding={"ta0": "row_wise", "ta1": "table_wise", "ta2": "column_wise", "ta3": "table_wise",
                                     "ta4": "column_wise", "tb0": "table_wise", "tb1": "table_wise"}),
 }
-POOLED_CASES = ("table_wise", "column_wise", "table_column_wise", "row_wise", "data_parallel", "mixed", "mean_pooling")
+POOLED_CASES = ("table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise", "data_parallel", "mixed",
+                "mean_pooling")
 # module "a" as an EmbeddingCollection (one width for all its tables, as TorchRec requires; wide
 # enough for column-wise shards): its rows are read per position, padded to the longest bag
 SEQUENCE_DIM = 48
@@ -76,7 +83,7 @@ OPTIMIZED = {"aggregated": ("aggregation",), "latency_hidden": ("latency_hiding"
 # TorchRec's own row-wise backward fails on uneven batches over gloo ("ProcessGroupGloo::allgather:
 # invalid tensor size"), so there is no reference to compare with.
 ALL = [(c, v) for c in CASES for v in VARIANTS
-       if not (v == "uneven_batch" and any(k == "row_wise" for k in CASES[c]["sharding"].values()))
+       if not (v == "uneven_batch" and any(k in ROW_SHARDED for k in CASES[c]["sharding"].values()))
        and c in VARIANTS[v].get("sequence", POOLED_CASES)]
 
 
@@ -200,7 +207,10 @@ class CollectiveRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         name = func.__name__.split(".")[0]
         op = _COLLECTIVE_OPS.get(name) if func.namespace == "c10d" else None
-        if op is not None:
+        # a collective over one member moves nothing between ranks (TorchRec's table-row-wise
+        # cross-host all-to-all on one host): not recorded
+        groups = [a for a in args if isinstance(a, dist.ProcessGroup)]
+        if op is not None and not (groups and groups[0].size() == 1 and dist.get_world_size() > 1):
             # the member's input: alltoall_base_(output, input, ...); _reduce_scatter_base_(output, input, ...);
             # _allgather_base_(output, input, ...); allreduce_([tensors], ...); coalesced ops take lists
             if name in ("alltoall_base_", "_reduce_scatter_base_", "_allgather_base_"):

@@ -138,7 +138,6 @@ def test_unknown_options_and_names():
 
 @pytest.mark.parametrize("sharding, match", [({"t_cat_0": "diagonal"}, "unknown sharding type 'diagonal'"),
                                              ({"t_nope": "table_wise"}, r"table\(s\) \['t_nope'\]"),
-                                             ({"t_cat_0": "table_row_wise"}, "needs CUDA"),
                                              ({"t_cat_0": "table_column_wise", "t_cat_1": "row_wise"},
                                               "table_column_wise cannot be combined with row-wise tables on CPU")])
 def test_bad_sharding_types(sharding, match, data_cache):

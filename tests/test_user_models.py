@@ -63,10 +63,12 @@ def test_user_model_with_default_calibration_matches_torchrec(tmp_path, data_cac
 
 # (TorchRec collection, sharding type of its tables) -> the user model holding one next to a plain
 # EmbeddingBagCollection (tests/support_table.py renders the README's table from this)
-OTHER_COLLECTIONS = {(collection, sharding): kind
-                     for collection, kind in (("EmbeddingCollection", "sequence"),
-                                              ("FeatureProcessedEmbeddingBagCollection", "positioned"))
-                     for sharding in ("table_wise", "row_wise", "column_wise", "data_parallel")}
+OTHER_COLLECTIONS = {**{(collection, sharding): kind
+                        for collection, kind in (("EmbeddingCollection", "sequence"),
+                                                 ("FeatureProcessedEmbeddingBagCollection", "positioned"))
+                        for sharding in ("table_wise", "row_wise", "column_wise", "data_parallel")},
+                     # (TorchRec's sharder of an EmbeddingCollection offers no table-row-wise)
+                     ("FeatureProcessedEmbeddingBagCollection", "table_row_wise"): "positioned"}
 # the ones the lifted executor runs (the others keep TorchRec's path)
 LIFTED_COLLECTIONS = ("EmbeddingCollection",)
 
@@ -182,6 +184,18 @@ def test_unsupported_managed_collision_settings_are_refused_by_name(option, mess
         t.fit(WithManagedCollisions(dm.table_sizes, dm.feature_names), dm)
 
 
+def test_a_sharding_type_the_modules_sharder_does_not_offer_is_refused_by_name(data_cache):
+    from user_models import WithSequenceFeature
+
+    dm = tiny_data(data_cache, num_train=640)
+    table = f"seq_{dm.feature_names[0]}"
+    t = trainer(1, SparseLiftStrategy(start_method="fork", sharding_types={table: "table_row_wise"}),
+                limit_val_batches=0)
+    with pytest.raises(Exception, match=rf"sharding type 'table_row_wise' \(table '{table}'\): TorchRec's sharder of "
+                                        rf"the module 'sequence' offers \['data_parallel', 'table_wise', "):
+        t.fit(WithSequenceFeature(dm.table_sizes, dm.feature_names), dm)
+
+
 VARIABLE_BATCH = ("table_wise", "row_wise", "column_wise")
 
 
@@ -239,4 +253,30 @@ def test_a_module_whose_capture_fails_keeps_torchrecs_path_and_the_others_are_li
     report = fit(tmp_path / "lifted")
     assert report["modules"] == ["embeddings"]
     assert report["not_lifted"] == {"second": "second: injected capture failure"}
+    _assert_identical(tmp_path / "torchrec", tmp_path / "lifted")
+
+
+def test_table_row_wise_over_two_hosts_keeps_torchrecs_path_for_that_module(tmp_path, data_cache, monkeypatch):
+    """One rank per host (LOCAL_WORLD_SIZE=1): TorchRec's table-row-wise exchanges run across hosts
+    (staggered), which the lifted executor does not run; that module keeps TorchRec's path, the
+    other is lifted, bit-identical."""
+    from user_models import TwoBagCollections
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # (forked ranks inherit it; TorchRec reads it)
+    dm = tiny_data(data_cache, num_train=640)
+    second = {f"table_{f}": "table_row_wise" for f in dm.feature_names[3:]}
+
+    def fit(folder: Path, **kwargs) -> dict:
+        L.seed_everything(0)
+        strategy = SparseLiftStrategy(start_method="fork", calibrate=False, sharding_types=second,
+                                      embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05}, **kwargs)
+        t = trainer(2, strategy, limit_val_batches=0, callbacks=[DumpLocalState(folder), GraphReport(folder)])
+        t.fit(TwoBagCollections(dm.table_sizes, dm.feature_names), dm)
+        return json.loads((folder / "graph0.json").read_text())
+
+    fit(tmp_path / "torchrec", executor="torchrec")
+    report = fit(tmp_path / "lifted")
+    assert set(report["plan"]["second"].values()) == {"table_row_wise"}
+    assert report["modules"] == ["embeddings"] and list(report["not_lifted"]) == ["second"]
+    assert "span 2 hosts of 1 ranks" in report["not_lifted"]["second"]
     _assert_identical(tmp_path / "torchrec", tmp_path / "lifted")

@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_sparselift.frontend.lift import LiftError
 from lightning_sparselift.ir.graph import SparseGraph
-from lightning_sparselift.ir.vocab import POOLED_ALL_TO_ALL
+from lightning_sparselift.ir.vocab import POOLED_ALL_TO_ALL, ROW_SHARDED
 
 
 def check_against_runtime(graph: SparseGraph, model: nn.Module) -> None:
@@ -63,11 +63,20 @@ def check_against_runtime(graph: SparseGraph, model: nn.Module) -> None:
                 theirs = [int(c) for c in probe.view(-1).tolist()]
                 ours = g.column_order or list(range(width))
                 expect(f"group {g.index} output column order", ours, theirs)
-            elif kind == "row_wise":
+            elif kind in ROW_SHARDED:
                 expect(f"group {g.index} row block sizes", g.block_sizes,
                        [int(b) for b in input_dist._feature_block_sizes_tensor.tolist()])
-                if getattr(input_dist, "_has_multiple_blocks_per_shard", False) or input_dist.zch_bucketize_row_pos:
+                if (getattr(input_dist, "_has_multiple_blocks_per_shard", False)
+                        or getattr(input_dist, "zch_bucketize_row_pos", False)):
                     raise LiftError(f"{m.path}: row-wise group {g.index} uses multi-block bucketization")
                 if input_dist._has_feature_processor:
                     raise LiftError(f"{m.path}: row-wise group {g.index} bucketizes positions (feature processor)")
-                expect(f"group {g.index} returning rows in id order", not m.pooled, input_dist._is_sequence)
+                if kind == "table_row_wise":
+                    # one host: the staggered shuffle after bucketization keeps the bucket-major order
+                    buckets = len(g.block_sizes) * graph.world_size
+                    expect(f"group {g.index} order after bucketization", list(range(buckets)),
+                           list(input_dist._sf_staggered_shuffle))
+                    expect(f"group {g.index} all-to-all stagger", 1, input_dist._dist._stagger)
+                    expect(f"group {g.index} ranks of the cross-host all-to-all", 1, output_dist._cross_pg.size())
+                else:
+                    expect(f"group {g.index} returning rows in id order", not m.pooled, input_dist._is_sequence)

@@ -23,7 +23,7 @@ from lightning_sparselift.frontend.capture import RankCapture, common_path
 from lightning_sparselift.ir.graph import LiftedModule, ShardingGroup, SparseGraph, TableShard
 from lightning_sparselift.ir.schedule import identity_schedule
 from lightning_sparselift.ir.vocab import (
-    COLUMN_SHARDED, DTYPE_BYTES, INPUT_ALL_TO_ALL, LIFTED_SHARDING_TYPES, POOLED_ALL_TO_ALL,
+    COLUMN_SHARDED, DTYPE_BYTES, INPUT_ALL_TO_ALL, LIFTED_SHARDING_TYPES, POOLED_ALL_TO_ALL, ROW_SHARDED,
 )
 
 
@@ -159,7 +159,12 @@ def _lift_groups(path: str, sharded: nn.Module, module_plan: Any, env: Any, devi
                 start += len(names)
             if sharding_type in COLUMN_SHARDED:
                 column_order = _column_order(sharding)
-        if sharding_type == "row_wise":
+        if sharding_type == "table_row_wise" and sharding._local_size != world:
+            raise LiftError(f"{path}: table_row_wise tables {[i.embedding_config.name for i in infos]} span "
+                            f"{world // sharding._local_size} hosts of {sharding._local_size} ranks; the lifted "
+                            f"executor runs table_row_wise on one host only (its exchanges are then row-wise's), "
+                            f"so this module keeps TorchRec's path")
+        if sharding_type in ROW_SHARDED:
             rows = {}
             for info in infos:
                 for feature in info.embedding_config.feature_names:
@@ -277,7 +282,7 @@ def _lift_module(model: nn.Module, path: str, sharding_plan: Any, captures: list
         feature_order = []
     # (as TorchRec decides it: by the pooling of the row-wise tables' configs)
     plan = sharding_plan.plan[path]
-    row_wise = [c for c in _configs(sharded, pooled) if plan[c.name].sharding_type in ("row_wise", "table_row_wise")]
+    row_wise = [c for c in _configs(sharded, pooled) if plan[c.name].sharding_type in ROW_SHARDED]
     mean_after_reduce = pooled and any(c.pooling.value == "MEAN" for c in row_wise)
     reduce_sum_features = [f for c in row_wise if c.pooling.value == "SUM" for f in c.feature_names] if pooled else []
     ids = [{k: c.modules[path].features[k].ids_per_step for k in keys} for c in captures]

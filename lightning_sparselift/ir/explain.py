@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_sparselift.frontend.capture import describe_path
 from lightning_sparselift.ir.schedule import bucket_label
 from lightning_sparselift.ir.steps import CollectiveNode
-from lightning_sparselift.ir.vocab import COLUMN_SHARDED
+from lightning_sparselift.ir.vocab import COLUMN_SHARDED, ROW_SHARDED
 
 if TYPE_CHECKING:
     from lightning_sparselift.ir.graph import LiftedModule, SparseGraph
@@ -90,7 +90,7 @@ def _module(m: "LiftedModule") -> list[str]:
         by_rank: dict[Any, list[str]] = {}
         for t in g.tables:
             part = f"{t.table}[{t.rows}x{t.dim}"
-            if g.sharding_type == "row_wise":
+            if g.sharding_type in ROW_SHARDED:
                 part += f" rows {t.row_offset}+"
             if g.sharding_type in COLUMN_SHARDED:
                 part += f" cols {t.col_offset}+"

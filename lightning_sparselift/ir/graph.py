@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_sparselift.ir.schedule import ModuleSchedule
-from lightning_sparselift.ir.vocab import Dtype, LiftedShardingType
+from lightning_sparselift.ir.vocab import ROW_SHARDED, Dtype, LiftedShardingType
 
 GRAPH_VERSION = 3
 
@@ -49,7 +49,7 @@ class ShardingGroup:
     lookup_notes: dict[str, str] = field(default_factory=dict)
 
     def keys_on_rank(self, rank: int) -> list[str]:
-        if self.sharding_type == "row_wise":
+        if self.sharding_type in ROW_SHARDED:
             return list(self.features)
         start = sum(self.features_per_rank[:rank])
         return self.features[start:start + self.features_per_rank[rank]]
@@ -113,7 +113,7 @@ class LiftedModule:
     def ids_to_each_rank(self, member: int, group: ShardingGroup, world: int) -> list[float]:
         """Mean ids ``member`` sends to each rank in ``group``'s input all-to-all (row-wise: an
         even split across row blocks, the ids' real spread is data-dependent)."""
-        if group.sharding_type == "row_wise":
+        if group.sharding_type in ROW_SHARDED:
             return [self.group_ids(member, group) / world] * world
         return [self.group_ids(member, group, group.keys_on_rank(r)) for r in range(world)]
 

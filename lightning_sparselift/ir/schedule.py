@@ -27,7 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from lightning_sparselift.ir.vocab import INPUT_ALL_TO_ALL, Packing, Point, RegionName, output_collective
+from lightning_sparselift.ir.vocab import (
+    INPUT_ALL_TO_ALL, ROW_SHARDED, Packing, Point, RegionName, output_collective,
+)
 
 # the kernels TorchRec's own path runs, per region
 REFERENCE_KERNELS: dict[str, str] = {"permute": "torchrec", "bucketize": "fbgemm", "recat": "fbgemm",
@@ -108,7 +110,7 @@ def identity_schedule(kinds: list[str], world: int, permuted: bool, pooled: bool
     outputs = [OutputExchange([i], op, "module_call") for i, k in enumerate(kinds)
                if exchanged and (op := output_collective(k, pooled)) is not None]
     regions = [Region("permute", [], REFERENCE_KERNELS["permute"])] if permuted else []
-    regions += [Region("bucketize", [i], REFERENCE_KERNELS["bucketize"]) for i, k in enumerate(kinds) if k == "row_wise"]
+    regions += [Region("bucketize", [i], REFERENCE_KERNELS["bucketize"]) for i, k in enumerate(kinds) if k in ROW_SHARDED]
     regions += [Region("recat", [g], REFERENCE_KERNELS["recat"]) for e in inputs for g in e.groups]
     regions += [Region("lookup", [i], REFERENCE_KERNELS["lookup"]) for i in range(len(kinds))]
     regions.append(Region("output", [], REFERENCE_KERNELS["output"]))

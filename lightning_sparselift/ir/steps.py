@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Union
 
 from lightning_sparselift.ir.schedule import InputExchange
-from lightning_sparselift.ir.vocab import BACKWARD_OF, DTYPE_BYTES, POINTS, Point, aligned
+from lightning_sparselift.ir.vocab import BACKWARD_OF, DTYPE_BYTES, POINTS, ROW_SHARDED, Point, aligned
 
 if TYPE_CHECKING:
     from lightning_sparselift.ir.graph import LiftedModule, SparseGraph
@@ -105,7 +105,7 @@ def _forward(step: _Step, m: "LiftedModule") -> None:
                                        "keys": len(m.keys)}, workspace_bytes=0, after=[]).id]
     ready = {g.index: list(prev) for g in m.groups}  # what each group's next operation waits for
     for g in m.groups:
-        if g.sharding_type == "row_wise":
+        if g.sharding_type in ROW_SHARDED:
             node = step.compute(id=f"{m.path}/g{g.index}/bucketize", module=m.path, groups=[g.index], phase="forward",
                                 op="bucketize", rank=None, kernel=s.region("bucketize", g.index).kernel, tables=[],
                                 workload={"ids": max(m.group_ids(r, g) for r in range(world))}, workspace_bytes=0,
@@ -129,7 +129,7 @@ def _forward(step: _Step, m: "LiftedModule") -> None:
                                        bytes_per_member=_packed_bytes(m, e, world), data_dependent=True, **base)]
         else:
             (g,) = [m.groups[i] for i in e.groups]
-            fan = world if g.sharding_type == "row_wise" else 1
+            fan = world if g.sharding_type in ROW_SHARDED else 1
             ids = [m.group_ids(r, g) for r in range(world)]
             payload = [step.collective(id=f"{m.path}/{e.label}/input_lengths", role="input_lengths",
                                        dtype=m.lengths_dtype, bytes_per_member=[
@@ -157,7 +157,7 @@ def _forward(step: _Step, m: "LiftedModule") -> None:
             columns = g.dim_sum_per_rank[rank] if g.dim_sum_per_rank else sum(g.embedding_dims)
             if g.sharding_type == "data_parallel":
                 rows_out, ids = B[0], max(m.group_ids(r, g) for r in range(world))
-            elif g.sharding_type == "row_wise":
+            elif g.sharding_type in ROW_SHARDED:
                 rows_out, ids = sum(B), sum(m.group_ids(r, g) for r in range(world)) / world
             else:
                 rows_out, ids = sum(B), sum(m.group_ids(r, g, g.keys_on_rank(rank)) for r in range(world))
@@ -254,7 +254,7 @@ def _packed_bytes(m: "LiftedModule", e: InputExchange, world: int) -> list[int]:
             chunk = 0.0
             for g in groups:
                 ids = m.ids_to_each_rank(member, g, world)[dst]
-                keys = len(g.features) if g.sharding_type == "row_wise" else g.features_per_rank[dst]
+                keys = len(g.features) if g.sharding_type in ROW_SHARDED else g.features_per_rank[dst]
                 chunk += ids * (values_size + (4 if m.weighted else 0))
                 chunk += keys * m.batch_size_per_rank[member] * lengths_size
             total += aligned(round(chunk))

@@ -9,19 +9,24 @@ from typing import Literal, get_args
 import torch
 
 # TorchRec's sharding types the lifted executor runs
-LiftedShardingType = Literal["table_wise", "column_wise", "table_column_wise", "row_wise", "data_parallel"]
+LiftedShardingType = Literal["table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise",
+                             "data_parallel"]
 LIFTED_SHARDING_TYPES: tuple[str, ...] = get_args(LiftedShardingType)
-# every sharding type the strategy accepts (TorchRec's path runs the ones the executor does not)
-SHARDING_TYPES: tuple[str, ...] = LIFTED_SHARDING_TYPES + ("table_row_wise",)
+# every sharding type the strategy accepts
+SHARDING_TYPES: tuple[str, ...] = LIFTED_SHARDING_TYPES
 # kinds whose features travel to their owners through an input all-to-all
-INPUT_ALL_TO_ALL: tuple[str, ...] = ("table_wise", "column_wise", "table_column_wise", "row_wise")
+INPUT_ALL_TO_ALL: tuple[str, ...] = ("table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
 # kinds whose pooled outputs go back to the samples' ranks through an all-to-all
 POOLED_ALL_TO_ALL: tuple[str, ...] = ("table_wise", "column_wise", "table_column_wise")
 # a table's columns split into shards (table-column-wise: TorchRec's column-wise with all of a
 # table's shards on the ranks of one host; the same exchanges and output column permutation)
 COLUMN_SHARDED: tuple[str, ...] = ("column_wise", "table_column_wise")
+# a table's rows split into blocks, every feature bucketized by row block (table-row-wise: the
+# blocks on the ranks of one host; lifted when that host is the whole world, where its exchanges
+# are row-wise's)
+ROW_SHARDED: tuple[str, ...] = ("row_wise", "table_row_wise")
 # kinds whose partial sums are reduce-scattered by sample block
-REDUCE_SCATTER: tuple[str, ...] = ("row_wise",)
+REDUCE_SCATTER: tuple[str, ...] = ROW_SHARDED
 
 
 def output_collective(kind: str, pooled: bool) -> str | None:

@@ -68,9 +68,10 @@ class SparseLiftStrategy(ParallelStrategy):
 
     Args:
         sharding_types: table name -> TorchRec sharding type (``table_wise``, ``column_wise``,
-            ``row_wise``, ``data_parallel``; ``table_row_wise`` on GPU). Unlisted tables are
-            placed by TorchRec's planner (table-wise on the least loaded rank when the plan has
-            to be constructed, as for row-wise on CPU).
+            ``table_column_wise``, ``row_wise``, ``table_row_wise``, ``data_parallel``; as the
+            table's module's TorchRec sharder offers). Unlisted tables are placed by TorchRec's
+            planner (table-wise on the least loaded rank when the plan has to be constructed, as
+            for row-wise and table-row-wise on CPU).
         embedding_optimizer: the optimizer fused into the model-parallel tables' backward: a
             name (``sgd``, ``adagrad``, ``rowwise_adagrad``; ``adam`` on CUDA only), a dict
             (``{"name": ..., "lr": ...}``) or an

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_sparselift.ir import LiftedModule, ModuleSchedule, ShardingGroup
+from lightning_sparselift.ir.vocab import ROW_SHARDED
 from lightning_sparselift.runtime.kernels import kernel
 from lightning_sparselift.runtime.packing import pack_by_destination, packed_sizes, unpack_by_source
 
@@ -149,7 +150,7 @@ class InputDistribution:
         self.splits = [len(g.features) for g in spec.groups]
         self.permute = kernel("permute", schedule.region("permute").kernel) if spec.feature_order else None
         self.bucketize = {i: kernel("bucketize", schedule.region("bucketize", i).kernel)
-                          for i, g in enumerate(spec.groups) if g.sharding_type == "row_wise"}
+                          for i, g in enumerate(spec.groups) if g.sharding_type in ROW_SHARDED}
         self.recat = {i: kernel("recat", schedule.region("recat", i).kernel) for e in schedule.inputs for i in e.groups}
         self.buckets = [_Bucket(e.groups, e.packing == "bytes", process_groups[e.process_group], world)
                         for e in schedule.inputs]
@@ -194,7 +195,7 @@ class InputDistribution:
 
     def _send_counts(self, g: GroupRuntime, kjt: Any) -> Counts:
         """Lengths and values each destination rank gets from this rank's (key-major) KJT."""
-        per_rank = g.spec.features_per_rank if g.spec.sharding_type != "row_wise" else \
+        per_rank = g.spec.features_per_rank if g.spec.sharding_type not in ROW_SHARDED else \
             [len(g.spec.features)] * self.world
         per_key = kjt.length_per_key()
         lengths, values, start = [], [], 0
