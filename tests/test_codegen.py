@@ -33,16 +33,17 @@ def kernel_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("SPARSELIFT_KERNEL_CACHE", str(tmp_path_factory.getbasetemp() / "kernels"))
 
 
-def _tbe(optimizer: str, pooling: str, lr: float = 0.1, **kwargs):
+def _tbe(optimizer: str, pooling: str, lr: float = 0.1, dims: list[int] = DIMS, **kwargs):
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import ComputeDevice, EmbeddingLocation, PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
     torch.manual_seed(0)
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
-        [(r, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for r, d in zip(ROWS, DIMS)],
+        [(r, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for r, d in zip(ROWS, dims)],
         feature_table_map=FEATURE_TABLE, optimizer=EmbOptimType(FBGEMM_OPTIMIZERS[optimizer]), learning_rate=lr,
-        eps=1e-8, pooling_mode=PoolingMode.SUM if pooling == "sum" else PoolingMode.MEAN, **kwargs)
+        eps=1e-8, pooling_mode={"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN, "none": PoolingMode.NONE}[pooling],
+        **kwargs)
     tbe.weights_host.data.normal_()
     return tbe
 
@@ -91,6 +92,34 @@ def test_generated_kernel_is_bitwise_fbgemm(optimizer, pooling, weighted, id_dty
         if optimizer != "sgd":
             assert torch.equal(reference.momentum1_host, ours.momentum1_host), f"optimizer state after step {step}"
     assert (ours.step, int(ours.iter)) == (reference.step, int(reference.iter))
+
+
+@pytest.mark.parametrize("buckets", [None, [["t0", "t1"], ["t2", "t3"]]])
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS.values()))
+def test_generated_rows_per_id_are_bitwise_fbgemm(optimizer, id_dtype, buckets):
+    """An EmbeddingCollection's lookups: no pooling, a row per id (one width, as TorchRec requires;
+    12 floats: not a multiple of the 8-float vector), its gradient per id."""
+    reference, ours = _tbe(optimizer, "none", dims=[12] * 4), _tbe(optimizer, "none", dims=[12] * 4)
+    kernel = _generated(ours, False, buckets=buckets)
+    gen = torch.Generator().manual_seed(2)
+    for step in range(4):
+        kjt, ids, offsets, _ = _batch(gen, False, id_dtype)  # (empty bags, an id repeated within and across bags)
+        grad = torch.randn(ids.numel(), 12, generator=gen)
+        expected = reference(ids, offsets)
+        expected.backward(grad)
+        got = kernel(kjt)
+        got.backward(grad)
+        assert torch.equal(expected, got), f"forward, step {step}"
+        assert torch.equal(reference.weights_host, ours.weights_host), f"weights after step {step}"
+        if optimizer != "sgd":
+            assert torch.equal(reference.momentum1_host, ours.momentum1_host), f"optimizer state after step {step}"
+
+
+def test_rows_per_id_with_per_sample_weights_have_no_kernel():
+    # (fbgemm itself refuses rows per id of several widths)
+    with pytest.raises(Unsupported, match=r"rows per id of widths \[12\] with per-sample weights"):
+        spec_of(_tbe("sgd", "none", dims=[12] * 4), True, True)
 
 
 @pytest.mark.parametrize("buckets", [[["t0", "t1"], ["t2", "t3"]], [["t3"], ["t1", "t0"], ["t2"]]])

@@ -96,7 +96,7 @@ def _assert_identical(results: list[dict], case: str, variant: str, world: int) 
                 bucketed = any(p.startswith("subgraph_parallelism") for p in passes)
                 for g in m.groups:
                     region = m.schedule.region("lookup", g.index)
-                    fused = g.sharding_type != "data_parallel" and m.pooled
+                    fused = g.sharding_type != "data_parallel"
                     assert (region.kernel == "generated") == (fused and ("codegen" in passes or bool(region.buckets))), \
                         f"{executor} g{g.index}: {g.lookup_notes}"
                     tables_per_rank = Counter(t.rank for t in g.tables)

@@ -4,14 +4,16 @@ Every table's rows, dim, offsets and pooling are compile-time constants, so each
 is specialised (the dim unrolled and vectorised) and there is no per-call metadata. The arithmetic
 is fbgemm's, operation for operation, so results are bitwise identical to its CPU kernels:
 - forward: per bag, ids in order, ``acc = fma(weight, row, acc)`` (weighted) or ``acc + row``,
-  mean pooling scaled by ``1.0f / length``; an empty bag is zeros;
+  mean pooling scaled by ``1.0f / length``; an empty bag is zeros; without pooling (an
+  EmbeddingCollection's lookups) each id's row, at the id's position;
 - backward: each id's gradient summed over its occurrences in KJT order (fbgemm's stable radix
-  sort visits them in that order; here a hash of the ids does, without the sort), then the
+  sort visits them in that order; here a hash of the ids does, without the sort; an occurrence's
+  gradient is its bag's, or without pooling its own row's), then the
   optimizer's update of that row: SGD ``w = fma(-lr, g, w)``; Adagrad ``m = fma(g, g, m)`` and
   the step in double (fbgemm's scalar template calls the double ``sqrt``); rowwise Adagrad
-  unfused, with fbgemm's 8-lane sum of squares and its pairwise reduction for a table read by one
-  feature (its JIT kernel) and a sequential sum for a table several features read (its scalar
-  path). Which operations fuse was read from fbgemm's compiled kernels, so the build turns
+  unfused, with fbgemm's 8-lane sum of squares and its pairwise reduction for a pooled table read
+  by one feature (its JIT kernel) and a sequential sum for a table several features read or
+  rows per id (its scalar path). Which operations fuse was read from fbgemm's compiled kernels, so the build turns
   contraction off and the source says every fused multiply-add itself.
 Rows are prefetched 16 ahead, as fbgemm's kernels do (table rows are random reads).
 Each bucket of tables (:attr:`KernelSpec.buckets`) is its own forward and backward; a kernel of
@@ -80,6 +82,23 @@ int64_t pool(const I* ids, const O* offsets, const float* psw, const float* tabl
   return -1;
 }
 
+// forward without pooling: each id's row at the id's position; returns the position of an
+// out-of-range id, or -1
+template <int D, bool CHECK, typename I, typename O>
+int64_t gather(const I* ids, const O* offsets, const float* table, int64_t rows, float* out, int64_t B, int64_t f) {
+  const int64_t first = offsets[f * B], last = offsets[(f + 1) * B];
+  for (int64_t p = first; p < last; ++p) {
+    if (p + PREFETCH < last) {
+      const int64_t ahead = ids[p + PREFETCH];
+      if (ahead >= 0 && ahead < rows) prefetch_row<D>(table + ahead * D);
+    }
+    const int64_t id = ids[p];
+    if (CHECK && (id < 0 || id >= rows)) return p;
+    std::memcpy(out + p * D, table + id * D, D * sizeof(float));
+  }
+  return -1;
+}
+
 // backward scratch, reused across calls (grows only)
 struct Scratch {
   std::vector<int64_t> keys;
@@ -90,7 +109,7 @@ struct Scratch {
 
 // one table's gradient per distinct id (occurrences summed in KJT order) into s.acc/s.rows;
 // returns the number of distinct ids, or -(position + 1) of an out-of-range id
-template <int D, bool WEIGHTED, bool MEAN, bool CHECK, typename I, typename O>
+template <int D, bool WEIGHTED, bool MEAN, bool CHECK, bool ROWS, typename I, typename O>
 int64_t accumulate(const I* ids, const O* offsets, const float* psw, const float* grad, int64_t B,
                    int64_t f0, int64_t f1, int64_t column0, int64_t nrows, Scratch& s) {
   const int64_t n = offsets[f1 * B] - offsets[f0 * B];
@@ -108,8 +127,9 @@ int64_t accumulate(const I* ids, const O* offsets, const float* psw, const float
       const int64_t begin = offsets[f * B + b], end = offsets[f * B + b + 1];
       // fbgemm's weight of an occurrence: float(1.0 / length) for mean pooling without weights
       const float scale = (MEAN && !WEIGHTED && end > begin) ? static_cast<float>(1.0 / static_cast<double>(end - begin)) : 1.0f;
-      const float* g = grad + b * TOTAL_D + column;
+      const float* bag = grad + b * TOTAL_D + column;
       for (int64_t p = begin; p < end; ++p) {
+        const float* g = ROWS ? grad + p * TOTAL_D : bag;
         const int64_t id = ids[p];
         if (CHECK && (id < 0 || id >= nrows)) return -(p + 1);
         uint64_t h = (slot_hash(id) >> 20) & mask;
@@ -279,6 +299,7 @@ def _bool(value: bool) -> str:
 def cpu_source(spec: KernelSpec) -> str:
     """The kernel's C++ translation unit."""
     flags = f"{_bool(spec.weighted)}, {_bool(spec.pooling == 'mean')}, {_bool(spec.check_ids)}"
+    rows = spec.pooling == "none"
     features = spec.features
     forward, backward = [], []
     for b, tables in enumerate(spec.buckets):
@@ -288,16 +309,19 @@ def cpu_source(spec: KernelSpec) -> str:
             table = spec.tables[t]
             for f in range(table.first_feature, table.end_feature):
                 _, dim, column = features[f]
-                forward.append(f"      bad = pool<{dim}, {flags}, I, O>(ids, offsets, psw, weights + "
-                               f"{table.weights_offset}LL, {table.rows}LL, out, B, {f}, {column});\n"
-                               f"      if (bad >= 0) return bad;")
+                table_at = f"weights + {table.weights_offset}LL, {table.rows}LL"
+                call = (f"gather<{dim}, {_bool(spec.check_ids)}, I, O>(ids, offsets, {table_at}, out, B, {f})" if rows
+                        else f"pool<{dim}, {flags}, I, O>(ids, offsets, psw, {table_at}, out, B, {f}, {column})")
+                forward.append(f"      bad = {call};\n      if (bad >= 0) return bad;")
             update = spec.optimizer
-            if update == "rowwise_adagrad" and table.end_feature - table.first_feature > 1:
+            # (fbgemm's vectorised JIT kernel takes a table one feature reads, pooled; the others
+            # its scalar path)
+            if update == "rowwise_adagrad" and (rows or table.end_feature - table.first_feature > 1):
                 update = "rowwise_adagrad_shared"
             state = "nullptr" if spec.optimizer == "sgd" else f"state + {table.state_offset}LL"
             backward.append(
-                f"      U = accumulate<{table.dim}, {flags}, I, O>(ids, offsets, psw, grad, B, {table.first_feature}, "
-                f"{table.end_feature}, {features[table.first_feature][2]}, {table.rows}LL, s);\n"
+                f"      U = accumulate<{table.dim}, {flags}, {_bool(rows)}, I, O>(ids, offsets, psw, grad, B, "
+                f"{table.first_feature}, {table.end_feature}, {features[table.first_feature][2]}, {table.rows}LL, s);\n"
                 f"      if (U < 0) return -U - 1;\n"
                 f"      update_{update}<{table.dim}>(weights + {table.weights_offset}LL, {state}, s, U, lr);")
         forward.append("      break;")

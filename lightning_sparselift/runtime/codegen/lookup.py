@@ -1,7 +1,8 @@
 """The generated kernel of a lookup region: TorchRec's grouped lookup module run by one generated
 kernel per table-batched embedding module it holds, on that module's own weights and optimizer
 state (so ``state_dict``, checkpoints and a switch back to the reference kernel see one storage).
-Forward pools; backward applies the fused optimizer update, as fbgemm's autograd function does."""
+Forward pools (an EmbeddingCollection's: returns each id's row); backward applies the fused
+optimizer update, as fbgemm's autograd function does."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ class _Lookup(torch.autograd.Function):
     def forward(ctx: Any, placeholder: Tensor, kernel: "TableBatchKernel", ids: Tensor, offsets: Tensor,
                 weights: Optional[Tensor], batch: int) -> Tensor:
         tbe = kernel.tbe
-        out = torch.empty(batch, kernel.spec.total_dim, dtype=torch.float32)
+        out = torch.empty(ids.numel() if kernel.spec.pooling == "none" else batch, kernel.spec.total_dim,
+                          dtype=torch.float32)
         bad = kernel.library.sl_forward(batch, _bits(ids, "ids"), _bits(offsets, "offsets"), ids.data_ptr(),
                                         offsets.data_ptr(), _ptr(weights), tbe.weights_host.data_ptr(), out.data_ptr())
         if bad != -1:
@@ -120,19 +122,18 @@ def bucketed(spec: KernelSpec, names: list[str], buckets: list[list[str]]) -> Ke
 class GeneratedLookup:
     """A sharding group's lookup region run by generated kernels. :class:`Unsupported` (the
     reason) when one of the lookup's table-batched modules has no generated kernel. With
-    ``buckets`` (table names), each kernel runs its tables in those buckets, concurrently."""
+    ``buckets`` (table names), each kernel runs its tables in those buckets, concurrently.
+    Its output is laid out as TorchRec's lookup lays it out: pooled bags side by side; an
+    EmbeddingCollection's rows flat, module after module."""
 
     def __init__(self, lookup: nn.Module, weighted: bool, check_ids: bool,
                  buckets: Optional[list[list[str]]] = None) -> None:
-        from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
+        from torchrec.distributed.embedding_lookup import GroupedEmbeddingsLookup, GroupedPooledEmbeddingsLookup
 
-        if not isinstance(lookup, GroupedPooledEmbeddingsLookup):
-            from torchrec.distributed.embedding_lookup import GroupedEmbeddingsLookup
-
-            why = ("an EmbeddingCollection's lookup returns a row per id: generated kernels pool"
-                   if isinstance(lookup, GroupedEmbeddingsLookup) else
-                   "data-parallel tables are updated through DDP and the dense optimizer, not a fused kernel")
-            raise Unsupported(f"a {type(lookup).__name__} lookup ({why})")
+        self.pooled = isinstance(lookup, GroupedPooledEmbeddingsLookup)
+        if not (self.pooled or isinstance(lookup, GroupedEmbeddingsLookup)):
+            raise Unsupported(f"a {type(lookup).__name__} lookup (data-parallel tables are updated through DDP and "
+                              f"the dense optimizer, not a fused kernel)")
         # (a rank holding none of the group's tables runs TorchRec's lookup: it only makes the empty output)
         modules = list(lookup._emb_modules)
         self.lookup = lookup
@@ -156,6 +157,9 @@ class GeneratedLookup:
     def __call__(self, lookup: nn.Module, kjt: Any) -> Tensor:
         if not self.kernels:
             return lookup(kjt)
-        if len(self.kernels) == 1:
-            return self.kernels[0](kjt)
-        return torch.cat([k(f) for k, f in zip(self.kernels, kjt.split(self.splits))], dim=1)
+        parts = [self.kernels[0](kjt)] if len(self.kernels) == 1 else \
+            [k(f) for k, f in zip(self.kernels, kjt.split(self.splits))]
+        if self.pooled:
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        rows = [p.view(-1) for p in parts]
+        return rows[0] if len(rows) == 1 else torch.cat(rows)

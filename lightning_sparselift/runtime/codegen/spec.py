@@ -11,7 +11,8 @@ from typing import Any
 
 # fbgemm's CPU optimizers a generated kernel reproduces bit for bit (OptimType values)
 OPTIMIZERS = {"exact_sgd": "sgd", "exact_adagrad": "adagrad", "exact_row_wise_adagrad": "rowwise_adagrad"}
-POOLING = {0: "sum", 1: "mean"}  # fbgemm's PoolingMode values
+# fbgemm's PoolingMode values (none: a row per id, as an EmbeddingCollection's lookups return)
+POOLING = {0: "sum", 1: "mean", 2: "none"}
 
 
 class Unsupported(ValueError):
@@ -31,8 +32,8 @@ class TableSpec:
 @dataclass(frozen=True)
 class KernelSpec:
     tables: tuple[TableSpec, ...]
-    total_dim: int  # output columns: the features' dims in feature order
-    pooling: str  # sum | mean
+    total_dim: int  # output columns: the features' dims in feature order (none: the rows' one width)
+    pooling: str  # sum | mean | none
     weighted: bool
     optimizer: str  # sgd | adagrad | rowwise_adagrad
     eps: float
@@ -50,12 +51,12 @@ class KernelSpec:
 
     @property
     def features(self) -> list[tuple[int, int, int]]:
-        """Per feature in KJT order: (table, dim, first output column)."""
+        """Per feature in KJT order: (table, dim, first output column; 0 for rows per id)."""
         out, column = [], 0
         for t, table in enumerate(self.tables):
             for _ in range(table.first_feature, table.end_feature):
                 out.append((t, table.dim, column))
-                column += table.dim
+                column += table.dim if self.pooling != "none" else 0
         return out
 
 
@@ -77,7 +78,7 @@ def spec_of(tbe: Any, weighted: bool, check_ids: bool) -> KernelSpec:
         raise Unsupported("tables not in host memory: the C++ kernel runs on CPU tables")
     pooling = POOLING.get(int(tbe.pooling_mode))
     if pooling is None:
-        raise Unsupported(f"pooling mode {tbe.pooling_mode}: generated kernels pool by sum or mean")
+        raise Unsupported(f"pooling mode {tbe.pooling_mode}: generated kernels pool by sum or mean, or return rows")
     args = tbe.optimizer_args
     if args.weight_decay != 0 or args.gradient_clipping or args.max_norm != 0:
         raise Unsupported("weight decay, gradient clipping or max-norm in the fused optimizer")
@@ -96,5 +97,12 @@ def spec_of(tbe: Any, weighted: bool, check_ids: bool) -> KernelSpec:
         first = features[0]
         tables.append(TableSpec(rows=int(rows[first]), dim=int(dims[first]), weights_offset=int(weights_offsets[first]),
                                 state_offset=int(state[first]), first_feature=first, end_feature=features[-1] + 1))
-    return KernelSpec(tables=tuple(tables), total_dim=int(tbe.D_offsets[-1]), pooling=pooling, weighted=weighted,
+    total_dim = int(tbe.D_offsets[-1])
+    if pooling == "none":
+        widths = sorted({t.dim for t in tables})
+        if len(widths) != 1 or weighted:
+            raise Unsupported(f"rows per id of widths {widths}{' with per-sample weights' if weighted else ''}: "
+                              f"generated kernels return rows of one width, unweighted")
+        total_dim = widths[0]
+    return KernelSpec(tables=tuple(tables), total_dim=total_dim, pooling=pooling, weighted=weighted,
                       optimizer=optimizer, eps=float(args.eps), check_ids=check_ids)
