@@ -198,9 +198,6 @@ def validate_sharding_types(sharding_types: Optional[dict[str, str]], tables: di
         if kind not in offered[module]:
             raise ValueError(f"sharding type {kind!r} (table {table!r}): TorchRec's sharder of the module {module!r} "
                              f"offers {offered[module]}")
-        if tables[table].managed_collision and kind != "row_wise":
-            raise ValueError(f"table {table!r} of the managed-collision collection {tables[table].module_path!r} "
-                             f"cannot be {kind!r}: TorchRec shards managed-collision collections row-wise only")
     return dict(sharding_types)
 
 

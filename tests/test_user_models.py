@@ -173,7 +173,8 @@ def test_a_managed_collision_collection_is_sharded_row_wise_and_trains_like_torc
     (dict(embedding_optimizer="rowwise_adagrad"),
      r"managed-collision collection\(s\) \['managed'\] with the rowwise_adagrad embedding optimizer on CPU"),
     (dict(embedding_optimizer="sgd", sharding_types={"mc_cat_0": "table_wise"}),
-     r"table 'mc_cat_0' of the managed-collision collection 'managed' cannot be 'table_wise'"),
+     r"sharding type 'table_wise' \(table 'mc_cat_0'\): TorchRec's sharder of the module 'managed' offers "
+     r"\['row_wise'\]"),
 ])
 def test_unsupported_managed_collision_settings_are_refused_by_name(option, message, data_cache):
     from user_models import WithManagedCollisions
