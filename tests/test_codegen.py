@@ -251,7 +251,10 @@ def test_codegen_is_calibrated_ref_gen_gen_ref_over_whole_steps():
     assert steps.pairs() == [[34.0, 20.0], [35.0, 20.0]]
 
 
-def test_the_lookup_region_counts_the_lookup_call_and_its_backward_node_only():
+@pytest.mark.parametrize("rows", [False, True])
+def test_the_lookup_region_counts_the_lookup_call_and_its_backward_node_only(rows):
+    """(``rows``: an EmbeddingCollection's lookup, whose output is a view of its kernels' flat
+    outputs, concatenated)"""
     from lightning_sparselift.cost.calibration import RegionClock
 
     class Busy(torch.autograd.Function):  # a lookup whose forward and backward each take CPU time
@@ -269,6 +272,8 @@ def test_the_lookup_region_counts_the_lookup_call_and_its_backward_node_only():
     x = torch.ones(3, requires_grad=True)
     with clock.lookup():
         out = Busy.apply(x)
+        if rows:
+            out = torch.cat([out.view(-1), torch.zeros(3)]).view(-1, 3)
     clock.lookup_backward(out)
     forward = clock.lookup_ms
     _spin(0.05)  # outside both regions

@@ -79,12 +79,17 @@ class RegionClock:
             self._add_lookup(start)
 
     def lookup_backward(self, out: torch.Tensor) -> None:
-        """Count the backward of the lookup that made ``out``: its autograd node (and, for a
-        concatenation of several table-batched modules' outputs, theirs)."""
-        node = out.grad_fn
-        if node is None:
-            return
-        nodes = [node] + ([n for n, _ in node.next_functions if n is not None] if "Cat" in node.name() else [])
+        """Count the backward of the lookup that made ``out``: its autograd node, through the
+        views and concatenation on its way (an EmbeddingCollection's rows are a view of the flat
+        outputs of its table-batched modules, concatenated) to the lookups' own nodes."""
+        nodes, todo = [], [out.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is None:
+                continue
+            nodes.append(node)
+            if "Cat" in node.name() or "View" in node.name():
+                todo += [n for n, _ in node.next_functions]
         for n in nodes:
             n.register_prehook(lambda *_, key=id(n): self._node_start.__setitem__(key, self._now()))
             n.register_hook(lambda *_, key=id(n): self._node_done(key))
