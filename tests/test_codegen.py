@@ -25,6 +25,7 @@ from lightning_sparselift.runtime.codegen.spec import OPTIMIZERS
 # dims fbgemm allows (multiples of 4) but not of the 8-float vector; table 1 is read by two features
 DIMS, ROWS, FEATURE_TABLE = [8, 4, 12, 20], [50, 1000, 31, 7], [0, 1, 1, 2, 3]
 BATCH = 16
+ROWS_WIDTH = 12  # rows per id (no pooling) have one width
 FBGEMM_OPTIMIZERS = {v: k for k, v in OPTIMIZERS.items()}
 
 
@@ -74,7 +75,8 @@ def _generated(tbe, weighted: bool, check_ids: bool = True, buckets=None) -> Tab
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS.values()))
 def test_generated_kernel_is_bitwise_fbgemm(optimizer, pooling, weighted, id_dtype, buckets=None):
-    reference, ours = _tbe(optimizer, pooling), _tbe(optimizer, pooling)
+    dims = [ROWS_WIDTH] * len(ROWS) if pooling == "none" else DIMS
+    reference, ours = _tbe(optimizer, pooling, dims=dims), _tbe(optimizer, pooling, dims=dims)
     kernel = _generated(ours, weighted, buckets=buckets)
     gen = torch.Generator().manual_seed(1)
     for step in range(4):
@@ -82,7 +84,8 @@ def test_generated_kernel_is_bitwise_fbgemm(optimizer, pooling, weighted, id_dty
             reference.set_learning_rate(0.05)
             ours.set_learning_rate(0.05)
         kjt, ids, offsets, weights = _batch(gen, weighted, id_dtype)
-        grad = torch.randn(BATCH, sum(DIMS[t] for t in FEATURE_TABLE), generator=gen)
+        grad = (torch.randn(ids.numel(), ROWS_WIDTH, generator=gen) if pooling == "none" else
+                torch.randn(BATCH, sum(DIMS[t] for t in FEATURE_TABLE), generator=gen))
         expected = reference(ids, offsets, per_sample_weights=weights)
         expected.backward(grad)
         got = kernel(kjt)
@@ -100,26 +103,13 @@ def test_generated_kernel_is_bitwise_fbgemm(optimizer, pooling, weighted, id_dty
 def test_generated_rows_per_id_are_bitwise_fbgemm(optimizer, id_dtype, buckets):
     """An EmbeddingCollection's lookups: no pooling, a row per id (one width, as TorchRec requires;
     12 floats: not a multiple of the 8-float vector), its gradient per id."""
-    reference, ours = _tbe(optimizer, "none", dims=[12] * 4), _tbe(optimizer, "none", dims=[12] * 4)
-    kernel = _generated(ours, False, buckets=buckets)
-    gen = torch.Generator().manual_seed(2)
-    for step in range(4):
-        kjt, ids, offsets, _ = _batch(gen, False, id_dtype)  # (empty bags, an id repeated within and across bags)
-        grad = torch.randn(ids.numel(), 12, generator=gen)
-        expected = reference(ids, offsets)
-        expected.backward(grad)
-        got = kernel(kjt)
-        got.backward(grad)
-        assert torch.equal(expected, got), f"forward, step {step}"
-        assert torch.equal(reference.weights_host, ours.weights_host), f"weights after step {step}"
-        if optimizer != "sgd":
-            assert torch.equal(reference.momentum1_host, ours.momentum1_host), f"optimizer state after step {step}"
+    test_generated_kernel_is_bitwise_fbgemm(optimizer, "none", False, id_dtype, buckets=buckets)
 
 
 def test_rows_per_id_with_per_sample_weights_have_no_kernel():
     # (fbgemm itself refuses rows per id of several widths)
     with pytest.raises(Unsupported, match=r"rows per id of widths \[12\] with per-sample weights"):
-        spec_of(_tbe("sgd", "none", dims=[12] * 4), True, True)
+        spec_of(_tbe("sgd", "none", dims=[ROWS_WIDTH] * len(ROWS)), True, True)
 
 
 @pytest.mark.parametrize("buckets", [[["t0", "t1"], ["t2", "t3"]], [["t3"], ["t1", "t0"], ["t2"]]])

@@ -227,10 +227,22 @@ def test_a_variable_batch_per_feature_trains_on_torchrecs_path(sharding, tmp_pat
     _assert_identical(tmp_path / "torchrec", tmp_path / "lifted")
 
 
+def _fit_two_bag_collections(dm, folder: Path, **strategy_kwargs) -> dict:
+    """Trainer.fit of tests/user_models.py's TwoBagCollections on 2 ranks, every pass applied;
+    rank 0's graph report."""
+    from user_models import TwoBagCollections
+
+    L.seed_everything(0)
+    strategy = SparseLiftStrategy(start_method="fork", calibrate=False,
+                                  embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05}, **strategy_kwargs)
+    t = trainer(2, strategy, limit_val_batches=0, callbacks=[DumpLocalState(folder), GraphReport(folder)])
+    t.fit(TwoBagCollections(dm.table_sizes, dm.feature_names), dm)
+    return json.loads((folder / "graph0.json").read_text())
+
+
 def test_a_module_whose_capture_fails_keeps_torchrecs_path_and_the_others_are_lifted(tmp_path, data_cache,
                                                                                     monkeypatch):
     from lightning_sparselift.frontend.capture import SparseCapture
-    from user_models import TwoBagCollections
 
     observe = SparseCapture._observe
 
@@ -241,17 +253,8 @@ def test_a_module_whose_capture_fails_keeps_torchrecs_path_and_the_others_are_li
 
     monkeypatch.setattr(SparseCapture, "_observe", failing_second)
     dm = tiny_data(data_cache, num_train=640)
-
-    def fit(folder: Path, **kwargs) -> dict:
-        L.seed_everything(0)
-        strategy = SparseLiftStrategy(start_method="fork", calibrate=False,
-                                      embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05}, **kwargs)
-        t = trainer(2, strategy, limit_val_batches=0, callbacks=[DumpLocalState(folder), GraphReport(folder)])
-        t.fit(TwoBagCollections(dm.table_sizes, dm.feature_names), dm)
-        return json.loads((folder / "graph0.json").read_text())
-
-    fit(tmp_path / "torchrec", executor="torchrec")
-    report = fit(tmp_path / "lifted")
+    _fit_two_bag_collections(dm, tmp_path / "torchrec", executor="torchrec")
+    report = _fit_two_bag_collections(dm, tmp_path / "lifted")
     assert report["modules"] == ["embeddings"]
     assert report["not_lifted"] == {"second": "second: injected capture failure"}
     _assert_identical(tmp_path / "torchrec", tmp_path / "lifted")
@@ -261,22 +264,11 @@ def test_table_row_wise_over_two_hosts_keeps_torchrecs_path_for_that_module(tmp_
     """One rank per host (LOCAL_WORLD_SIZE=1): TorchRec's table-row-wise exchanges run across hosts
     (staggered), which the lifted executor does not run; that module keeps TorchRec's path, the
     other is lifted, bit-identical."""
-    from user_models import TwoBagCollections
-
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # (forked ranks inherit it; TorchRec reads it)
     dm = tiny_data(data_cache, num_train=640)
     second = {f"table_{f}": "table_row_wise" for f in dm.feature_names[3:]}
-
-    def fit(folder: Path, **kwargs) -> dict:
-        L.seed_everything(0)
-        strategy = SparseLiftStrategy(start_method="fork", calibrate=False, sharding_types=second,
-                                      embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05}, **kwargs)
-        t = trainer(2, strategy, limit_val_batches=0, callbacks=[DumpLocalState(folder), GraphReport(folder)])
-        t.fit(TwoBagCollections(dm.table_sizes, dm.feature_names), dm)
-        return json.loads((folder / "graph0.json").read_text())
-
-    fit(tmp_path / "torchrec", executor="torchrec")
-    report = fit(tmp_path / "lifted")
+    _fit_two_bag_collections(dm, tmp_path / "torchrec", executor="torchrec", sharding_types=second)
+    report = _fit_two_bag_collections(dm, tmp_path / "lifted", sharding_types=second)
     assert set(report["plan"]["second"].values()) == {"table_row_wise"}
     assert report["modules"] == ["embeddings"] and list(report["not_lifted"]) == ["second"]
     assert "span 2 hosts of 1 ranks" in report["not_lifted"]["second"]

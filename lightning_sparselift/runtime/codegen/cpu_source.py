@@ -49,6 +49,15 @@ inline void prefetch_row(const float* row) {
   for (int line = 0; line < D; line += 16) __builtin_prefetch(row + line, 1, 0);
 }
 
+// the row of the id PREFETCH positions after p (before last), when it is one of the table's
+template <int D, typename I>
+inline void prefetch_ahead(const I* ids, int64_t p, int64_t last, const float* table, int64_t rows) {
+  if (p + PREFETCH < last) {
+    const int64_t ahead = ids[p + PREFETCH];
+    if (ahead >= 0 && ahead < rows) prefetch_row<D>(table + ahead * D);
+  }
+}
+
 // forward: one feature's bags; returns the position of an out-of-range id, or -1
 template <int D, bool WEIGHTED, bool MEAN, bool CHECK, typename I, typename O>
 int64_t pool(const I* ids, const O* offsets, const float* psw, const float* table, int64_t rows,
@@ -58,10 +67,7 @@ int64_t pool(const I* ids, const O* offsets, const float* psw, const float* tabl
     const int64_t begin = offsets[f * B + b], end = offsets[f * B + b + 1];
     float acc[D] = {};
     for (int64_t p = begin; p < end; ++p) {
-      if (p + PREFETCH < last) {
-        const int64_t ahead = ids[p + PREFETCH];
-        if (ahead >= 0 && ahead < rows) prefetch_row<D>(table + ahead * D);
-      }
+      prefetch_ahead<D>(ids, p, last, table, rows);
       const int64_t id = ids[p];
       if (CHECK && (id < 0 || id >= rows)) return p;
       const float* row = table + id * D;
@@ -88,10 +94,7 @@ template <int D, bool CHECK, typename I, typename O>
 int64_t gather(const I* ids, const O* offsets, const float* table, int64_t rows, float* out, int64_t B, int64_t f) {
   const int64_t first = offsets[f * B], last = offsets[(f + 1) * B];
   for (int64_t p = first; p < last; ++p) {
-    if (p + PREFETCH < last) {
-      const int64_t ahead = ids[p + PREFETCH];
-      if (ahead >= 0 && ahead < rows) prefetch_row<D>(table + ahead * D);
-    }
+    prefetch_ahead<D>(ids, p, last, table, rows);
     const int64_t id = ids[p];
     if (CHECK && (id < 0 || id >= rows)) return p;
     std::memcpy(out + p * D, table + id * D, D * sizeof(float));
