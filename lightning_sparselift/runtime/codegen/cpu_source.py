@@ -13,8 +13,8 @@ is fbgemm's, operation for operation, so results are bitwise identical to its CP
   the step in double (fbgemm's scalar template calls the double ``sqrt``); rowwise Adagrad
   unfused, with fbgemm's 8-lane sum of squares and its pairwise reduction for a pooled table read
   by one feature (its JIT kernel) and a sequential sum for a table several features read or
-  rows per id (its scalar path). Which operations fuse was read from fbgemm's compiled kernels, so the build turns
-  contraction off and the source says every fused multiply-add itself.
+  rows per id (its scalar path). Which operations fuse was read from fbgemm's compiled kernels,
+  so the build turns contraction off and the source says every fused multiply-add itself.
 Rows are prefetched 16 ahead, as fbgemm's kernels do (table rows are random reads).
 Each bucket of tables (:attr:`KernelSpec.buckets`) is its own forward and backward; a kernel of
 several buckets runs them on the OpenMP threads torch uses (built with ``openmp``). Functions are

@@ -159,7 +159,6 @@ class GeneratedLookup:
             return lookup(kjt)
         parts = [self.kernels[0](kjt)] if len(self.kernels) == 1 else \
             [k(f) for k, f in zip(self.kernels, kjt.split(self.splits))]
-        if self.pooled:
-            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        rows = [p.view(-1) for p in parts]
-        return rows[0] if len(rows) == 1 else torch.cat(rows)
+        if not self.pooled:
+            parts = [p.view(-1) for p in parts]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1 if self.pooled else 0)
