@@ -70,7 +70,7 @@ def mark_generated(graph: SparseGraph, builds: list[KernelBuild]) -> None:
     from lightning_sparselift.ir.schedule import GENERATED_KERNEL
 
     for module in graph.modules:
-        for group in module.groups:
+        for group in module.lifted_groups:
             notes = [f"rank {b.rank}: {b.note}" for b in builds
                      if b.module == module.path and b.group == group.index and b.note]
             if notes:
@@ -370,6 +370,9 @@ class SparseLiftSession:
         self.identity = graph
         self.events.append(f"lifted {len(graph.modules)} sparse module(s) after {self.warmup_batches} captured "
                            f"step(s); lifted executor installed ({len(graph.collectives())} collectives per step)")
+        self.events += [f"kept on TorchRec's path: module {path}: {why}" for path, why in graph.not_lifted.items()]
+        self.events += [f"kept on TorchRec's path: {m.path} group {g.index}: {g.not_lifted}"
+                        for m in graph.modules for g in m.groups if g.not_lifted]
 
     def _build_kernels(self, graph: SparseGraph) -> None:
         """Build every group's generated lookup kernel on every rank (compile time stays out of the

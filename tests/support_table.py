@@ -15,7 +15,9 @@ BEGIN, END = "<!-- support table: python tests/support_table.py -->", "<!-- end 
 
 def rows() -> list[tuple[str, str, str]]:
     import lifted_parity as lp
-    from test_user_models import LIFTED_COLLECTIONS, MANAGED_COLLECTIONS, OTHER_COLLECTIONS, VARIABLE_BATCH
+    from test_user_models import (
+        LIFTED_COLLECTIONS, MANAGED_COLLECTIONS, OTHER_COLLECTIONS, SEVERAL_HOSTS, VARIABLE_BATCH,
+    )
 
     lifted = [("EmbeddingBagCollection", kind,
                "sharded; lifted; bit-identical to TorchRec on 1-3 ranks with every pass forced on "
@@ -26,6 +28,12 @@ def rows() -> list[tuple[str, str, str]]:
                    ", ".join(sorted({mean["sharding"][t] for t in mean["mean"]})),
                    "sharded; lifted (row-wise: TorchRec's division by bag lengths after the reduce-scatter); "
                    "bit-identical to TorchRec on 1-3 ranks with every pass forced on (`tests/test_lifting.py`)"))
+    kept, *others = SEVERAL_HOSTS
+    lifted.append(("EmbeddingBagCollection, several hosts", kept,
+                   f"sharded; that group runs TorchRec's input dist, lookup and output dist inside the lifted module, "
+                   f"whose other groups ({', '.join(others)}, table_wise) are lifted; bit-identical to TorchRec with "
+                   f"every pass forced on, 2 ranks of one host each (`tests/test_user_models.py`); a module of only "
+                   f"such groups keeps TorchRec's path"))
     # per sharding type, the parity variants of module "a" as an EmbeddingCollection
     sequence: dict[str, list[dict]] = {}
     for variant in lp.VARIANTS.values():

@@ -503,3 +503,58 @@ def test_a_graph_of_another_version_is_refused():
     data["version"] = 1
     with pytest.raises(ValueError, match="^sparse graph version 1 is not 3$"):
         SparseGraph.from_dict(data)
+
+
+# ------------------------------------------------------------------------------------------ a group on TorchRec's path
+
+def _with_group_kept(name: str, module: str, group: int) -> SparseGraph:
+    """The fixture with one group marked as keeping TorchRec's path (as lifting marks a group it
+    cannot run, e.g. table-row-wise over several hosts), its identity schedule rebuilt."""
+    graph = load(name)
+    m = graph.module(module)
+    m.groups[group].not_lifted = "injected: the executor cannot run it"
+    m.schedule = identity_schedule(m.kinds, graph.world_size, bool(m.feature_order))
+    return graph
+
+
+def test_a_group_kept_on_torchrecs_path_has_no_exchange_and_the_passes_leave_it_alone():
+    from lightning_sparselift.passes.codegen import CodeGeneration
+
+    graph = _with_group_kept("table_and_column_wise_2ranks", EBC, 1)
+    m = graph.module(EBC)
+    assert m.kinds == ["table_wise", None] and [g.index for g in m.lifted_groups] == [0]
+    assert check_schedule(m.schedule, m.kinds, 2) == []
+    # g1's exchanges are TorchRec's own: not in the schedule nor the derived collectives; one node
+    # per phase stands for the group
+    assert [e.groups for e in m.schedule.inputs] == [[0]] and [e.groups for e in m.schedule.outputs] == [[0]]
+    assert m.schedule.region("lookup", 1).kernel == "torchrec"
+    assert all(n.groups in ([0], []) for n in graph.collectives())  # ([]: DDP's dense all-reduce)
+    kept = [(n.id, n.op, n.kernel) for n in graph.nodes if 1 in n.groups]
+    assert kept == [(f"{EBC}/g1/torchrec_forward", "torchrec_group", "torchrec"),
+                    (f"{EBC}/g1/torchrec_backward", "torchrec_group", "torchrec")]
+    assert "runs TorchRec's input dist, lookup and output dist of the group: injected" in graph.explain()
+    # the passes change only g0: its input in one byte-packed payload, codegen only on g0
+    packed = apply(graph, f"aggregation:input@{EBC}").module(EBC).schedule
+    assert packed.inputs == [InputExchange([0], "bytes", MC)]
+    for g in m.groups:
+        g.lookup_kernels.append("generated")
+    codegen = CodeGeneration()
+    (proposed,) = codegen.candidates(graph)
+    applied = codegen.apply(graph, proposed)
+    s = applied.module(EBC).schedule
+    assert (s.region("lookup", 0).kernel, s.region("lookup", 1).kernel) == ("generated", "torchrec")
+    for cid in (f"latency_hiding:early_start@{EBC}", f"latency_hiding:next_batch@{EBC}"):
+        applied = apply(applied, cid)
+    assert applied.module(EBC).schedule.region("lookup", 1).kernel == "torchrec"
+    assert SparseGraph.from_dict(json.loads(applied.to_json())).to_dict() == applied.to_dict()
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda s: setattr(s.region("lookup", 1), "kernel", "generated"), "group(s) [1] keep TorchRec's path"),
+    (lambda s: s.inputs.append(InputExchange([1], "per_tensor", MC)), "input buckets [[0], [1]] do not hold"),
+])
+def test_check_schedule_refuses_a_schedule_that_runs_a_kept_group(edit, problem):
+    graph = _with_group_kept("table_and_column_wise_2ranks", EBC, 1)
+    m = graph.module(EBC)
+    edit(m.schedule)
+    assert any(problem in p for p in check_schedule(m.schedule, m.kinds, 2)), check_schedule(m.schedule, m.kinds, 2)

@@ -23,7 +23,7 @@ def _fit(name: str, dm, folder: Path, **strategy_kwargs) -> list[dict]:
     strategy = SparseLiftStrategy(start_method="fork", embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05},
                                   **strategy_kwargs)
     t = trainer(2, strategy, limit_val_batches=0,
-                callbacks=[DumpLocalState(folder), ExecutorReport(folder)])
+                callbacks=[DumpLocalState(folder), ExecutorReport(folder), GraphReport(folder)])
     t.fit(model, dm)
     return [json.loads((folder / f"report{r}.json").read_text()) for r in range(2)]
 
@@ -262,8 +262,8 @@ def test_a_module_whose_capture_fails_keeps_torchrecs_path_and_the_others_are_li
 
 def test_table_row_wise_over_two_hosts_keeps_torchrecs_path_for_that_module(tmp_path, data_cache, monkeypatch):
     """One rank per host (LOCAL_WORLD_SIZE=1): TorchRec's table-row-wise exchanges run across hosts
-    (staggered), which the lifted executor does not run; that module keeps TorchRec's path, the
-    other is lifted, bit-identical."""
+    (staggered), which the lifted executor does not run; a module with nothing but such tables
+    keeps TorchRec's path, the other is lifted, bit-identical."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # (forked ranks inherit it; TorchRec reads it)
     dm = tiny_data(data_cache, num_train=640)
     second = {f"table_{f}": "table_row_wise" for f in dm.feature_names[3:]}
@@ -272,4 +272,34 @@ def test_table_row_wise_over_two_hosts_keeps_torchrecs_path_for_that_module(tmp_
     assert set(report["plan"]["second"].values()) == {"table_row_wise"}
     assert report["modules"] == ["embeddings"] and list(report["not_lifted"]) == ["second"]
     assert "span 2 hosts of 1 ranks" in report["not_lifted"]["second"]
+    _assert_identical(tmp_path / "torchrec", tmp_path / "lifted")
+
+
+# over several hosts: the sharding types of the first tables of one module (the group of the first
+# keeps TorchRec's path, the rest table-wise; tests/support_table.py renders them)
+SEVERAL_HOSTS = ("table_row_wise", "row_wise", "data_parallel")
+
+
+def test_a_group_that_cannot_be_lifted_keeps_torchrecs_path_and_the_modules_other_groups_are_lifted(
+        tmp_path, data_cache, monkeypatch):
+    """Over two hosts (one rank each) a table-row-wise group keeps TorchRec's path inside the lifted
+    module: TorchRec's own input dist, lookup and output dist of that group run in the executor's
+    step, with early start and the next batch's input dist applied, while the module's row-wise,
+    table-wise and data-parallel groups run lifted (aggregated, generated kernels): bit-identical."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    dm = tiny_data(data_cache, num_train=640)
+    f = dm.feature_names
+    types = {f"table_{name}": kind for name, kind in zip(f, SEVERAL_HOSTS)}
+    _fit("positional", dm, tmp_path / "torchrec", executor="torchrec", sharding_types=types)
+    reports = _fit("positional", dm, tmp_path / "lifted", calibrate=False, sharding_types=types)
+    graph = json.loads((tmp_path / "lifted" / "graph0.json").read_text())
+    assert graph["modules"] == ["embeddings"] and graph["not_lifted"] == {}
+    assert "runs TorchRec's input dist, lookup and output dist of the group: table_row_wise tables " \
+           f"['table_{f[0]}'] span 2 hosts of 1 ranks" in graph["explain"]
+    for report in reports:
+        assert report["executor"] == "sparselift", report["fallback"]
+        accepted = {c for c, ok, _ in report["decisions"] if ok}
+        assert {"latency_hiding:early_start@embeddings", "latency_hiding:next_batch@embeddings",
+                "aggregation:input@embeddings", "codegen:lookup@embeddings"} <= accepted, accepted
+        assert report["early_steps"] == 10 - 3 and report["prefetched_steps"] == 10 - 4
     _assert_identical(tmp_path / "torchrec", tmp_path / "lifted")

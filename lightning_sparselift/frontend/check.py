@@ -49,7 +49,7 @@ def check_against_runtime(graph: SparseGraph, model: nn.Module) -> None:
                     expect(f"group {g.index} row width", g.dim_sum_per_rank[0],
                            sharded._embedding_dim_for_sharding_type(g.sharding_type))
         for g, input_dist, output_dist in zip(m.groups, sharded._input_dists, sharded._output_dists):
-            kind = g.sharding_type
+            kind = g.kind  # (None: TorchRec's modules run the group, whatever their layout)
             if kind in POOLED_ALL_TO_ALL and not m.pooled:
                 expect(f"group {g.index} features per rank", g.features_per_rank, list(input_dist._dist._splits))
             elif kind in POOLED_ALL_TO_ALL:

@@ -133,15 +133,23 @@ def _lift_groups(path: str, sharded: nn.Module, module_plan: Any, env: Any, devi
     by_name = {c.name: c for c in _configs(sharded, pooled)}
     world = env.world_size
     for index, (sharding_type, infos, sharding) in enumerate(_shardings(sharded, plan, env, device, pooled)):
-        if sharding_type not in LIFTED_SHARDING_TYPES:
-            raise LiftError(f"{path}: sharding type {sharding_type!r} (tables {[i.embedding_config.name for i in infos]}) "
-                            f"is not supported by the lifted executor; supported: {LIFTED_SHARDING_TYPES}")
+        names = [i.embedding_config.name for i in infos]
         tables = []
         for info in infos:
             cfg = by_name[info.embedding_config.name]
             pooling = (cfg.pooling.name if hasattr(cfg.pooling, "name") else str(cfg.pooling)) if pooled else "NONE"
             tables.extend(_table_shards(cfg, plan[cfg.name], pooling))
         features = list(sharding.feature_names())
+        reason = _not_lifted(sharding_type, names, sharding, world)
+        if reason and not pooled:
+            # (TorchRec's sequence output dist needs every group's context: an EmbeddingCollection
+            # keeps TorchRec's path as a whole module)
+            raise LiftError(f"{path}: {reason}, so this module keeps TorchRec's path")
+        if reason:
+            groups.append(ShardingGroup(index, sharding_type, features, [], [], [], [],
+                                        list(sharding.embedding_names()), list(sharding.embedding_dims()), tables,
+                                        not_lifted=reason))
+            continue
         features_per_rank: list[int] = []
         block_sizes: list[int] = []
         dim_sum_per_rank: list[int] = []
@@ -159,11 +167,6 @@ def _lift_groups(path: str, sharded: nn.Module, module_plan: Any, env: Any, devi
                 start += len(names)
             if sharding_type in COLUMN_SHARDED:
                 column_order = _column_order(sharding)
-        if sharding_type == "table_row_wise" and sharding._local_size != world:
-            raise LiftError(f"{path}: table_row_wise tables {[i.embedding_config.name for i in infos]} span "
-                            f"{world // sharding._local_size} hosts of {sharding._local_size} ranks; the lifted "
-                            f"executor runs table_row_wise on one host only (its exchanges are then row-wise's), "
-                            f"so this module keeps TorchRec's path")
         if sharding_type in ROW_SHARDED:
             rows = {}
             for info in infos:
@@ -173,7 +176,21 @@ def _lift_groups(path: str, sharded: nn.Module, module_plan: Any, env: Any, devi
         groups.append(ShardingGroup(index, sharding_type, features, features_per_rank, block_sizes, dim_sum_per_rank,
                                     column_order, list(sharding.embedding_names()), list(sharding.embedding_dims()),
                                     tables))
+    if all(g.not_lifted for g in groups):
+        raise LiftError(f"{path}: {'; '.join(g.not_lifted for g in groups)}, so this module keeps TorchRec's path")
     return groups
+
+
+def _not_lifted(sharding_type: str, tables: list[str], sharding: Any, world: int) -> str:
+    """Why the lifted executor cannot run this group ("": it can)."""
+    if sharding_type not in LIFTED_SHARDING_TYPES:
+        return (f"sharding type {sharding_type!r} (tables {tables}) is not supported by the lifted executor; "
+                f"supported: {LIFTED_SHARDING_TYPES}")
+    if sharding_type == "table_row_wise" and sharding._local_size != world:
+        return (f"table_row_wise tables {tables} span {world // sharding._local_size} hosts of "
+                f"{sharding._local_size} ranks; the lifted executor runs table_row_wise on one host only (its "
+                f"exchanges are then row-wise's)")
+    return ""
 
 
 def _module_inputs(path: str, captures: list[RankCapture]) -> tuple[list[str], bool, str, str, list[int]]:
@@ -287,7 +304,7 @@ def _lift_module(model: nn.Module, path: str, sharding_plan: Any, captures: list
     reduce_sum_features = [f for c in row_wise if c.pooling.value == "SUM" for f in c.feature_names] if pooled else []
     ids = [{k: c.modules[path].features[k].ids_per_step for k in keys} for c in captures]
     percentiles = {k: captures[0].modules[path].features[k].percentiles for k in keys}
-    schedule = identity_schedule([g.sharding_type for g in groups], world, bool(feature_order), pooled)
+    schedule = identity_schedule([g.kind for g in groups], world, bool(feature_order), pooled)
     return LiftedModule(path, keys, weighted, lengths_dtype, values_dtype, feature_order, groups, batch_sizes,
                         ids, percentiles, schedule, root_input=root_input, batch_input=batch_input,
                         next_batch_note=next_batch_note, mean_after_reduce=mean_after_reduce,

@@ -70,6 +70,9 @@ def explain(graph: "SparseGraph") -> str:
     total = sum(sum(n.bytes_per_member) for n in collectives)
     lines.append(f"{len(collectives)} collectives per step, {human_bytes(total)} put in by all members; "
                  f"dense parameters {human_bytes(graph.dense_param_bytes)}")
+    kept = [f"{m.path}/g{g.index}" for m in graph.modules for g in m.groups if g.not_lifted]
+    if kept:
+        lines.append(f"(and the collectives TorchRec's modules issue for {', '.join(kept)}: not lifted)")
     return "\n".join(lines)
 
 
@@ -87,6 +90,8 @@ def _module(m: "LiftedModule") -> list[str]:
         lines.append(f"  input found in the batch the loop announces as next: {describe_path(m.batch_input, 'batch')}")
     for g in m.groups:
         lines.append(f"  group {g.index} {g.sharding_type}: {len(g.features)} keys, {sum(g.embedding_dims)} output columns")
+        if g.not_lifted:
+            lines.append(f"    runs TorchRec's input dist, lookup and output dist of the group: {g.not_lifted}")
         by_rank: dict[Any, list[str]] = {}
         for t in g.tables:
             part = f"{t.table}[{t.rows}x{t.dim}"

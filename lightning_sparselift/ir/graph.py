@@ -47,6 +47,16 @@ class ShardingGroup:
     # runtime built one everywhere), and why another one is not available; probed on the machine
     lookup_kernels: list[str] = field(default_factory=lambda: ["torchrec"])
     lookup_notes: dict[str, str] = field(default_factory=dict)
+    # why this group keeps TorchRec's path ("": the executor runs it): its input distribution,
+    # lookup and output distribution are then TorchRec's own modules of the group, called in the
+    # executor's step (the layout fields above stay empty; the passes leave the group alone)
+    not_lifted: str = ""
+
+    @property
+    def kind(self) -> Optional[str]:
+        """The sharding type the schedule runs, None when the group keeps TorchRec's path (no
+        exchange or kernel of the schedule is its)."""
+        return None if self.not_lifted else self.sharding_type
 
     def keys_on_rank(self, rank: int) -> list[str]:
         if self.sharding_type in ROW_SHARDED:
@@ -96,8 +106,13 @@ class LiftedModule:
         return [d for g in self.groups for d in g.embedding_dims]
 
     @property
-    def kinds(self) -> list[str]:
-        return [g.sharding_type for g in self.groups]
+    def kinds(self) -> list[Optional[str]]:
+        return [g.kind for g in self.groups]
+
+    @property
+    def lifted_groups(self) -> list[ShardingGroup]:
+        """The groups the executor runs itself (the ones the passes may change)."""
+        return [g for g in self.groups if not g.not_lifted]
 
     def group_ids(self, member: int, group: ShardingGroup, keys: Optional[list[str]] = None) -> float:
         """Mean ids per step that ``member`` feeds into ``keys`` (default: all of the group's)."""

@@ -100,10 +100,12 @@ def bucket_label(groups: list[int]) -> str:
     return "+".join(f"g{g}" for g in groups)
 
 
-def identity_schedule(kinds: list[str], world: int, permuted: bool, pooled: bool = True) -> ModuleSchedule:
+def identity_schedule(kinds: list[Optional[str]], world: int, permuted: bool, pooled: bool = True) -> ModuleSchedule:
     """TorchRec's step for a module whose groups have sharding types ``kinds`` (``pooled``: an
-    EmbeddingBagCollection, else an EmbeddingCollection): each group's input and output exchanged
-    on its own, synchronously, at the module's call, by the reference kernels."""
+    EmbeddingBagCollection, else an EmbeddingCollection; None: a group that keeps TorchRec's path,
+    whose lookup region runs TorchRec's modules of the group, exchanges included): each group's
+    input and output exchanged on its own, synchronously, at the module's call, by the reference
+    kernels."""
     exchanged = world > 1
     inputs = [InputExchange([i], "per_tensor", "module_call") for i, k in enumerate(kinds)
               if exchanged and k in INPUT_ALL_TO_ALL]
@@ -117,9 +119,10 @@ def identity_schedule(kinds: list[str], world: int, permuted: bool, pooled: bool
     return ModuleSchedule("module_call", inputs, outputs, regions)
 
 
-def check_schedule(schedule: ModuleSchedule, kinds: list[str], world: int, pooled: bool = True) -> list[str]:
-    """What makes ``schedule`` not executable for groups of sharding types ``kinds`` of a module
-    whose lookups pool (``pooled``) or not ([]: fine)."""
+def check_schedule(schedule: ModuleSchedule, kinds: list[Optional[str]], world: int, pooled: bool = True
+                   ) -> list[str]:
+    """What makes ``schedule`` not executable for groups of sharding types ``kinds`` (None: the
+    group keeps TorchRec's path) of a module whose lookups pool (``pooled``) or not ([]: fine)."""
     problems = []
     exchanged = world > 1
     if schedule.lookup_at not in ("module_call", "root_forward"):
@@ -161,4 +164,9 @@ def check_schedule(schedule: ModuleSchedule, kinds: list[str], world: int, poole
     lookups = [g for r in schedule.regions if r.name == "lookup" for g in r.groups]
     if sorted(lookups) != list(range(len(kinds))):
         problems.append(f"lookup regions cover groups {sorted(lookups)}, not each of {list(range(len(kinds)))} once")
+    for r in schedule.regions:
+        kept = [g for g in r.groups if kinds[g] is None] if all(0 <= g < len(kinds) for g in r.groups) else []
+        if kept and (r.name != "lookup" or r.groups != kept or r.kernel != REFERENCE_KERNELS["lookup"] or r.buckets):
+            problems.append(f"{r.name} region of {r.groups} ({r.kernel}): group(s) {kept} keep TorchRec's path, "
+                            f"whose lookup runs alone on TorchRec's modules")
     return problems

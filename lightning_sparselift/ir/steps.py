@@ -13,7 +13,7 @@ from lightning_sparselift.ir.schedule import InputExchange
 from lightning_sparselift.ir.vocab import BACKWARD_OF, DTYPE_BYTES, POINTS, ROW_SHARDED, Point, aligned
 
 if TYPE_CHECKING:
-    from lightning_sparselift.ir.graph import LiftedModule, SparseGraph
+    from lightning_sparselift.ir.graph import LiftedModule, ShardingGroup, SparseGraph
 
 
 @dataclass
@@ -40,7 +40,9 @@ class ComputeNode:
     module: str
     groups: list[int]
     phase: str
-    op: str  # a region (permute | bucketize | recat | lookup | output), fused_update or dense_grad
+    # a region (permute | bucketize | recat | lookup | output), fused_update, dense_grad, or
+    # torchrec_group (a group that keeps TorchRec's path, its exchanges included)
+    op: str
     rank: Optional[int]  # None: the same op on every rank
     kernel: str
     tables: list[str]
@@ -104,7 +106,7 @@ def _forward(step: _Step, m: "LiftedModule") -> None:
                              workload={"ids": max(sum(stats.values()) for stats in m.ids_per_step),
                                        "keys": len(m.keys)}, workspace_bytes=0, after=[]).id]
     ready = {g.index: list(prev) for g in m.groups}  # what each group's next operation waits for
-    for g in m.groups:
+    for g in m.lifted_groups:
         if g.sharding_type in ROW_SHARDED:
             node = step.compute(id=f"{m.path}/g{g.index}/bucketize", module=m.path, groups=[g.index], phase="forward",
                                 op="bucketize", rank=None, kernel=s.region("bucketize", g.index).kernel, tables=[],
@@ -149,6 +151,9 @@ def _forward(step: _Step, m: "LiftedModule") -> None:
                                 after=[payload[-1].id])
             ready[i] = [node.id]
     for g in m.groups:
+        if g.not_lifted:
+            ready[g.index] = [_kept(step, m, g, "forward", prev).id]
+            continue
         lookups = []
         for rank in (range(world) if g.sharding_type != "data_parallel" else [None]):
             owned = [t for t in g.tables if t.rank == rank]
@@ -223,6 +228,9 @@ def _backward(step: _Step, m: "LiftedModule") -> None:
         for i in e.groups:
             start[i] = [node.id]
     for g in reversed(m.groups):
+        if g.not_lifted:
+            _kept(step, m, g, "backward", start[g.index])
+            continue
         if g.sharding_type == "data_parallel":
             grad = step.compute(id=f"{m.path}/g{g.index}/table_grad", module=m.path, groups=[g.index],
                                 phase="backward", op="dense_grad", rank=None, kernel="torch",
@@ -241,6 +249,16 @@ def _backward(step: _Step, m: "LiftedModule") -> None:
                              phase="backward", op="fused_update", rank=rank, kernel=s.region("lookup", g.index).kernel,
                              tables=sorted({t.table for t in owned}), workload={"rows": sum(t.rows for t in owned)},
                              workspace_bytes=0, after=start[g.index])
+
+
+def _kept(step: _Step, m: "LiftedModule", g: "ShardingGroup", phase: str, after: list[str]) -> ComputeNode:
+    """A group that keeps TorchRec's path: TorchRec's modules of the group run its input
+    distribution, lookup and output distribution (backward: the gradients' exchanges and the
+    fused update); their collectives are TorchRec's, issued inside this node, not listed here."""
+    return step.compute(id=f"{m.path}/g{g.index}/torchrec_{phase}", module=m.path, groups=[g.index], phase=phase,
+                        op="torchrec_group", rank=None, kernel="torchrec", tables=sorted({t.table for t in g.tables}),
+                        workload={"ids": max(m.group_ids(r, g) for r in range(len(m.ids_per_step)))},
+                        workspace_bytes=0, after=list(after))
 
 
 def _packed_bytes(m: "LiftedModule", e: InputExchange, world: int) -> list[int]:

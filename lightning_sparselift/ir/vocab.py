@@ -29,7 +29,7 @@ ROW_SHARDED: tuple[str, ...] = ("row_wise", "table_row_wise")
 REDUCE_SCATTER: tuple[str, ...] = ROW_SHARDED
 
 
-def output_collective(kind: str, pooled: bool) -> str | None:
+def output_collective(kind: str | None, pooled: bool) -> str | None:
     """How a group's lookup outputs go back to the ranks that own the samples: pooled blocks of
     table/column-wise groups by all-to-all and row-wise partial sums by reduce-scatter; an
     EmbeddingCollection's rows (one per id, not pooled) of every exchanged kind by all-to-all, each

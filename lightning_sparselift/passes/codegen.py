@@ -39,19 +39,19 @@ class CodeGeneration(OptimizationPass):
     @staticmethod
     def _groups(module: LiftedModule) -> list[int]:
         """The groups whose lookup can switch to a generated kernel."""
-        return [g.index for g in module.groups if GENERATED_KERNEL in g.lookup_kernels
+        return [g.index for g in module.lifted_groups if GENERATED_KERNEL in g.lookup_kernels
                 and module.schedule.region("lookup", g.index).kernel != GENERATED_KERNEL]
 
     def check(self, graph: SparseGraph, module: LiftedModule, role: str) -> tuple[list[str], dict[str, float]]:
         groups = self._groups(module)
         reasons = []
         if not groups:
-            done = [g.index for g in module.groups
+            done = [g.index for g in module.lifted_groups
                     if module.schedule.region("lookup", g.index).kernel == GENERATED_KERNEL]
             reasons = ["already scheduled"] if done else [
                 f"g{g.index} ({g.sharding_type}): "
                 + g.lookup_notes.get(GENERATED_KERNEL, "no generated kernel was built (the session builds them "
-                                                      "before planning)") for g in module.groups]
+                                                      "before planning)") for g in module.lifted_groups]
         ids = max((sum(module.group_ids(m, module.groups[i]) for i in groups)
                    for m in range(len(module.ids_per_step))), default=0.0)
         return reasons, {"groups": float(len(groups)), "ids": ids, "touched_bytes": module.touched_bytes(groups)}
@@ -66,7 +66,7 @@ class CodeGeneration(OptimizationPass):
         for region in module.schedule.regions:
             if region.name == "lookup" and set(region.groups) & set(groups):
                 region.kernel = GENERATED_KERNEL
-        left = [f"g{g.index}: {g.lookup_notes[GENERATED_KERNEL]}" for g in module.groups
+        left = [f"g{g.index}: {g.lookup_notes[GENERATED_KERNEL]}" for g in module.lifted_groups
                 if g.index not in groups and GENERATED_KERNEL in g.lookup_notes]
         return (f"{module.path}: lookups of {', '.join(f'g{g}' for g in groups)} run generated kernels"
                 + (f" (reference kernel kept for {'; '.join(left)})" if left else ""))

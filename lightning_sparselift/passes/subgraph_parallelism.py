@@ -102,7 +102,7 @@ class SubgraphParallelism(OptimizationPass):
     def _buckets(self, module: LiftedModule, count: int) -> dict[int, list[list[str]]]:
         """Per group that can run ``count`` buckets: its buckets."""
         out = {}
-        for g in module.groups:
+        for g in module.lifted_groups:
             if GENERATED_KERNEL not in g.lookup_kernels:
                 continue
             buckets = partition(module, g, count)
@@ -122,7 +122,7 @@ class SubgraphParallelism(OptimizationPass):
                 "no rank holds two of its tables" if GENERATED_KERNEL in g.lookup_kernels else
                 "no generated lookup kernel (buckets run one): " + g.lookup_notes.get(
                     GENERATED_KERNEL, "none was built (the session builds them before planning)"))
-                for g in module.groups]
+                for g in module.lifted_groups]
         elif all(module.schedule.region("lookup", i).buckets == b for i, b in buckets.items()):
             reasons = ["already scheduled"]
         return reasons, {"buckets": float(count), "groups": float(len(buckets)),

@@ -24,7 +24,8 @@ from lightning_sparselift.runtime.codegen import GeneratedLookup, Unsupported
 from lightning_sparselift.runtime.input_dist import Distributed, GroupRuntime, InputDistribution
 from lightning_sparselift.runtime.kernels import kernel
 from lightning_sparselift.runtime.mean_pooling import MeanAfterReduce
-from lightning_sparselift.runtime.output_dist import OutputDistribution, Pending
+from lightning_sparselift.runtime.output_dist import KeptPending, OutputDistribution, Pending
+from lightning_sparselift.runtime.torchrec_group import TorchRecGroup
 from lightning_sparselift.validation import InputCheck
 
 
@@ -34,7 +35,7 @@ class _Started:
 
     features: Any
     out: list[Tensor]
-    pending: list[Pending]
+    pending: list[Pending | KeptPending]
     inputs: list[Distributed]
 
 
@@ -60,6 +61,7 @@ class ModuleExecutor:
         self.process_groups = process_groups
         self.groups = [GroupRuntime.build(g, lookup, world_size, rank, device, spec.pooled)
                        for g, lookup in zip(spec.groups, sharded._lookups)]
+        self.kept = {g.index: TorchRecGroup(sharded, g.index) for g in spec.groups if g.not_lifted}
         self.mean = MeanAfterReduce(spec, device) if spec.mean_after_reduce else None
         # TorchRec's own forward, for the steps where ranks pass different batch sizes
         self.torchrec_forward = type(sharded).forward.__get__(sharded)
@@ -90,7 +92,8 @@ class ModuleExecutor:
         try:
             lookups = [self.lookup_kernel(i, schedule.region("lookup", i)) for i in range(len(self.groups))]
             output = kernel("output", schedule.region("output").kernel)
-            inputs = InputDistribution(self.spec, schedule, self.groups, self.process_groups, self.world, self.device)
+            inputs = InputDistribution(self.spec, schedule, self.groups, self.kept, self.process_groups, self.world,
+                                       self.device)
         except (KeyError, LookupError, Unsupported) as error:
             problems.append(str(error))
         if problems:
@@ -99,7 +102,7 @@ class ModuleExecutor:
         # distribution started during a calibration step is used by the step after it, on every rank)
         self.schedule = schedule
         self.inputs, self.lookups, self.output = inputs, lookups, output
-        self.outputs = OutputDistribution(schedule, self.groups, self.process_groups, self.rank, self.clock)
+        self.outputs = OutputDistribution(schedule, self.groups, self.kept, self.process_groups, self.rank, self.clock)
         self.starts_early = schedule.lookup_at == "root_forward"
         self.distributes_ahead = schedule.input_issue == "previous_step"
 
@@ -214,7 +217,8 @@ class ModuleExecutor:
             else:
                 hook(self.module, (features,))
 
-    def _run(self, features: Any, early: bool) -> Optional[tuple[list[Tensor], list[Pending], list[Distributed]]]:
+    def _run(self, features: Any, early: bool
+             ) -> Optional[tuple[list[Tensor], list[Pending | KeptPending], list[Distributed]]]:
         with self.clock.region():
             prefetch = self._take_prefetch(features)
             complete = prefetch.complete if prefetch is not None else self.inputs.start(features)
@@ -233,7 +237,8 @@ class ModuleExecutor:
             self.clock.lookup_backward(out)
         return out
 
-    def _finish(self, out: list[Tensor], pending: list[Pending], inputs: list[Distributed], features: Any) -> Any:
+    def _finish(self, out: list[Tensor], pending: list[Pending | KeptPending], inputs: list[Distributed],
+                features: Any) -> Any:
         result = self.output(self.spec, self.outputs.wait(out, pending), [d.features for d in inputs])
         return result if self.mean is None else self.mean.apply(result, features)
 

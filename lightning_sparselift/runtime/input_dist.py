@@ -18,6 +18,7 @@ from lightning_sparselift.ir import LiftedModule, ModuleSchedule, ShardingGroup
 from lightning_sparselift.ir.vocab import ROW_SHARDED
 from lightning_sparselift.runtime.kernels import kernel
 from lightning_sparselift.runtime.packing import pack_by_destination, packed_sizes, unpack_by_source
+from lightning_sparselift.runtime.torchrec_group import TorchRecGroup
 
 Received = tuple[Tensor, Tensor, Optional[Tensor]]  # lengths, values, weights
 Counts = tuple[list[int], list[int]]  # lengths and values per destination (or source) rank
@@ -69,6 +70,7 @@ class Distributed:
     sent: list[int]  # ids this rank sent to each rank ([]: not exchanged)
     received: list[int]  # ids each rank sent here
     unbucketize: Optional[Tensor]  # EmbeddingCollection, row-wise: where each id's row goes back
+    context: Any = None  # a group that keeps TorchRec's path: TorchRec's sharding context of the step
 
 
 class _Bucket:
@@ -144,23 +146,24 @@ class _Bucket:
 
 class InputDistribution:
     def __init__(self, spec: LiftedModule, schedule: ModuleSchedule, groups: list[GroupRuntime],
-                 process_groups: dict[str, Any], world: int, device: torch.device) -> None:
-        self.spec, self.groups, self.world = spec, groups, world
+                 kept: dict[int, TorchRecGroup], process_groups: dict[str, Any], world: int,
+                 device: torch.device) -> None:
+        self.spec, self.groups, self.kept, self.world = spec, groups, kept, world
         self.order = torch.tensor(spec.feature_order, dtype=torch.int32, device=device) if spec.feature_order else None
         self.splits = [len(g.features) for g in spec.groups]
         self.permute = kernel("permute", schedule.region("permute").kernel) if spec.feature_order else None
         self.bucketize = {i: kernel("bucketize", schedule.region("bucketize", i).kernel)
-                          for i, g in enumerate(spec.groups) if g.sharding_type in ROW_SHARDED}
+                          for i, g in enumerate(spec.groups) if g.kind in ROW_SHARDED}
         self.recat = {i: kernel("recat", schedule.region("recat", i).kernel) for e in schedule.inputs for i in e.groups}
         self.buckets = [_Bucket(e.groups, e.packing == "bytes", process_groups[e.process_group], world)
                         for e in schedule.inputs]
 
     @torch.no_grad()
     def start(self, features: Any) -> Optional[Callable[[], list[Any]]]:
-        """Permute, bucketize, exchange the splits and issue the payload all-to-alls. Returns
-        what waits for them and builds the KJT each group's lookup reads; None when ranks passed
-        different batch sizes (every rank knows every rank's batch size from the splits, so all
-        return None together)."""
+        """Permute, bucketize, exchange the splits and issue the payload all-to-alls (and the
+        input dists of the groups that keep TorchRec's path). Returns what waits for them and
+        builds the KJT each group's lookup reads; None when ranks passed different batch sizes
+        (every rank knows every rank's batch size from the splits, so all return None together)."""
         permuted = self.permute(features, self.spec.feature_order, self.order) if self.permute else features
         before = list(permuted.split(self.splits))
         parts = list(before)
@@ -168,8 +171,6 @@ class InputDistribution:
         for i, bucketize in self.bucketize.items():
             parts[i], unbucketize[i] = bucketize(parts[i], self.groups[i].block_sizes, self.world, not self.spec.pooled)
         local = [Distributed(p, b, [], [], u) for p, b, u in zip(parts, before, unbucketize)]
-        if not self.buckets:
-            return (lambda: local) if features.stride() > 0 else None
         kjts = [[parts[i] for i in b.groups] for b in self.buckets]
         counts = [[self._send_counts(self.groups[i], parts[i]) for i in b.groups] for b in self.buckets]
         received = [b.exchange_splits(k, c) for b, k, c in zip(self.buckets, kjts, counts)]
@@ -178,6 +179,7 @@ class InputDistribution:
             return None
         recv = [[([row[0] for row in table], [row[1] for row in table]) for table in bucket] for bucket in received]
         waits = [b.issue_payload(k, c, r) for b, k, c, r in zip(self.buckets, kjts, counts, recv)]
+        kept = {i: group.start(before[i]) for i, group in self.kept.items()}
 
         def complete() -> list[Distributed]:
             with torch.no_grad():
@@ -189,6 +191,9 @@ class InputDistribution:
                         out[i] = Distributed(self.recat[i](g.local_keys, g.recat, lengths, values, weights,
                                                            kjt.stride(), self.world),
                                              before[i], ids_out, ids_in, unbucketize[i])
+                for i, wait in kept.items():
+                    kjt, context = wait()
+                    out[i] = Distributed(kjt, before[i], [], [], None, context)
                 return out
 
         return complete

@@ -46,7 +46,7 @@ class InstalledExecutor:
 
         out = []
         for path, executor in self.executors.items():
-            for group in range(len(executor.groups)):
+            for group in (g.index for g in executor.spec.lifted_groups):
                 try:
                     built = executor.lookup_kernel(group, Region("lookup", [group], GENERATED_KERNEL))
                     out.append({"module": path, "group": group, "note": "", "seconds": built.build_s,

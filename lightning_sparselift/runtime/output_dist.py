@@ -19,6 +19,7 @@ from lightning_sparselift.runtime.collectives import (
 )
 from lightning_sparselift.runtime.input_dist import Distributed, GroupRuntime
 from lightning_sparselift.runtime.layout import PooledLayout, SequenceLayout
+from lightning_sparselift.runtime.torchrec_group import TorchRecGroup
 
 
 @dataclass
@@ -40,20 +41,35 @@ class Pending:
     unbucketize: list[Optional[Tensor]]
 
 
+@dataclass
+class KeptPending:
+    """The output distribution of a group that keeps TorchRec's path, in flight (TorchRec's awaitable)."""
+
+    group: int
+    awaitable: Any
+
+
 class OutputDistribution:
-    def __init__(self, schedule: ModuleSchedule, groups: list[GroupRuntime], process_groups: dict[str, Any],
-                 rank: int, clock: RegionClock) -> None:
-        self.groups, self.rank, self.clock = groups, rank, clock
+    def __init__(self, schedule: ModuleSchedule, groups: list[GroupRuntime], kept: dict[int, TorchRecGroup],
+                 process_groups: dict[str, Any], rank: int, clock: RegionClock) -> None:
+        self.groups, self.kept, self.rank, self.clock = groups, kept, rank, clock
         self.buckets = [_OutputBucket(e.groups, e.op == "all_to_all_single", e.wait != schedule.lookup_at,
                                       process_groups[e.process_group]) for e in schedule.outputs]
 
     def issue(self, locals_: list[Tensor], inputs: list[Distributed], batch_size: int, early: bool
-              ) -> tuple[list[Tensor], list[Pending]]:
+              ) -> tuple[list[Tensor], list[Pending | KeptPending]]:
         """Every group's output (data-parallel and one-rank groups as they are), and the
-        all-to-alls left in flight when the lookups ran ``early``."""
+        all-to-alls left in flight when the lookups ran ``early`` (with those of the groups that
+        keep TorchRec's path: their awaitables are waited for where the module's call waits)."""
         exchanged = {i for b in self.buckets for i in b.groups}
         out = [t if i in exchanged else _unbucketize(t, d.unbucketize) for i, (t, d) in enumerate(zip(locals_, inputs))]
-        pending = []
+        pending: list[Pending | KeptPending] = []
+        for i, group in self.kept.items():
+            awaitable = group.issue_output(locals_[i], inputs[i].context)
+            if early:
+                pending.append(KeptPending(i, awaitable))
+            else:
+                out[i] = awaitable.wait()
         for b in self.buckets:
             if not b.all_to_all:
                 (i,) = b.groups
@@ -81,18 +97,24 @@ class OutputDistribution:
                               [g.row_recat for g in groups], [g.row_back for g in groups],
                               [d.sent for d in got], [d.received for d in got], b.process_group, self.rank)
 
-    def wait(self, out: list[Tensor], pending: list[Pending]) -> list[Tensor]:
+    def wait(self, out: list[Tensor], pending: list[Pending | KeptPending]) -> list[Tensor]:
         for p in pending:
+            if isinstance(p, KeptPending):
+                out[p.group] = p.awaitable.wait()
+                continue
             tensors = WaitOutputAllToAll.apply(p.received, p.layout, p.box, self.clock)
             for i, tensor, u in zip(p.groups, tensors, p.unbucketize):
                 out[i] = _unbucketize(tensor, u)
         return out
 
     @staticmethod
-    def drain(pending: list[Pending]) -> None:
+    def drain(pending: list[Pending | KeptPending]) -> None:
         """Complete in-flight exchanges whose result will not be used."""
         for p in pending:
-            p.box.pop("work").wait()
+            if isinstance(p, KeptPending):
+                p.awaitable.wait()
+            else:
+                p.box.pop("work").wait()
 
 
 def _unbucketize(rows: Tensor, unbucketize: Optional[Tensor]) -> Tensor:
