@@ -70,7 +70,7 @@ def test_lifted_executor_is_bit_identical_to_torchrec(runs, world, case, variant
 def _assert_identical(results: list[dict], case: str, variant: str, world: int) -> None:
     for rank, result in enumerate(results):
         assert "error" not in result, result.get("error")
-        for executor in ("lifted", *lp.OPTIMIZED):  # the identity plan, and the passes forced on
+        for executor in ("lifted", *lp.optimized(variant)):  # the identity plan, and the passes forced on
             bad = _differences(result["reference"], result[executor])
             assert not bad, f"{executor}, rank {rank}: " + "; ".join(bad[:10])
             # the lifted executor really ran: it was installed, and it handed only the uneven step to
@@ -140,7 +140,7 @@ def test_predicted_bytes_match_torchrec(runs, world, case, variant):
         predicted_reduce = sum(n.bytes_per_member[rank] for n in graph.collectives("backward") if n.op == "all_reduce")
         assert predicted_reduce == sum(c[4] for c in captured if c[0] == "all_reduce")
         # the lifted executor issues the graph's collectives, with aggregation forced on as well
-        for executor in ("lifted", *lp.OPTIMIZED):
+        for executor in ("lifted", *lp.optimized(variant)):
             run = result[executor]
             graph = SparseGraph.from_dict(run["graph"])
             if (lp.VARIANTS[variant].get("short_step") == lp.WARMUP_STEPS + 2
