@@ -54,9 +54,13 @@ class DecisionRule:
     # in >98% of runs under this machine's step noise (8-12 ms sd per pair); the pairs a candidate
     # uses are far fewer: ~40-70 for that one, ~30-80 for one without effect (negligible)
     max_pairs: int = 192
-    # the smallest improvement accepted, as a fraction of the incumbent's step: below the smallest
-    # real effects measured on dlrm (generated lookups ~1.1% of the step, early start ~6%)
-    min_gain: float = 0.005
+    # the smallest improvement accepted, as a fraction of the incumbent's step: well below the
+    # smallest real effect measured on dlrm, generated lookups at -0.33 to -0.50 ms of 80-100 ms
+    # steps (0.4-0.6%, their intervals tight and below zero): at 0.005 that effect sat on the
+    # threshold and was accepted in 2 of 6 calibrations (3 bench runs), rejected undecided in 4.
+    # For candidates measured on whole steps it changes little (step noise dwarfs it: a candidate
+    # without effect still stops as negligible, at about as many pairs)
+    min_gain: float = 0.002
 
     def __post_init__(self) -> None:
         if not 0.5 <= self.confidence < 1:

@@ -102,7 +102,7 @@ class SparseLiftStrategy(ParallelStrategy):
             rejected. A candidate whose estimate is not half the smallest gain after 24 pairs
             stops there (negligible).
         calibration_min_gain: the smallest improvement a candidate must show (beyond the noise),
-            as a fraction of the incumbent's step time, to be accepted (default 0.005).
+            as a fraction of the incumbent's step time, to be accepted (default 0.002).
         plan_path: a JSON file for the execution plan: reused (no calibration) when it was made
             for the same model, sharding plan, world size, backend and versions and its graph is
             what its accepted candidates give on this run's lift; otherwise planned again and
