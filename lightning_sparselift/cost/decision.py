@@ -55,9 +55,9 @@ class DecisionRule:
     # uses are far fewer: ~40-70 for that one, ~30-80 for one without effect (negligible)
     max_pairs: int = 192
     # the smallest improvement accepted, as a fraction of the incumbent's step: well below the
-    # smallest real effect measured on dlrm, generated lookups at -0.33 to -0.50 ms of 80-100 ms
-    # steps (0.4-0.6%, their intervals tight and below zero): at 0.005 that effect sat on the
-    # threshold and was accepted in 2 of 6 calibrations (3 bench runs), rejected undecided in 4.
+    # smallest real effect measured on dlrm, generated lookups at -0.28 to -0.50 ms of 80-100 ms
+    # steps (0.3-0.6%, their intervals tight and below zero): at 0.005 that effect sat on the
+    # threshold and was accepted in 3 of 10 calibrations (5 bench runs), rejected undecided in 7.
     # For candidates measured on whole steps it changes little (step noise dwarfs it: a candidate
     # without effect still stops as negligible, at about as many pairs)
     min_gain: float = 0.002

@@ -133,14 +133,14 @@ def _lift_groups(path: str, sharded: nn.Module, module_plan: Any, env: Any, devi
     by_name = {c.name: c for c in _configs(sharded, pooled)}
     world = env.world_size
     for index, (sharding_type, infos, sharding) in enumerate(_shardings(sharded, plan, env, device, pooled)):
-        names = [i.embedding_config.name for i in infos]
+        table_names = [i.embedding_config.name for i in infos]
         tables = []
         for info in infos:
             cfg = by_name[info.embedding_config.name]
             pooling = (cfg.pooling.name if hasattr(cfg.pooling, "name") else str(cfg.pooling)) if pooled else "NONE"
             tables.extend(_table_shards(cfg, plan[cfg.name], pooling))
         features = list(sharding.feature_names())
-        reason = _not_lifted(sharding_type, names, sharding, world)
+        reason = _not_lifted(sharding_type, table_names, sharding, world)
         if reason and not pooled:
             # (TorchRec's sequence output dist needs every group's context: an EmbeddingCollection
             # keeps TorchRec's path as a whole module)

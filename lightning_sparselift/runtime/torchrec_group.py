@@ -14,8 +14,8 @@ from torch import Tensor, nn
 
 class TorchRecGroup:
     def __init__(self, sharded: nn.Module, index: int) -> None:
+        # (its lookup is the group's lookup module, which the executor runs with the others)
         self.input_dist = sharded._input_dists[index]
-        self.lookup = sharded._lookups[index]
         self.output_dist = sharded._output_dists[index]
 
     @torch.no_grad()
