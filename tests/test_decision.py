@@ -26,7 +26,7 @@ SLOW_STEP_RATE, SLOW_STEP_NOISE_MS = 0.1, 18.0
 
 def _decide(effect_ms: float, seed: int, rule: DecisionRule = DecisionRule(),
             noise_ms: float = NOISE_MS) -> tuple[bool, str, int]:
-    """(accepted, reason, pairs) for early start calibrated on steps that take ``effect_ms`` more
+    """(accepted, reason, pairs measured, outliers included) for early start calibrated on steps that take ``effect_ms`` more
     when it is applied."""
     identity = load("table_and_column_wise_2ranks")
     optimizations = ["latency_hiding:early_start"]
@@ -42,7 +42,7 @@ def _decide(effect_ms: float, seed: int, rule: DecisionRule = DecisionRule(),
             ms *= 20  # a step that waited for something else entirely
         loop.feedback(ms, ms)
     (decision,) = loop.plan.decisions
-    return decision.accepted, decision.reason, decision.pairs
+    return decision.accepted, decision.reason, decision.pairs + decision.outliers
 
 
 @pytest.mark.parametrize("effect_ms, verdict", [(-20.0, "faster"), (20.0, "slower")])
@@ -50,6 +50,8 @@ def test_a_candidate_with_a_real_effect_is_decided_right_in_every_seeded_trial(e
     outcomes = [_decide(effect_ms, seed) for seed in range(20)]
     assert [accepted for accepted, _, _ in outcomes] == [effect_ms < 0] * 20
     assert all(reason.startswith(verdict) for _, reason, _ in outcomes), [r for _, r, _ in outcomes]
+    # the first look (8 pairs) can reject a slower candidate, but accepts nothing before 16 pairs
+    assert min(pairs for _, _, pairs in outcomes) == (16 if effect_ms < 0 else 8), outcomes
 
 
 def test_an_effect_of_six_percent_of_the_step_is_accepted_in_every_seeded_trial():
@@ -86,6 +88,16 @@ def test_the_smallest_gain_is_a_fraction_of_the_step_not_of_the_region():
     small = paired_estimate(t0, t1, 0.95, 1, 0.005, steps)  # 0.5% of the step: 0.42 ms
     assert small.verdict == "undecided" and small.threshold_ms == pytest.approx(-0.005 * 84.5)
     assert paired_estimate(t0, [t - 0.6 for t in t0], 0.95, 1, 0.005, steps).verdict == "faster"
+
+
+def test_the_smallest_gain_follows_what_the_region_resolves():
+    rule = DecisionRule()
+    assert rule.min_gain_for("step") == rule.min_gain_for("sparse") == 0.005
+    assert rule.min_gain_for("lookup") == rule.min_gain_for("lookup_wall") == 0.001
+    with pytest.raises(ValueError, match="min_lookup_gain"):
+        DecisionRule(min_lookup_gain=1.5)
+    with pytest.raises(ValueError, match="accept_from_pairs"):
+        DecisionRule(accept_from_pairs=0)
 
 
 def test_the_estimate_and_bounds_are_the_signed_rank_ones():

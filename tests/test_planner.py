@@ -17,7 +17,7 @@ from lightning_sparselift.plan import Decision, ExecutionPlan, PlanFileError, Pl
 from graph_fixtures import COMPUTED_INPUT, EBC, ITEM, NOT_IN_BATCH, NOTHING_TO_MERGE, USER, load
 
 ALL = ["aggregation", "latency_hiding"]
-FAST = "faster: -2.000 ms, 95% bounds [-2.000, -2.000] over 8 pairs (noise 0.000 ms)"
+FAST = "faster: -2.000 ms, 95% bounds [-2.000, -2.000] over 16 pairs (noise 0.000 ms)"
 
 
 def _identity() -> SparseGraph:
@@ -54,9 +54,10 @@ def test_every_candidate_is_calibrated_on_top_of_the_incumbent_and_kept_when_fas
         seen.append(len(graph.provenance))
         return 5.0 if trial else 10.0
 
-    assert _run(loop, step_ms) == 90 == loop.plan.calibration_steps  # noiseless: decided at the first look
+    # noiseless: faster at the first look, but accepted only at the second (16 pairs)
+    assert _run(loop, step_ms) == 170 == loop.plan.calibration_steps
     # half the steps ran a 10 ms incumbent, 5 ms longer than the plan installed (the last trial)
-    assert loop.plan.calibration_excess_s == pytest.approx(45 * 5.0 / 1e3)
+    assert loop.plan.calibration_excess_s == pytest.approx(85 * 5.0 / 1e3)
     assert loop.progress is None
     assert [(d.accepted, d.measured_ms) for d in loop.plan.decisions] == [(True, -5.0)] * 4
     # each candidate's T0 steps run the incumbent, which holds every candidate accepted before it
@@ -82,7 +83,7 @@ def test_without_calibration_every_feasible_candidate_is_applied_at_once():
 
 def test_an_abandoned_loop_keeps_its_incumbent_and_records_the_candidates_left():
     loop = _loop(["aggregation"])
-    for _ in range(18):  # the first candidate's steps up to its first look: decided (accepted)
+    for _ in range(34):  # the first candidate's steps up to its second look: decided (accepted)
         graph = loop.next_graph()
         loop.feedback(0.0, 1.0 if graph is loop.trial else 2.0)
     loop.feedback(0.0, 2.0)  # one step into the second
@@ -240,17 +241,18 @@ def test_the_loop_decides_each_candidate_from_its_protocol_steps_on_top_of_the_i
     early, ahead, packed, merged = (f"latency_hiding:early_start@{EBC}", f"latency_hiding:next_batch@{EBC}",
                                     f"aggregation:input@{EBC}", f"aggregation:output@{EBC}")
     # latency hiding: a settle step before each observed one (T0 T0 T1 T1), aggregation T0 T1; each
-    # candidate's T0 is the incumbent with the candidates accepted before it
-    assert trials == ([(0, False), (1, True)] * 9 + [(1, False), (1, False), (2, True), (2, True)] * 9
-                      + [(2, False), (3, True)] * 9 + [(3, False), (4, True)] * 9)
-    assert progress[:2] == [(0, 90), (1, 90)] and progress[18] == (18, 90) and progress[89] == (89, 90)
-    assert progress[-1] is None and loop.plan.calibration_steps == 90
+    # candidate's T0 is the incumbent with the candidates accepted before it; a faster one is
+    # accepted at the second look (16 pairs), the slower one rejected at the first (8)
+    assert trials == ([(0, False), (1, True)] * 17 + [(1, False), (1, False), (2, True), (2, True)] * 17
+                      + [(2, False), (3, True)] * 17 + [(3, False), (4, True)] * 9)
+    assert progress[:2] == [(0, 90), (1, 90)] and progress[18] == (18, 106) and progress[153] == (153, 154)
+    assert progress[-1] is None and loop.plan.calibration_steps == 154
     # early start: 2 ms per step; next batch: 1 ms once settled (its first step's 5 ms are never
     # observed); the merged input: 4 collectives fewer; the merged output: 2 fewer but 3 ms of copies
     assert [(d.candidate, d.accepted, d.measured_ms, [[t1 - t0 for t0, t1 in obs] for obs in d.observations_ms])
             for d in loop.plan.decisions] == [
-        (early, True, -2.0, [[-2.0] * 8]), (ahead, True, -1.0, [[-1.0] * 8]),
-        (packed, True, -4.0, [[-4.0] * 8]), (merged, False, 1.0, [[1.0] * 8])]
+        (early, True, -2.0, [[-2.0] * 16]), (ahead, True, -1.0, [[-1.0] * 16]),
+        (packed, True, -4.0, [[-4.0] * 16]), (merged, False, 1.0, [[1.0] * 8])]
     assert [d.predicted_ms for d in loop.plan.decisions] == pytest.approx([-0.20768, -0.20512, -0.17952, -0.06928])
     assert loop.plan.decisions[3].reason == "slower: +1.000 ms, 95% bounds [+1.000, +1.000] over 8 pairs (noise 0.000 ms)"
     assert loop.events == [
@@ -279,7 +281,7 @@ def test_a_plan_the_loop_made_is_saved_loaded_and_rebuilt(tmp_path):
         loop.feedback(*steps(loop.next_graph()))
     plan = loop.plan
     assert [d.accepted for d in plan.decisions] == [False] * 4 + [True] * 4  # infeasible ones first
-    assert plan.calibration_steps == 18 + 18 + 18 + 36  # each decided at its first look; next batch settled
+    assert plan.calibration_steps == 34 + 34 + 34 + 68  # each accepted at its second look; next batch settled
     plan.save(tmp_path / "plan.json")
     loaded = ExecutionPlan.load(tmp_path / "plan.json")
     assert loaded.to_dict() == json.loads(json.dumps(plan.to_dict()))
@@ -334,11 +336,11 @@ def test_with_nothing_feasible_the_loop_is_done_at_once_on_the_identity():
 def test_an_abandoned_loop_records_every_candidate_left_with_its_prediction():
     loop = _calibrating_loop(_identity())
     steps = _Steps()
-    for _ in range(18 + 5):  # early start decided, 5 steps into next batch
+    for _ in range(34 + 5):  # early start decided, 5 steps into next batch
         loop.feedback(*steps(loop.next_graph()))
-    assert loop.progress == (23, 90)
+    assert loop.progress == (39, 106)
     loop.abandon("the trainer stopped")
-    assert loop.done and loop.progress is None and loop.trial is None and loop.plan.calibration_steps == 23
+    assert loop.done and loop.progress is None and loop.trial is None and loop.plan.calibration_steps == 39
     assert [(d.candidate.split("@")[0], d.feasible, d.accepted, d.reason) for d in loop.plan.decisions] == [
         ("latency_hiding:early_start", True, True, FAST),
         ("latency_hiding:next_batch", True, False, "not calibrated: the trainer stopped"),

@@ -226,21 +226,26 @@ class Calibrator(PairedSteps):
         self.add_pairs(self.looks[self._look] - self.looks[self._look - 1])
 
     def measurement(self, group: Any) -> Measurement:
-        """Every rank's pairs (a collective over ``group``), judged on the slowest rank's; an
-        undecided candidate is ``negligible`` once it has :data:`NEGLIGIBLE_FROM_PAIRS` pairs and
+        """Every rank's pairs (a collective over ``group``), judged on the slowest rank's; a faster
+        one stays undecided before the rule's ``accept_from_pairs`` (while the budget allows more);
+        an undecided candidate is ``negligible`` once it has :data:`NEGLIGIBLE_FROM_PAIRS` pairs and
         its estimate is not even half the smallest gain accepted."""
-        measurement = judge_pairs(self.pairs(), group, self.rule, len(self.looks), self.incumbent_steps())
+        measurement = judge_pairs(self.pairs(), group, self.rule, len(self.looks), self.incumbent_steps(),
+                                  self.rule.min_gain_for(self.protocol.region))
         e = measurement.estimate
+        if e.verdict == "faster" and self.looks[self._look] < self.rule.accept_from_pairs and self.can_extend:
+            e = measurement.estimate = replace(e, verdict="undecided")
         if e.verdict == "undecided" and e.pairs >= NEGLIGIBLE_FROM_PAIRS and e.increment_ms > e.threshold_ms / 2:
             measurement.estimate = replace(e, verdict="negligible")
         return measurement
 
 
 def judge_pairs(pairs: list[list[float]], group: Any, rule: DecisionRule, looks: int,
-                incumbent_steps: Optional[list[float]] = None) -> Measurement:
+                incumbent_steps: Optional[list[float]] = None, min_gain: Optional[float] = None) -> Measurement:
     """All ranks' [F(T0), F(T1)] pairs gathered; per pair, each arm's slowest rank; the increment
     estimated from those (the same result on every rank). ``incumbent_steps``: per pair the T0
-    step's wall time, when the region is not the step (the smallest gain is a fraction of the step)."""
+    step's wall time, when the region is not the step (the smallest gain is a fraction of the step,
+    ``min_gain``, by default the rule's for whole steps)."""
     steps = incumbent_steps if incumbent_steps is not None else [t0 for t0, _ in pairs]
     local = torch.tensor([[t0, t1, s] for (t0, t1), s in zip(pairs, steps)], dtype=torch.float64).reshape(-1, 3)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
@@ -254,5 +259,5 @@ def judge_pairs(pairs: list[list[float]], group: Any, rule: DecisionRule, looks:
         gathered = [local]
     slowest = torch.stack(gathered).amax(dim=0)
     estimate = paired_estimate(slowest[:, 0].tolist(), slowest[:, 1].tolist(), rule.confidence, looks,
-                               rule.min_gain, slowest[:, 2].tolist())
+                               rule.min_gain if min_gain is None else min_gain, slowest[:, 2].tolist())
     return Measurement([g[:, :2].tolist() for g in gathered], estimate)

@@ -12,13 +12,18 @@ without effect far more reliably than a t interval at the same power (replayed o
 pairs each of early start, next batch and an A/A trial on dlrm: 0.1-0.4% false acceptances against
 0.5-2%). The error rate is split over the looks a sequential calibration takes (Bonferroni), so
 adding pairs until a candidate is decided does not inflate it. A candidate is faster when its
-upper bound is below minus the smallest gain worth a plan change (``min_gain`` of the incumbent's
-step, whatever region measures the candidate: a real but negligible effect would otherwise be
-accepted in some runs and not in others, and 1% of a 3 ms lookup region is no gain worth
-changing an 80 ms step's plan), slower when its lower bound is above zero, else undecided (more
-pairs, or, once the budget is spent, rejected: do no harm). A sequential calibration also stops
-a candidate whose estimate, after enough pairs, is not even half that smallest gain
-(``negligible``: more pairs would spend steps on a candidate that cannot win).
+upper bound is below minus the smallest gain worth a plan change, slower when its lower bound is
+above zero, else undecided (more pairs, or, once the budget is spent, rejected: do no harm). The
+smallest gain is a fraction of the incumbent's step whatever region measures the candidate (1% of
+a 3 ms lookup region is no gain worth changing an 80 ms step's plan), and that fraction is set by
+what the region can resolve: a real effect below it would be accepted in some runs and not in
+others. Whole steps and the executor's sparse regions (wall time, ~10% noise) resolve ~0.5% of
+the step within the budget; the lookup regions (their kernels' own thread CPU time, noise ~1% of
+the region) resolve ~0.1%. No candidate is accepted before ``accept_from_pairs`` pairs: with
+fewer, a bound rests on nearly every pair going one way, which one run of heavy-tailed steps
+gives a candidate of small effect by chance. A sequential calibration also stops a candidate whose
+estimate, after enough pairs, is not even half that smallest gain (``negligible``: more pairs
+would spend steps on a candidate that cannot win).
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ MIN_RELATIVE_SPREAD = 0.05
 # a sequential calibration stops a candidate as negligible from this many pairs on
 NEGLIGIBLE_FROM_PAIRS = 24
 
+# the regions that time only the lookups' own compute (see CalibrationProtocol.region)
+LOOKUP_REGIONS = ("lookup", "lookup_wall")
+
 Verdict = Literal["faster", "slower", "undecided", "negligible"]
 
 
@@ -54,20 +62,32 @@ class DecisionRule:
     # in >98% of runs under this machine's step noise (8-12 ms sd per pair); the pairs a candidate
     # uses are far fewer: ~40-70 for that one, ~30-80 for one without effect (negligible)
     max_pairs: int = 192
-    # the smallest improvement accepted, as a fraction of the incumbent's step: well below the
-    # smallest real effect measured on dlrm, generated lookups at -0.28 to -0.50 ms of 80-100 ms
-    # steps (0.3-0.6%, their intervals tight and below zero): at 0.005 that effect sat on the
-    # threshold and was accepted in 3 of 10 calibrations (5 bench runs), rejected undecided in 7.
-    # For candidates measured on whole steps it changes little (step noise dwarfs it: a candidate
-    # without effect still stops as negligible, at about as many pairs)
-    min_gain: float = 0.002
+    # the smallest improvement accepted, as a fraction of the incumbent's step, for candidates
+    # measured on the whole step or the sparse regions: on dlrm (10 calibrations each) at 0.005
+    # early start (-3.4 to -14 ms) was accepted 10/10 and next batch (~1 ms) 0/10; at 0.002 next
+    # batch came through in 2 of 10, its effect being below what the steps resolve
+    min_gain: float = 0.005
+    # the same for candidates measured on the lookup regions: generated lookups on dlrm measured
+    # -0.23 to -0.50 ms of 80-100 ms steps with intervals ~0.1 ms wide; at 0.005 they were
+    # accepted in 3 of 10 calibrations, at 0.002 in 9 of 10 (the miss: [-0.293, -0.170])
+    min_lookup_gain: float = 0.001
+    # no candidate is accepted at fewer measured pairs (its first look then only rejects)
+    accept_from_pairs: int = 16
 
     def __post_init__(self) -> None:
         if not 0.5 <= self.confidence < 1:
             raise ValueError(f"calibration confidence must be in [0.5, 1), got {self.confidence}")
         look_points(1, self.max_pairs, self.confidence)  # raises when the budget cannot bound anything
-        if not 0 <= self.min_gain < 1:
-            raise ValueError(f"min_gain is a fraction of the incumbent's step in [0, 1), got {self.min_gain}")
+        for name in ("min_gain", "min_lookup_gain"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} is a fraction of the incumbent's step in [0, 1), got {getattr(self, name)}")
+        if self.accept_from_pairs < 1:
+            raise ValueError(f"accept_from_pairs must be >= 1, got {self.accept_from_pairs}")
+
+    def min_gain_for(self, region: str) -> float:
+        """The smallest gain accepted for a candidate measured on ``region`` (see
+        :class:`~lightning_sparselift.cost.calibration.CalibrationProtocol`)."""
+        return self.min_lookup_gain if region in LOOKUP_REGIONS else self.min_gain
 
 
 def robust_sigma(values: list[float]) -> float:

@@ -101,8 +101,12 @@ class SparseLiftStrategy(ParallelStrategy):
             may use while it is undecided (default 192); still undecided after them, it is
             rejected. A candidate whose estimate is not half the smallest gain after 24 pairs
             stops there (negligible).
-        calibration_min_gain: the smallest improvement a candidate must show (beyond the noise),
-            as a fraction of the incumbent's step time, to be accepted (default 0.002).
+        calibration_min_gain: the smallest improvement a candidate measured on whole steps or the
+            executor's sparse regions (latency hiding, aggregation) must show (beyond the noise),
+            as a fraction of the incumbent's step time, to be accepted (default 0.005).
+        calibration_min_lookup_gain: the same for candidates measured on the lookup regions
+            (code generation, subgraph parallelism), whose clock resolves smaller effects
+            (default 0.001). No candidate is accepted before 16 measured pairs.
         plan_path: a JSON file for the execution plan: reused (no calibration) when it was made
             for the same model, sharding plan, world size, backend and versions and its graph is
             what its accepted candidates give on this run's lift; otherwise planned again and
@@ -158,6 +162,7 @@ class SparseLiftStrategy(ParallelStrategy):
         calibration_confidence: float = DecisionRule.confidence,
         calibration_max_pairs: int = DecisionRule.max_pairs,
         calibration_min_gain: float = DecisionRule.min_gain,
+        calibration_min_lookup_gain: float = DecisionRule.min_lookup_gain,
         plan_path: Optional[str] = None,
         warmup_batches: int = 3,
         verify_steps: int = 40,
@@ -203,7 +208,7 @@ class SparseLiftStrategy(ParallelStrategy):
         self.optimizations = sorted(PASSES) if optimizations is None else list(optimizations)
         self.calibrate = bool(calibrate)
         self.decision_rule = DecisionRule(float(calibration_confidence), int(calibration_max_pairs),
-                                          float(calibration_min_gain))
+                                          float(calibration_min_gain), float(calibration_min_lookup_gain))
         self.plan_path = str(plan_path) if plan_path is not None else None
         self.warmup_batches = int(warmup_batches)
         from lightning_sparselift.plan.verification import check_steady_options
