@@ -90,9 +90,10 @@ class SparseLiftSession:
                  plan_path: Optional[str] = None, decision_rule: DecisionRule = DecisionRule(),
                  verify_steps: int = 40, replan_on_drift: bool = True, drift_ratio: float = 5.0,
                  min_steps_between_replans: int = 500, drift_check_every: int = DRIFT_CHECK_EVERY,
-                 check_group: Any = None) -> None:
+                 check_group: Any = None, workspace_budget_bytes: Optional[int] = None) -> None:
         """``check_group``: a process group for the drift checks and the verification's exchange
-        (default ``group``): a group of their own does not wait behind exchanges left in flight."""
+        (default ``group``): a group of their own does not wait behind exchanges left in flight.
+        ``workspace_budget_bytes``: the lifted graph's (see ``SparseGraph.workspace_budget_bytes``)."""
         from lightning_sparselift.passes import select_passes
 
         if warmup_batches < 1:
@@ -104,6 +105,7 @@ class SparseLiftSession:
         self.passes = select_passes(optimizations or [])
         self.optimizations = sorted(optimizations or [])
         self.calibrate, self.plan_path, self.decision_rule = calibrate, plan_path, decision_rule
+        self.workspace_budget_bytes = workspace_budget_bytes
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.capture: Optional[SparseCapture] = SparseCapture(model, module_paths, self.rank, self.world)
@@ -349,6 +351,7 @@ class SparseLiftSession:
                 graph = lift(self.model, self.sharding_plan, remaining, captures, self.group, self.device,
                              dense_parameter_bytes(self.model, self.paths))
                 graph.not_lifted.update(failed)
+                graph.workspace_budget_bytes = self.workspace_budget_bytes
                 check_against_runtime(graph, self.model)
                 status = graph.fingerprint()
             except LiftError as error:

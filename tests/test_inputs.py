@@ -1,8 +1,13 @@
 """Bad input gets a clear error, before any collective can hang on it."""
 
+import json
+import os
+import socket
+
 import lightning.pytorch as L
 import pytest
 import torch
+import torch.multiprocessing as mp
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from helpers import tiny_data, tiny_model, trainer
@@ -134,6 +139,9 @@ def test_unknown_options_and_names():
         SparseLiftStrategy(embedding_optimizer={"name": "sgd", "momentum": 0.9})
     with pytest.raises(ValueError, match="start_method"):
         SparseLiftStrategy(start_method="thread")
+    with pytest.raises(ValueError, match="workspace_budget_mb must be >= 0"):
+        SparseLiftStrategy(workspace_budget_mb=-1)
+    assert SparseLiftStrategy(workspace_budget_mb=1.5).workspace_budget_bytes == 1572864
 
 
 @pytest.mark.parametrize("sharding, match", [({"t_cat_0": "diagonal"}, "unknown sharding type 'diagonal'"),
@@ -180,3 +188,47 @@ def test_input_check_skips_only_what_it_checked_unchanged(monkeypatch):
     kjt.values()[1] = 5  # changed in place since its check (a reused buffer): checked again
     with pytest.raises(SparseInputError, match="id 5 of feature 'b'"):
         hook(module, (kjt,), {})
+
+
+def _bounds_check_worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+    from torch import nn
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from lightning_sparselift.sharding import EmbeddingOptimizer, shard_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=1)
+    try:
+        modes = {}
+        for checked in (True, False):
+            model = nn.Module()
+            model.ebc = EmbeddingBagCollection([EmbeddingBagConfig(name=t, embedding_dim=4, num_embeddings=10,
+                                                                   feature_names=[t]) for t in ("a", "b")],
+                                               device=torch.device("meta"))
+            model.dense = nn.Linear(2, 2)
+            sharded = shard_model(model, 1, torch.device("cpu"), {"a": "table_wise", "b": "row_wise"},
+                                  EmbeddingOptimizer("sgd"), dist.group.WORLD, dist.group.WORLD if checked else None)
+            modes[str(checked)] = sorted(m.bounds_check_mode_int for m in sharded.dmp.modules()
+                                         if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen))
+            del sharded
+        with open(out, "w") as f:
+            json.dump(modes, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_lookups_skip_fbgemms_id_check_only_when_the_input_checks_ran(tmp_path):
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "modes.json"
+    mp.start_processes(_bounds_check_worker, args=(port, str(out)), nprocs=1, start_method="spawn")
+    modes = json.loads(out.read_text())
+    # one fused table-batched lookup per sharding group (table-wise, row-wise): with the input checks
+    # every id was checked before it reaches them; without, fbgemm's default check stays
+    assert modes == {"True": [BoundsCheckMode.NONE.value] * 2, "False": [BoundsCheckMode.WARNING.value] * 2}

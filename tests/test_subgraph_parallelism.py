@@ -181,3 +181,24 @@ def test_one_rank_with_two_threads_trains_a_user_model_in_buckets_bit_identical_
     assert sorted((b.module, b.buckets) for b in plan.kernel_builds if b.buckets > 1) == [
         ("embeddings", 3), ("second", 3)]
     assert "in buckets, between calibration steps" in plan.explain()
+
+
+def test_the_buckets_scratch_held_at_once_must_fit_the_workspace_budget():
+    graph = _eight_tables()
+    graph.threads_per_rank = [4]
+    dim = graph.module(EBC).groups[0].tables[0].dim
+    scratch = 80 * (56 + 4 * dim)  # t7's 80 ids per step: the largest table's backward scratch
+    sweep = SubgraphParallelism()
+    two, four, eight = sweep.candidates(graph)
+    # beyond the calling thread's: one more thread's scratch with 2 buckets, 3 more with 4 (and with 8, on 4 threads)
+    assert [c.cost_inputs["workspace_bytes"] for c in (two, four, eight)] == [scratch, 3 * scratch, 3 * scratch]
+    assert two.feasible and four.feasible  # no budget: no limit
+    graph.workspace_budget_bytes = 2 * scratch
+    two, four, eight = sweep.candidates(graph)
+    assert two.feasible and not four.feasible and not eight.feasible
+    assert four.reasons == [f"the buckets hold {3 * scratch / 1024:.2f}KB more backward scratch at once on rank 0 (a "
+                            f"scratch per thread running one) than the workspace budget of {2 * scratch / 1024:.2f}KB "
+                            f"(workspace_budget_mb)"]
+    assert "workspace budget" in graph.explain() and SparseGraph.from_dict(graph.to_dict()) == graph
+    # the budget is the run's, not the graph's structure: a plan made under another one still matches it
+    assert graph.fingerprint() == _eight_tables().fingerprint()

@@ -291,7 +291,7 @@ class SparseLift(LoopSystem):
                                                             s.embedding_optimizer)
         self.session = (SparseLiftSession(wrapped, self.model.plan, paths, s.warmup_batches, dist.group.WORLD,
                                           torch.device("cpu"), s.optimizations, s.calibrate, s.plan_path,
-                                          s.decision_rule)
+                                          s.decision_rule, workspace_budget_bytes=s.workspace_budget_bytes)
                         if s.executor == "sparselift" else None)
         self._timed_sharded(wrapped, self.optimizer)
 

@@ -42,6 +42,8 @@ def human_bytes(n: float) -> str:
 def explain(graph: "SparseGraph") -> str:
     threads = (f" ({'/'.join(map(str, graph.threads_per_rank))} intra-op thread(s) per rank)"
                if graph.threads_per_rank else "")
+    if graph.workspace_budget_bytes is not None:
+        threads += f", workspace budget {human_bytes(graph.workspace_budget_bytes)} per rank"
     lines = [f"SparseGraph (SRSV) v{graph.version}: {graph.world_size} rank(s){threads}, backend {graph.backend}, "
              f"fingerprint {graph.fingerprint()}"]
     lines += [f"pass applied: {p}" for p in graph.provenance]

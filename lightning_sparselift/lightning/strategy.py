@@ -107,6 +107,10 @@ class SparseLiftStrategy(ParallelStrategy):
         calibration_min_lookup_gain: the same for candidates measured on the lookup regions
             (code generation, subgraph parallelism), whose clock resolves smaller effects
             (default 0.001). No candidate is accepted before 16 measured pairs.
+        workspace_budget_mb: the memory (MiB per rank) a plan's schedule may hold beyond the
+            identity plan's as workspace; a candidate that needs more is infeasible, with the
+            numbers in ``explain()`` (subgraph parallelism: the backward scratch of the buckets
+            that run at once). None (default): no limit.
         plan_path: a JSON file for the execution plan: reused (no calibration) when it was made
             for the same model, sharding plan, world size, backend and versions and its graph is
             what its accepted candidates give on this run's lift; otherwise planned again and
@@ -163,6 +167,7 @@ class SparseLiftStrategy(ParallelStrategy):
         calibration_max_pairs: int = DecisionRule.max_pairs,
         calibration_min_gain: float = DecisionRule.min_gain,
         calibration_min_lookup_gain: float = DecisionRule.min_lookup_gain,
+        workspace_budget_mb: Optional[float] = None,
         plan_path: Optional[str] = None,
         warmup_batches: int = 3,
         verify_steps: int = 40,
@@ -209,6 +214,9 @@ class SparseLiftStrategy(ParallelStrategy):
         self.calibrate = bool(calibrate)
         self.decision_rule = DecisionRule(float(calibration_confidence), int(calibration_max_pairs),
                                           float(calibration_min_gain), float(calibration_min_lookup_gain))
+        if workspace_budget_mb is not None and not float(workspace_budget_mb) >= 0:
+            raise ValueError(f"workspace_budget_mb must be >= 0 (MiB per rank) or None, got {workspace_budget_mb!r}")
+        self.workspace_budget_bytes = None if workspace_budget_mb is None else int(float(workspace_budget_mb) * 2**20)
         self.plan_path = str(plan_path) if plan_path is not None else None
         self.warmup_batches = int(warmup_batches)
         from lightning_sparselift.plan.verification import check_steady_options
@@ -442,7 +450,8 @@ class SparseLiftStrategy(ParallelStrategy):
             self._session = SparseLiftSession(self.lightning_module, self._dmp.plan, self.sparse_module_paths,
                                               self.warmup_batches, torch.distributed.group.WORLD, self.root_device,
                                               self.optimizations, self.calibrate, self.plan_path,
-                                              self.decision_rule, **self.steady_state_options)
+                                              self.decision_rule, workspace_budget_bytes=self.workspace_budget_bytes,
+                                              **self.steady_state_options)
 
     @property
     def steady_state_options(self) -> dict[str, Any]:

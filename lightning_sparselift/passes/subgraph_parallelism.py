@@ -9,8 +9,11 @@ split, so the buckets' lookups run the generated kernel.)
 
 Feasibility: some rank runs more than one intra-op thread (``torch.get_num_threads()`` when
 captured: the buckets run on torch's OpenMP team, so with one thread they would run one after the
-other), a group has a generated kernel on every rank (see the codegen pass) and some rank holds
-at least two of its tables. Partitioning: each table weighs the ids its features bring per
+other), a group has a generated kernel on every rank (see the codegen pass), some rank holds
+at least two of its tables, and the workspace the buckets hold at once fits the graph's
+``workspace_budget_bytes``: each thread running a bucket keeps its own backward scratch (the
+generated kernel's, grown to the largest table it accumulated: up to 56 B + 4 B x dim per id), so
+G buckets on T threads hold min(G, T) of them where G = 1 holds one. Partitioning: each table weighs the ids its features bring per
 step times its dim (what its pooling and update touch, from capture); tables, heaviest first,
 go to the bucket whose load is least on the ranks holding a shard of them (a table sharded over
 ranks is in one bucket everywhere, so the schedule names buckets by table, the same on all
@@ -30,8 +33,10 @@ from __future__ import annotations
 from lightning_sparselift.cost.calibration import CalibrationProtocol
 from lightning_sparselift.cost.priors import Priors
 from lightning_sparselift.ir import LiftedModule, SparseGraph
+from lightning_sparselift.ir.explain import human_bytes
 from lightning_sparselift.ir.graph import ShardingGroup
 from lightning_sparselift.ir.schedule import GENERATED_KERNEL
+from lightning_sparselift.ir.vocab import ROW_SHARDED
 from lightning_sparselift.passes.base import Candidate, OptimizationPass
 
 BUCKET_COUNTS = (2, 4, 8)
@@ -72,6 +77,33 @@ def partition(module: LiftedModule, group: ShardingGroup, count: int) -> list[li
     order = list(dict.fromkeys(t.table for t in group.tables))
     buckets = [[n for n in order if bucket_of[n] == b] for b in range(count)]
     return [b for b in buckets if b]
+
+
+# the generated backward's scratch per id of a table: its hash keys and slots (up to 4 slots of
+# 8 + 4 B per id: the table is the next power of two above 2x the ids), the distinct rows (8 B)
+# and the accumulated gradient rows (4 B per column)
+SCRATCH_BYTES_PER_ID = 56
+SCRATCH_BYTES_PER_ID_AND_COLUMN = 4
+
+
+def workspace_bytes(graph: SparseGraph, module: LiftedModule, groups: list[int], count: int) -> list[float]:
+    """Per rank: the backward scratch ``count`` buckets of ``groups`` hold beyond one bucket's
+    (the threads that run buckets at once, less the calling thread's, each with the scratch of the
+    largest table of the rank)."""
+    out = []
+    for rank in range(graph.world_size):
+        threads = graph.threads_per_rank[rank] if graph.threads_per_rank else count
+        largest = 0.0
+        for i in groups:
+            group = module.groups[i]
+            # a row-wise shard sees about its share of the table's ids
+            share = 1 / graph.world_size if group.sharding_type in ROW_SHARDED else 1.0
+            for t in group.tables:
+                if t.rank in (rank, None):
+                    ids = share * sum(m.get(f, 0.0) for m in module.ids_per_step for f in t.features)
+                    largest = max(largest, ids * (SCRATCH_BYTES_PER_ID + SCRATCH_BYTES_PER_ID_AND_COLUMN * t.dim))
+        out.append((min(count, threads) - 1) * largest)
+    return out
 
 
 def _runs_in_buckets(group: ShardingGroup, buckets: list[list[str]]) -> bool:
@@ -125,8 +157,15 @@ class SubgraphParallelism(OptimizationPass):
                 for g in module.lifted_groups]
         elif all(module.schedule.region("lookup", i).buckets == b for i, b in buckets.items()):
             reasons = ["already scheduled"]
+        workspace = workspace_bytes(graph, module, list(buckets), count)
+        budget = graph.workspace_budget_bytes
+        if not reasons and budget is not None and max(workspace) > budget:
+            rank = max(range(len(workspace)), key=lambda r: workspace[r])
+            reasons = [f"the buckets hold {human_bytes(workspace[rank])} more backward scratch at once on rank {rank} "
+                       f"(a scratch per thread running one) than the workspace budget of {human_bytes(budget)} "
+                       f"(workspace_budget_mb)"]
         return reasons, {"buckets": float(count), "groups": float(len(buckets)),
-                         "touched_bytes": module.touched_bytes(list(buckets))}
+                         "touched_bytes": module.touched_bytes(list(buckets)), "workspace_bytes": max(workspace)}
 
     def predict_ms(self, candidate: Candidate, priors: Priors) -> float:
         # the lookups' compute C (forward reads, backward reads and writes the touched rows) over
