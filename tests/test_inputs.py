@@ -211,8 +211,11 @@ def _bounds_check_worker(rank: int, port: int, out: str) -> None:
             model.dense = nn.Linear(2, 2)
             sharded = shard_model(model, 1, torch.device("cpu"), {"a": "table_wise", "b": "row_wise"},
                                   EmbeddingOptimizer("sgd"), dist.group.WORLD, dist.group.WORLD if checked else None)
-            modes[str(checked)] = sorted(m.bounds_check_mode_int for m in sharded.dmp.modules()
-                                         if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen))
+            # (TorchRec keeps a sharded collection's lookups in a plain list)
+            tbes = [emb._emb_module for m in sharded.dmp.modules() for lookup in getattr(m, "_lookups", [])
+                    for emb in lookup._emb_modules]
+            modes[str(checked)] = sorted(t.bounds_check_mode_int for t in tbes
+                                         if isinstance(t, SplitTableBatchedEmbeddingBagsCodegen))
             del sharded
         with open(out, "w") as f:
             json.dump(modes, f)

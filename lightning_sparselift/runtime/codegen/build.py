@@ -30,12 +30,22 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPARSELIFT_KERNEL_CACHE", default))
 
 
+# the vector instructions the generated loops may use, by what /proc/cpuinfo lists (each lane's
+# arithmetic is the same at any width, so the results are too): AVX-512 where the CPU has it, as
+# fbgemm's own kernels use it there
+_AVX512 = ("avx512f", "avx512vl", "avx512bw", "avx512dq")
+
+
 def _cpu_flags() -> list[str]:
     try:
         flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return []
-    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= flags else []
+    if not {"avx2", "fma"} <= flags:
+        return []
+    if set(_AVX512) <= flags:
+        return ["-mavx2", "-mfma", *(f"-m{f}" for f in _AVX512), "-mprefer-vector-width=512"]
+    return ["-mavx2", "-mfma"]
 
 
 @contextmanager

@@ -44,9 +44,10 @@ constexpr int64_t PREFETCH = 16;  // rows ahead (as fbgemm's kernels): table row
 template <typename I>
 inline uint64_t slot_hash(I id) { return static_cast<uint64_t>(id) * 0x9E3779B97F4A7C15ull; }
 
-template <int D>
+// into every cache level (prefetcht0, as fbgemm's kernels); WRITE: the row will be updated
+template <int D, bool WRITE>
 inline void prefetch_row(const float* row) {
-  for (int line = 0; line < D; line += 16) __builtin_prefetch(row + line, 1, 0);
+  for (int line = 0; line < D; line += 16) __builtin_prefetch(row + line, WRITE ? 1 : 0, 3);
 }
 
 // the row of the id PREFETCH positions after p (before last), when it is one of the table's
@@ -54,8 +55,21 @@ template <int D, typename I>
 inline void prefetch_ahead(const I* ids, int64_t p, int64_t last, const float* table, int64_t rows) {
   if (p + PREFETCH < last) {
     const int64_t ahead = ids[p + PREFETCH];
-    if (ahead >= 0 && ahead < rows) prefetch_row<D>(table + ahead * D);
+    if (ahead >= 0 && ahead < rows) prefetch_row<D, false>(table + ahead * D);
   }
+}
+
+// one row into a sum, lane by lane: a function of its own, its pointers restricted (inlined into
+// a loop over ids, GCC interleaves two ids and leaves the lanes scalar: the forward of a multi-hot
+// bag ran 3x slower than fbgemm's)
+template <int D>
+__attribute__((noinline)) void add_row(float* __restrict acc, const float* __restrict row) {
+  for (int d = 0; d < D; ++d) acc[d] = acc[d] + row[d];
+}
+
+template <int D>
+__attribute__((noinline)) void fma_row(float* __restrict acc, const float* __restrict row, float w) {
+  for (int d = 0; d < D; ++d) acc[d] = std::fma(w, row[d], acc[d]);
 }
 
 // forward: one feature's bags; returns the position of an out-of-range id, or -1
@@ -70,12 +84,10 @@ int64_t pool(const I* ids, const O* offsets, const float* psw, const float* tabl
       prefetch_ahead<D>(ids, p, last, table, rows);
       const int64_t id = ids[p];
       if (CHECK && (id < 0 || id >= rows)) return p;
-      const float* row = table + id * D;
       if (WEIGHTED) {
-        const float w = psw[p];
-        for (int d = 0; d < D; ++d) acc[d] = std::fma(w, row[d], acc[d]);
+        fma_row<D>(acc, table + id * D, psw[p]);
       } else {
-        for (int d = 0; d < D; ++d) acc[d] = acc[d] + row[d];
+        add_row<D>(acc, table + id * D);
       }
     }
     if (MEAN && end > begin) {
@@ -146,10 +158,9 @@ int64_t accumulate(const I* ids, const O* offsets, const float* psw, const float
         }
         float* a = &s.acc[static_cast<int64_t>(s.slots[h]) * D];
         if (WEIGHTED || MEAN) {
-          const float w = WEIGHTED ? psw[p] : scale;
-          for (int d = 0; d < D; ++d) a[d] = std::fma(g[d], w, a[d]);
+          fma_row<D>(a, g, WEIGHTED ? psw[p] : scale);  // (fma(w, g, a) is fma(g, w, a): one rounding)
         } else {
-          for (int d = 0; d < D; ++d) a[d] = a[d] + g[d];
+          add_row<D>(a, g);
         }
       }
     }
@@ -161,7 +172,7 @@ int64_t accumulate(const I* ids, const O* offsets, const float* psw, const float
 template <int D, typename Update>
 void update_rows(float* table, const Scratch& s, int64_t U, Update update) {
   for (int64_t u = 0; u < U; ++u) {
-    if (u + PREFETCH < U) prefetch_row<D>(table + s.rows[u + PREFETCH] * D);
+    if (u + PREFETCH < U) prefetch_row<D, true>(table + s.rows[u + PREFETCH] * D);
     update(table + s.rows[u] * D, &s.acc[u * D], s.rows[u]);
   }
 }
