@@ -13,7 +13,9 @@ other), a group has a generated kernel on every rank (see the codegen pass), som
 at least two of its tables, and the workspace the buckets hold at once fits the graph's
 ``workspace_budget_bytes``: each thread running a bucket keeps its own backward scratch (the
 generated kernel's, grown to the largest table it accumulated: up to 56 B + 4 B x dim per id), so
-G buckets on T threads hold min(G, T) of them where G = 1 holds one. Partitioning: each table weighs the ids its features bring per
+G buckets on T threads hold min(G, T) of them where G = 1 holds one.
+
+Partitioning: each table weighs the ids its features bring per
 step times its dim (what its pooling and update touch, from capture); tables, heaviest first,
 go to the bucket whose load is least on the ranks holding a shard of them (a table sharded over
 ranks is in one bucket everywhere, so the schedule names buckets by table, the same on all
