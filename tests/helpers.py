@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 from typing import Any, Optional
 
@@ -12,6 +13,13 @@ import torch
 from lightning_sparselift import CriteoDataModule, DLRMModule, SparseLiftStrategy
 
 TINY_TABLES = [40, 40, 300, 300, 1000, 7]
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def tiny_data(tmp_cache: Path, **kwargs: Any) -> CriteoDataModule:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 import warnings
 
@@ -15,6 +14,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from helpers import free_port
 from lightning_sparselift.model import DLRMModule
 from lightning_sparselift.sharding import EmbeddingOptimizer, build_sharding_plan
 
@@ -114,12 +114,6 @@ class _quiet:
 
 
 # ---------------------------------------------------------------------------------------- two ranks
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _WithBuffer(nn.Module):
     def __init__(self, rank: int) -> None:
         super().__init__()
@@ -175,7 +169,7 @@ def _sharding_worker(rank: int, world: int, port: int, out: str) -> None:
 
 def test_sharding_on_two_ranks_warns_nothing_and_leaves_buffers_rank_local(tmp_path):
     try:
-        mp.start_processes(_sharding_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+        mp.start_processes(_sharding_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     except mp.ProcessExitedException as error:
         # both workers finished their work (and destroyed their group), then one aborted at exit:
         # the intermittent exit-time abort of gloo workers, not diagnosed yet

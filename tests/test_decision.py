@@ -26,8 +26,8 @@ SLOW_STEP_RATE, SLOW_STEP_NOISE_MS = 0.1, 18.0
 
 def _decide(effect_ms: float, seed: int, rule: DecisionRule = DecisionRule(),
             noise_ms: float = NOISE_MS) -> tuple[bool, str, int]:
-    """(accepted, reason, pairs measured, outliers included) for early start calibrated on steps that take ``effect_ms`` more
-    when it is applied."""
+    """(accepted, reason, pairs measured, outliers included) for early start calibrated on steps
+    that take ``effect_ms`` more when it is applied."""
     identity = load("table_and_column_wise_2ranks")
     optimizations = ["latency_hiding:early_start"]
     fingerprint = PlanFingerprint(identity.fingerprint(), "sharding", 2, "gloo", {}, optimizations)

@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 
 import lightning.pytorch as L
 import pytest
@@ -10,7 +9,7 @@ import torch
 import torch.multiprocessing as mp
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from helpers import tiny_data, tiny_model, trainer
+from helpers import free_port, tiny_data, tiny_model, trainer
 from lightning_sparselift import RecBatch, SparseLiftStrategy
 from lightning_sparselift.validation import SparseInputError, check_kjt, kjt_problem
 
@@ -226,11 +225,8 @@ def _bounds_check_worker(rank: int, port: int, out: str) -> None:
 def test_the_lookups_skip_fbgemms_id_check_only_when_the_input_checks_ran(tmp_path):
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "modes.json"
-    mp.start_processes(_bounds_check_worker, args=(port, str(out)), nprocs=1, start_method="spawn")
+    mp.start_processes(_bounds_check_worker, args=(free_port(), str(out)), nprocs=1, start_method="spawn")
     modes = json.loads(out.read_text())
     # one fused table-batched lookup per sharding group (table-wise, row-wise): with the input checks
     # every id was checked before it reaches them; without, fbgemm's default check stays

@@ -6,7 +6,6 @@ bytes per collective against the bytes TorchRec actually moved."""
 
 from __future__ import annotations
 
-import socket
 from collections import Counter
 from pathlib import Path
 
@@ -15,16 +14,11 @@ import torch
 import torch.multiprocessing as mp
 
 import lifted_parity as lp
+from helpers import free_port
 from lightning_sparselift.ir import SparseGraph
 from lightning_sparselift.ir.vocab import ROW_SHARDED, output_collective
 
 ALL = lp.ALL
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +30,7 @@ def runs(tmp_path_factory):
     def get(world: int, cuda: bool = False) -> dict:
         if (world, cuda) not in cache:
             out = tmp_path_factory.mktemp(f"parity{world}")
-            mp.start_processes(lp.worker, args=(world, _free_port(), ALL, str(out), cuda), nprocs=world,
+            mp.start_processes(lp.worker, args=(world, free_port(), ALL, str(out), cuda), nprocs=world,
                                start_method="spawn")
             cache[world, cuda] = {(c, v): [torch.load(Path(out) / f"{c}-{v}-rank{r}.pt", weights_only=False)
                                            for r in range(world)] for c, v in ALL}

@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import pytest
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
+from helpers import free_port
 import lightning_sparselift  # noqa: F401  (registers the strategy names)
 from lightning_sparselift import SparseLiftStrategy
 
@@ -119,12 +119,6 @@ def test_torchrun_inside_a_slurm_allocation_is_torchrun(monkeypatch):
     _check_ranks(trainer, TorchElasticEnvironment, world_size=2, rank=1, local_rank=0, node_rank=1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _children(pid: int) -> list[int]:
     """Processes whose parent is ``pid`` (torchrun starts each worker in a session of its own)."""
     found = []
@@ -154,7 +148,7 @@ def _stop(run: subprocess.Popen) -> None:
 def test_two_torchrun_nodes_train_the_own_model_example(tmp_path):
     # two "nodes" of one process each, meeting at 127.0.0.1 (torchrun's static rendezvous): each
     # torchrun is what one would start on one machine of a two-machine job
-    port, results = _free_port(), tmp_path / "results"
+    port, results = free_port(), tmp_path / "results"
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     runs, logs = [], []
     for node in (0, 1):

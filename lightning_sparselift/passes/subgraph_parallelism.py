@@ -36,7 +36,7 @@ from lightning_sparselift.cost.calibration import CalibrationProtocol
 from lightning_sparselift.cost.priors import Priors
 from lightning_sparselift.ir import LiftedModule, SparseGraph
 from lightning_sparselift.ir.explain import human_bytes
-from lightning_sparselift.ir.graph import ShardingGroup
+from lightning_sparselift.ir.graph import ShardingGroup, TableShard
 from lightning_sparselift.ir.schedule import GENERATED_KERNEL
 from lightning_sparselift.ir.vocab import ROW_SHARDED
 from lightning_sparselift.passes.base import Candidate, OptimizationPass
@@ -52,13 +52,17 @@ def _count(role: str) -> int:
     return int(role.removeprefix("buckets"))
 
 
+def _table_ids(module: LiftedModule, table: TableShard) -> float:
+    """The ids a table's features bring per step, all members' batches."""
+    return sum(m.get(f, 0.0) for m in module.ids_per_step for f in table.features)
+
+
 def _table_weights(module: LiftedModule, group: ShardingGroup) -> dict[str, float]:
     """Per table: ids per step (all members' batches) times its dim; the dim alone when capture
     recorded no features for it."""
     out: dict[str, float] = {}
     for t in group.tables:
-        ids = sum(m.get(f, 0.0) for m in module.ids_per_step for f in t.features)
-        out[t.table] = max(out.get(t.table, 0.0), (ids if t.features else 1.0) * t.dim)
+        out[t.table] = max(out.get(t.table, 0.0), (_table_ids(module, t) if t.features else 1.0) * t.dim)
     return out
 
 
@@ -102,7 +106,7 @@ def workspace_bytes(graph: SparseGraph, module: LiftedModule, groups: list[int],
             share = 1 / graph.world_size if group.sharding_type in ROW_SHARDED else 1.0
             for t in group.tables:
                 if t.rank in (rank, None):
-                    ids = share * sum(m.get(f, 0.0) for m in module.ids_per_step for f in t.features)
+                    ids = share * _table_ids(module, t)
                     largest = max(largest, ids * (SCRATCH_BYTES_PER_ID + SCRATCH_BYTES_PER_ID_AND_COLUMN * t.dim))
         out.append((min(count, threads) - 1) * largest)
     return out
