@@ -20,7 +20,7 @@ def main() -> None:
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from lightning_sparselift.runtime.codegen.build import build
+    from lightning_sparselift.runtime.codegen.lookup import build_lookup
     from lightning_sparselift.runtime.codegen.cpu_source import cpu_source
     from lightning_sparselift.runtime.codegen.lookup import TableBatchKernel
     from lightning_sparselift.runtime.codegen.spec import spec_of
@@ -42,7 +42,7 @@ def main() -> None:
 
     reference, ours = tables(), tables()
     spec = spec_of(ours, weighted=False, check_ids=False)
-    built = build(cpu_source(spec))
+    built = build_lookup(cpu_source(spec))
     generated = TableBatchKernel(ours, spec, built)
     n = args.ids_per_bag
     lengths = (torch.randint(max(0, n - n // 2), n + n // 2 + 1, (args.tables * args.batch,)) if n > 1

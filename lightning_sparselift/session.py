@@ -65,11 +65,19 @@ DRIFT_CHECK_EVERY = 10  # steps between two drift checks (one small all-gather e
 
 
 def mark_generated(graph: SparseGraph, builds: list[KernelBuild]) -> None:
-    """Record in ``graph`` which groups have a generated lookup kernel on every rank (``builds``:
-    all ranks'), and why the others have none."""
+    """Record in ``graph`` which groups have a generated lookup kernel, and which modules a consumer
+    layout kernel, on every rank (``builds``: all ranks'), and why the others have none."""
     from lightning_sparselift.ir.schedule import GENERATED_KERNEL
 
+    from lightning_sparselift.ir.schedule import CONSUMER_KERNEL
+
     for module in graph.modules:
+        layouts = [b for b in builds if b.module == module.path and b.group == -1]
+        notes = [f"rank {b.rank}: {b.note}" for b in layouts if b.note]
+        if notes:
+            module.output_notes[CONSUMER_KERNEL] = "; ".join(notes)
+        elif layouts and CONSUMER_KERNEL not in module.output_kernels:
+            module.output_kernels.append(CONSUMER_KERNEL)
         for group in module.lifted_groups:
             notes = [f"rank {b.rank}: {b.note}" for b in builds
                      if b.module == module.path and b.group == group.index and b.note]
@@ -378,15 +386,15 @@ class SparseLiftSession:
                         for m in graph.modules for g in m.groups if g.not_lifted]
 
     def _build_kernels(self, graph: SparseGraph) -> None:
-        """Build every group's generated lookup kernel on every rank (compile time stays out of the
-        timed steps) and record in ``graph`` which groups have one on all ranks: the codegen pass
-        proposes only those, so every rank plans alike."""
+        """Build every group's generated lookup kernel and every consumer layout kernel on every rank
+        (compile time stays out of the timed steps) and record in ``graph`` which groups and modules
+        have one on all ranks: the codegen pass proposes only those, so every rank plans alike."""
         builds = self.kernel_builds = [KernelBuild(rank=rank, **b) for rank, ranks in enumerate(self._all_gather(
             self.installed.build_generated())) for b in ranks]
         mark_generated(graph, builds)
         built = [b for b in builds if not b.note]
         if built:
-            self.events.append(f"generated lookup kernels: {len(built)} built on {self.world} rank(s), "
+            self.events.append(f"generated kernels (lookups, output layouts): {len(built)} built on {self.world} rank(s), "
                                f"{sum(b.cached for b in built)} from the cache, "
                                f"{max(b.seconds for b in built):.2f} s at most per kernel")
 

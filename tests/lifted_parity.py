@@ -333,6 +333,7 @@ def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: in
         result["torchrec_steps"] = {p: f.torchrec_steps for p, f in installed.executors.items()}
         result["early_steps"] = {p: f.early_steps for p, f in installed.executors.items()}
         result["prefetched_steps"] = {p: f.prefetched_steps for p, f in installed.executors.items()}
+        result["concatenated_steps"] = {p: f.concatenated_steps for p, f in installed.executors.items()}
         installed.discard()
     return result
 

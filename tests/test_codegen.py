@@ -17,7 +17,7 @@ from lightning_sparselift.ir.schedule import GENERATED_KERNEL
 from lightning_sparselift.passes import InfeasibleCandidate
 from lightning_sparselift.passes.codegen import CodeGeneration
 from lightning_sparselift.runtime.codegen import Unsupported, spec_of
-from lightning_sparselift.runtime.codegen.build import build
+from lightning_sparselift.runtime.codegen.lookup import build_lookup
 from lightning_sparselift.runtime.codegen.cpu_source import cpu_source
 from lightning_sparselift.runtime.codegen.lookup import TableBatchKernel, bucketed
 from lightning_sparselift.runtime.codegen.spec import OPTIMIZERS
@@ -67,7 +67,7 @@ def _generated(tbe, weighted: bool, check_ids: bool = True, buckets=None) -> Tab
     spec = spec_of(tbe, weighted, check_ids)
     if buckets is not None:
         spec = bucketed(spec, [f"t{t}" for t in range(len(ROWS))], buckets)
-    return TableBatchKernel(tbe, spec, build(cpu_source(spec), openmp=buckets is not None))
+    return TableBatchKernel(tbe, spec, build_lookup(cpu_source(spec), openmp=buckets is not None))
 
 
 @pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
@@ -128,13 +128,13 @@ def test_buckets_must_hold_every_table_of_the_kernel():
 def test_the_second_build_of_a_source_loads_it_from_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SPARSELIFT_KERNEL_CACHE", str(tmp_path))
     source = cpu_source(spec_of(_tbe("sgd", "sum"), False, True))
-    cold = build(source)
+    cold = build_lookup(source)
     monkeypatch.setenv("CXX", str(tmp_path / "no-compiler"))  # a cache hit compiles nothing
-    warm = build(source)
+    warm = build_lookup(source)
     assert (cold.cached, warm.cached, warm.key) == (False, True, cold.key)
     other = cpu_source(spec_of(_tbe("sgd", "mean"), False, True))
     with pytest.raises(Unsupported, match="did not build"):
-        build(other)
+        build_lookup(other)
 
 
 def test_a_build_that_was_killed_does_not_block_the_next_one(tmp_path, monkeypatch):
@@ -142,14 +142,14 @@ def test_a_build_that_was_killed_does_not_block_the_next_one(tmp_path, monkeypat
 
     monkeypatch.setenv("SPARSELIFT_KERNEL_CACHE", str(tmp_path))
     source = cpu_source(spec_of(_tbe("sgd", "sum"), False, True))
-    folder = Path(build(source).path).parent
+    folder = Path(build_lookup(source).path).parent
     # what a build killed while compiling leaves: cpp_extension's lock file, no library, no marker
     for leftover in folder.iterdir():
         if leftover.name not in ("kernel.cpp", "build.lock"):
             leftover.unlink() if leftover.is_file() else shutil.rmtree(leftover)
     (folder / "lock").write_text("")
     done: list = []
-    worker = threading.Thread(target=lambda: done.append(build(source)), daemon=True)
+    worker = threading.Thread(target=lambda: done.append(build_lookup(source)), daemon=True)
     worker.start()
     worker.join(timeout=120)
     assert done and not done[0].cached, "the build waited for a lock nobody holds"
@@ -196,21 +196,25 @@ def _with_generated(graph, groups=None):
     return graph
 
 
+def _lookup_candidates(codegen: CodeGeneration, graph) -> list:
+    return [c for c in codegen.candidates(graph) if c.role == "lookup"]
+
+
 def test_codegen_proposes_only_groups_with_a_kernel_on_every_rank():
     codegen = CodeGeneration()
     graph = load("table_and_column_wise_2ranks")
-    (unprobed,) = codegen.candidates(graph)
+    (unprobed,) = _lookup_candidates(codegen, graph)
     assert not unprobed.feasible and all("no generated kernel was built" in r for r in unprobed.reasons)
     with pytest.raises(InfeasibleCandidate):
         codegen.apply(graph, unprobed)
     graph = _with_generated(graph, groups={0})
-    (candidate,) = codegen.candidates(graph)
+    (candidate,) = _lookup_candidates(codegen, graph)
     assert candidate.feasible and candidate.cost_inputs["groups"] == 1 and candidate.cost_inputs["ids"] > 0
     applied = codegen.apply(graph, candidate)
     kernels = [applied.module(EBC).schedule.region("lookup", g).kernel for g in (0, 1)]
     assert kernels == [GENERATED_KERNEL, "torchrec"]
     assert "reference kernel kept for g1: rank 1: a DenseTableBatchedEmbeddingBagsCodegen" in applied.provenance[-1]
-    assert codegen.candidates(applied)[0].reasons == ["already scheduled"]
+    assert _lookup_candidates(codegen, applied)[0].reasons == ["already scheduled"]
     # the probe is machine-specific: it does not change the graph's structure
     assert applied.fingerprint() != graph.fingerprint() and _with_generated(load("table_and_column_wise_2ranks")) \
         .fingerprint() == load("table_and_column_wise_2ranks").fingerprint()
@@ -218,9 +222,9 @@ def test_codegen_proposes_only_groups_with_a_kernel_on_every_rank():
 
 def test_codegen_applies_on_one_rank_without_exchanges():
     graph = _with_generated(load("table_wise_1rank"))
-    (candidate,) = CodeGeneration().candidates(graph)
+    (candidate,) = _lookup_candidates(CodeGeneration(), graph)
     applied = CodeGeneration().apply(graph, candidate)
-    assert CodeGeneration().candidates(applied)[0].reasons == ["already scheduled"]
+    assert _lookup_candidates(CodeGeneration(), applied)[0].reasons == ["already scheduled"]
     assert "lookup=generated" in applied.explain()
 
 
@@ -302,7 +306,7 @@ def _build_in_process(source: str, cache: str, out) -> None:
     import os
 
     os.environ["SPARSELIFT_KERNEL_CACHE"] = cache
-    out.put(build(source).key)
+    out.put(build_lookup(source).key)
 
 
 def test_ranks_building_the_same_source_at_once_both_load_it(tmp_path):

@@ -85,8 +85,15 @@ def _assert_identical(results: list[dict], case: str, variant: str, world: int) 
                 assert ahead == (bool({"latency_hiding", "latency_hiding:next_batch"} & set(passes)) and world > 1
                                  and any(g.kind not in ("data_parallel", None) for g in m.groups))
                 assert result[executor]["prefetched_steps"][m.path] == (lp.LIFTED_STEPS - 1 if ahead else 0)
-                # code generation: every fused pooled group's lookup ran a generated kernel; subgraph
+                # code generation: a pooled module whose concatenation capture saw (the first one in it)
+                # writes its output into it, every lifted step; every fused pooled group's lookup ran a
+                # generated kernel; subgraph
                 # parallelism: in buckets wherever a rank holds two of the group's tables
+                consumer = ("codegen" in passes and m.consumer is not None and not m.mean_after_reduce
+                            and not any(g.not_lifted for g in m.groups))
+                assert (m.schedule.region("output").kernel == "consumer") == consumer, m.consumer_note
+                assert result[executor]["concatenated_steps"][m.path] == (lp.LIFTED_STEPS - int(short) if consumer
+                                                                          else 0), m.consumer
                 bucketed = any(p.startswith("subgraph_parallelism") for p in passes)
                 for g in m.groups:
                     region = m.schedule.region("lookup", g.index)
@@ -283,7 +290,7 @@ def test_ranks_with_different_graphs_raise_instead_of_hanging(data_cache, monkey
 
 
 def _fit_with_plan(tmp_path, data_cache, plan_path, run):
-    dm = tiny_data(data_cache, num_train=5120)  # 80 steps: 3 captured, 72 calibrating, 5 on the plan
+    dm = tiny_data(data_cache, num_train=5888)  # 92 steps: 3 captured, 84 calibrating, 5 on the plan
     L.seed_everything(0)
     folder = tmp_path / run
     folder.mkdir()
@@ -304,12 +311,12 @@ def test_saved_plan_is_reused_and_a_mismatching_plan_is_rejected(tmp_path, data_
     first = _fit_with_plan(tmp_path, data_cache, plan_path, "first")
     # 1 warmup + 5 measured pairs per candidate; the next-batch schedule's observed steps each after a
     # settle step on the same plan (it acts across two steps)
-    assert first["sparselift/plan_reused"] == 0 and first["sparselift/calibration_steps"] == 12 + 12 + 12 + 24 + 12
+    assert first["sparselift/plan_reused"] == 0 and first["sparselift/calibration_steps"] == 12 + 12 + 12 + 24 + 12 + 12
     plan = ExecutionPlan.load(plan_path)
     assert json.loads(plan_path.read_text())["schema"] == "sparselift-plan/2"
     assert {d.candidate.split("@")[0] for d in plan.decisions if d.feasible} == {
         "aggregation:input", "aggregation:output", "latency_hiding:early_start", "latency_hiding:next_batch",
-        "codegen:lookup"}
+        "codegen:lookup", "codegen:output"}
     # forked ranks run one thread each: no buckets
     assert all("1 intra-op thread" in d.reason for d in plan.decisions if not d.feasible)
     assert all(d.measured_ms is not None and len(d.observations_ms) == 2 and d.pairs + d.outliers == 5
@@ -328,7 +335,7 @@ def test_saved_plan_is_reused_and_a_mismatching_plan_is_rejected(tmp_path, data_
     with pytest.raises(Exception, match="sharding_plan: plan has 'made-elsewhere'"):
         ExecutionPlan.load(plan_path).check(plan.fingerprint)
     third = _fit_with_plan(tmp_path, data_cache, plan_path, "third")
-    assert third["sparselift/plan_reused"] == 0 and third["sparselift/calibration_steps"] == 72
+    assert third["sparselift/plan_reused"] == 0 and third["sparselift/calibration_steps"] == 84
     assert ExecutionPlan.load(plan_path).fingerprint == plan.fingerprint  # planned again and saved
 
 

@@ -368,6 +368,8 @@ ABLATIONS = [
     _ablation("sparselift-no-codegen", ["aggregation", "latency_hiding"], "SparseLift without code generation."),
     _ablation("sparselift-no-subgraph", ["aggregation", "latency_hiding", "codegen"],
               "SparseLift without subgraph parallelism."),
+    _ablation("sparselift-no-output-layout", ["aggregation", "latency_hiding", "codegen:lookup", "subgraph_parallelism"],
+              "SparseLift without code generation's output layout (the model's concatenation copies)."),
 ]
 
 

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from lightning_sparselift.frontend.consumer import OutputTrace
 from lightning_sparselift.ir.vocab import dtype_name
 
 _PERCENTILES = (50, 90, 99)
@@ -55,6 +56,10 @@ class ModuleCapture:
     # exactly the features the module received (None: nothing announced, or no batch path)
     announced_exact: list[Optional[bool]] = field(default_factory=list)
     calls_per_step: int = 1  # the most calls of the module in one captured step
+    # how the model concatenated the pooled output, [key order, before, after] (frontend.consumer),
+    # the same in every captured step; else None and consumer_note says what the model did
+    consumer: Optional[list[Any]] = None
+    consumer_note: str = ""
 
 
 def same_features(a: Any, b: Any) -> bool:
@@ -224,9 +229,11 @@ class SparseCapture:
         self._announced_exact: dict[str, list[Optional[bool]]] = defaultdict(list)
         self._calls: dict[str, int] = defaultdict(int)
         self._max_calls: dict[str, int] = defaultdict(int)
+        self._outputs: dict[str, list[OutputTrace]] = defaultdict(list)
         for path in module_paths:
             module = model.get_submodule(path)
             self._handles.append(module.register_forward_pre_hook(self._pre_hook(path), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._output_hook(path)))
 
     def _pre_hook(self, path: str):
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -240,6 +247,23 @@ class SparseCapture:
             self._announced_exact[path].append(same_features(kjt, announced) if announced is not None else None)
             self._calls[path] += 1
             self._observe(path, kjt)
+        return hook
+
+    def _output_hook(self, path: str):
+        def hook(_module: nn.Module, _args: tuple, output: Any) -> Any:
+            from torchrec.distributed.types import LazyAwaitable
+            from torchrec.sparse.jagged_tensor import KeyedTensor
+
+            if not self._active:
+                return None
+            # (TorchRec's sharded module returns its output as an awaitable the first use waits
+            # for; waiting here only moves that wait to the module's return)
+            kt = output.wait() if isinstance(output, LazyAwaitable) else output
+            if not isinstance(kt, KeyedTensor):
+                return None if kt is output else kt
+            trace = OutputTrace(list(kt.keys()), list(kt.length_per_key()))
+            self._outputs[path].append(trace)
+            return trace.wrap(kt)
         return hook
 
     def _root_hook(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -299,8 +323,21 @@ class SparseCapture:
             modules[path] = ModuleCapture(features=features, root_input=common_path(self._root_inputs[path]),
                                           batch_input=common_path(self._batch_inputs[path]),
                                           announced_exact=self._announced_exact[path],
-                                          calls_per_step=self._max_calls[path], **info)
+                                          calls_per_step=self._max_calls[path], **info,
+                                          **self._consumer(path))
         return RankCapture(self.rank, self.world_size, modules, torch.get_num_threads())
+
+    def _consumer(self, path: str) -> dict[str, Any]:
+        """How the model concatenated the module's output: the same way in every captured call, or why not."""
+        results = [trace.result() for trace in self._outputs[path]]
+        if not results:
+            return {"consumer_note": "the module returned no KeyedTensor in the captured steps"}
+        found = [r for r, _ in results]
+        if found[0] is not None and all(r == found[0] for r in found):
+            return {"consumer": found[0]}
+        notes = [n for _, n in results if n]
+        return {"consumer_note": notes[0] if notes else "the model concatenated the pooled values differently "
+                                                         "in different captured steps"}
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lightning_sparselift.frontend.capture import RankCapture, common_path
-from lightning_sparselift.ir.graph import LiftedModule, ShardingGroup, SparseGraph, TableShard
+from lightning_sparselift.ir.graph import LiftedModule, OutputConsumer, ShardingGroup, SparseGraph, TableShard
 from lightning_sparselift.ir.schedule import identity_schedule
 from lightning_sparselift.ir.vocab import (
     COLUMN_SHARDED, DTYPE_BYTES, INPUT_ALL_TO_ALL, LIFTED_SHARDING_TYPES, POOLED_ALL_TO_ALL, ROW_SHARDED,
@@ -305,8 +305,22 @@ def _lift_module(model: nn.Module, path: str, sharding_plan: Any, captures: list
     ids = [{k: c.modules[path].features[k].ids_per_step for k in keys} for c in captures]
     percentiles = {k: captures[0].modules[path].features[k].percentiles for k in keys}
     schedule = identity_schedule([g.kind for g in groups], world, bool(feature_order), pooled)
+    consumer, consumer_note = _consumer([c.modules[path] for c in captures], pooled)
     return LiftedModule(path, keys, weighted, lengths_dtype, values_dtype, feature_order, groups, batch_sizes,
                         ids, percentiles, schedule, root_input=root_input, batch_input=batch_input,
                         next_batch_note=next_batch_note, mean_after_reduce=mean_after_reduce,
                         reduce_sum_features=reduce_sum_features, pooled=pooled,
-                        column_shard_order={} if pooled else _column_shard_order(_configs(sharded, False), plan))
+                        column_shard_order={} if pooled else _column_shard_order(_configs(sharded, False), plan),
+                        consumer=consumer, consumer_note=consumer_note)
+
+
+def _consumer(captured: list[Any], pooled: bool) -> tuple[Optional[OutputConsumer], str]:
+    """The model's concatenation of the pooled output, when every rank saw the same one."""
+    if not pooled:
+        return None, "an EmbeddingCollection's output is a JaggedTensor per feature, read by position"
+    found = [m.consumer for m in captured]
+    if found[0] is not None and all(f == found[0] for f in found):
+        keys, before, after = found[0]
+        return OutputConsumer(keys, before, after), ""
+    notes = [m.consumer_note for m in captured if m.consumer_note]
+    return None, notes[0] if notes else "the ranks' models concatenated the pooled values differently"

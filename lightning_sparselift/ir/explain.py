@@ -90,6 +90,11 @@ def _module(m: "LiftedModule") -> list[str]:
         lines.append(f"  input available when the root forward begins: {describe_path(m.root_input)}")
     if m.batch_input is not None:
         lines.append(f"  input found in the batch the loop announces as next: {describe_path(m.batch_input, 'batch')}")
+    if m.consumer is not None:
+        lines.append(f"  output concatenated by the model: {len(m.consumer.keys)} keys in one torch.cat, after "
+                     f"{m.consumer.before} and before {m.consumer.after} columns of other operands")
+    elif m.pooled:
+        lines.append(f"  output not concatenated as a whole: {m.consumer_note}")
     for g in m.groups:
         lines.append(f"  group {g.index} {g.sharding_type}: {len(g.features)} keys, {sum(g.embedding_dims)} output columns")
         if g.not_lifted:

@@ -66,6 +66,18 @@ class ShardingGroup:
 
 
 @dataclass
+class OutputConsumer:
+    """How the model read a pooled module's output in every captured step: all keys' values
+    concatenated along the key dim in one ``torch.cat``, in ``keys`` order, after other operands
+    ``before`` columns wide and before others ``after`` columns wide (e.g. the bottom MLP's output
+    first), and not read otherwise."""
+
+    keys: list[str]
+    before: int = 0
+    after: int = 0
+
+
+@dataclass
 class LiftedModule:
     path: str
     keys: list[str]  # the input KJT's keys, in the order the model passes them
@@ -96,6 +108,14 @@ class LiftedModule:
     # EmbeddingCollection, column-wise: per output key, the order of its column shards in the
     # output (TorchRec's features_to_permute_indices); absent: rank order
     column_shard_order: dict[str, list[int]] = field(default_factory=dict)
+    # the model's concatenation of the pooled output (capture), else None and consumer_note says
+    # how the model read it
+    consumer: Optional[OutputConsumer] = None
+    consumer_note: str = ""
+    # the output kernels every rank can run (the reference, and "consumer" when the runtime built
+    # the layout kernel everywhere), and why another one is not available; probed on the machine
+    output_kernels: list[str] = field(default_factory=lambda: ["torchrec"])
+    output_notes: dict[str, str] = field(default_factory=dict)
 
     @property
     def embedding_names(self) -> list[str]:

@@ -36,6 +36,8 @@ REFERENCE_KERNELS: dict[str, str] = {"permute": "torchrec", "bucketize": "fbgemm
                                      "lookup": "torchrec", "output": "torchrec"}
 # a lookup kernel generated for the rank's tables (runtime/codegen)
 GENERATED_KERNEL = "generated"
+# the output written straight into the model's concatenation of it (runtime/consumer_layout)
+CONSUMER_KERNEL = "consumer"
 
 
 class ScheduleError(ValueError):
@@ -161,6 +163,11 @@ def check_schedule(schedule: ModuleSchedule, kinds: list[Optional[str]], world: 
         if len(r.buckets) < 2 or not all(r.buckets) or len(set(names)) != len(names):
             problems.append(f"lookup region of {r.groups}: buckets {r.buckets} are not two or more disjoint, non-empty "
                             f"sets of tables")
+    outputs = [r for r in schedule.regions if r.name == "output"]
+    if len(outputs) != 1:
+        problems.append(f"{len(outputs)} output regions: a module has one")
+    elif outputs[0].kernel == CONSUMER_KERNEL and (not pooled or None in kinds):
+        problems.append("the consumer layout needs a pooled module whose groups all run on the lifted executor")
     lookups = [g for r in schedule.regions if r.name == "lookup" for g in r.groups]
     if sorted(lookups) != list(range(len(kinds))):
         problems.append(f"lookup regions cover groups {sorted(lookups)}, not each of {list(range(len(kinds)))} once")

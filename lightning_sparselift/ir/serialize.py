@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     from lightning_sparselift.ir.graph import SparseGraph
 
 # measured, probed on the machine or descriptive: not part of the structure
-_NOT_STRUCTURE = ("ids_per_step", "length_percentiles", "next_batch_note")
+_NOT_STRUCTURE = ("ids_per_step", "length_percentiles", "next_batch_note", "consumer_note", "output_kernels",
+                  "output_notes")
 _GROUP_NOT_STRUCTURE = ("lookup_kernels", "lookup_notes")
 
 

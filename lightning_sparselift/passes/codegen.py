@@ -1,5 +1,6 @@
 """Code generation: a module's lookup regions run by kernels generated for the rank's tables
-instead of TorchRec's / fbgemm's reference kernels.
+instead of TorchRec's / fbgemm's reference kernels (role ``lookup``), and its output region by the
+layout the model's concatenation reads (role ``output``).
 
 The runtime (:mod:`lightning_sparselift.runtime.codegen`) emits C++ with each table's rows, dim,
 offsets, pooling, id check and optimizer baked in, builds it before planning (cached by the hash
@@ -19,22 +20,38 @@ ref -> gen -> gen -> ref) of the lookup regions: each lookup call and its backwa
 fused update), as the training thread's CPU time on CPU (the kernels change only that compute;
 a whole step's wall or CPU time adds the dense compute's and the collectives' noise, larger than
 the effect); compile time is spent before planning, never in a timed step.
+
+``output`` (:mod:`lightning_sparselift.runtime.consumer_layout`): the received pooled blocks are
+written once, straight into the tensor the model concatenates the module's values into, and the
+model's ``torch.cat`` (and, in backward, its split of the gradient and the output distribution's
+packing) copy nothing more. Feasibility: capture saw one concatenation of every key's values
+along the key dim and no other use (``LiftedModule.consumer``, else ``consumer_note`` says what
+the model did); a pooled module whose groups all run on the lifted executor, without the mean
+after a row-wise reduce-scatter (it rescales the whole output afterwards). Cost inputs: the bytes
+of the pooled output per step (per rank), copied twice fewer (forward and backward). Calibration:
+one warmup pair, then whole steps (the copies saved are the model's, outside the executor's
+regions), ref -> gen -> gen -> ref.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from lightning_sparselift.cost.calibration import CalibrationProtocol
 from lightning_sparselift.cost.priors import Priors
 from lightning_sparselift.ir import LiftedModule, SparseGraph
-from lightning_sparselift.ir.schedule import GENERATED_KERNEL
+from lightning_sparselift.ir.schedule import CONSUMER_KERNEL, GENERATED_KERNEL
 from lightning_sparselift.passes.base import Candidate, OptimizationPass
 
 
 class CodeGeneration(OptimizationPass):
     name = "codegen"
-    roles = ("lookup",)
+    roles = ("lookup", "output")
     protocol = CalibrationProtocol(warmup_pairs=1, measured_pairs=2, region="lookup", settle_steps=0, mirrored=True)
     uses_generated_kernels = True
+
+    def protocol_for(self, role: str) -> CalibrationProtocol:
+        return replace(self.protocol, region="step") if role == "output" else self.protocol
 
     @staticmethod
     def _groups(module: LiftedModule) -> list[int]:
@@ -43,6 +60,8 @@ class CodeGeneration(OptimizationPass):
                 and module.schedule.region("lookup", g.index).kernel != GENERATED_KERNEL]
 
     def check(self, graph: SparseGraph, module: LiftedModule, role: str) -> tuple[list[str], dict[str, float]]:
+        if role == "output":
+            return self._check_output(module)
         groups = self._groups(module)
         reasons = []
         if not groups:
@@ -56,12 +75,38 @@ class CodeGeneration(OptimizationPass):
                    for m in range(len(module.ids_per_step))), default=0.0)
         return reasons, {"groups": float(len(groups)), "ids": ids, "touched_bytes": module.touched_bytes(groups)}
 
+    @staticmethod
+    def _check_output(module: LiftedModule) -> tuple[list[str], dict[str, float]]:
+        reasons = []
+        if module.schedule.region("output").kernel == CONSUMER_KERNEL:
+            reasons.append("already scheduled")
+        elif module.consumer is None:
+            reasons.append(f"no concatenation to write into: {module.consumer_note or 'capture recorded none'}")
+        elif CONSUMER_KERNEL not in module.output_kernels:
+            reasons.append(module.output_notes.get(CONSUMER_KERNEL, "no layout kernel was built (the session builds "
+                                                                    "them before planning)"))
+        else:
+            kept = [f"g{g.index}" for g in module.groups if g.not_lifted]
+            if kept:
+                reasons.append(f"group(s) {', '.join(kept)} keep TorchRec's path, whose output is TorchRec's")
+            if module.mean_after_reduce:
+                reasons.append("the mean after the row-wise reduce-scatter rescales the whole output afterwards")
+        batch = max(module.batch_size_per_rank, default=0)
+        return reasons, {"pooled_bytes": float(batch * sum(module.embedding_dims) * 4)}
+
     def predict_ms(self, candidate: Candidate, priors: Priors) -> float:
+        if candidate.role == "output":  # the concatenation's copy, forward and backward
+            return -priors.lookup.copy_ms(2 * candidate.cost_inputs["pooled_bytes"])
         # fbgemm's serial CPU backward reads each touched row's gradient and weights about twice
         # over (sort, then accumulate and update); the generated one about once
         return -priors.lookup.copy_ms(candidate.cost_inputs["touched_bytes"])
 
     def rewrite(self, graph: SparseGraph, module: LiftedModule, candidate: Candidate) -> str:
+        if candidate.role == "output":
+            module.schedule.region("output").kernel = CONSUMER_KERNEL
+            consumer = module.consumer
+            return (f"{module.path}: the pooled output is written straight into the model's concatenation "
+                    f"({len(consumer.keys)} keys after {consumer.before} and before {consumer.after} other columns)")
         groups = self._groups(module)
         for region in module.schedule.regions:
             if region.name == "lookup" and set(region.groups) & set(groups):

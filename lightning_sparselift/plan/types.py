@@ -64,11 +64,12 @@ class Decision:
 
 @dataclass
 class KernelBuild:
-    """One rank's generated lookup kernel for one sharding group: built before planning, or (its
-    tables in buckets) when the planner first ran a trial with those buckets, between steps."""
+    """One rank's generated lookup kernel for one sharding group (or a module's consumer layout
+    kernel): built before planning, or (its tables in buckets) when the planner first ran a trial
+    with those buckets, between steps."""
 
     module: str
-    group: int
+    group: int  # -1: the module's consumer layout kernel (its output region)
     rank: int
     note: str  # "" when built, else why there is none
     seconds: float  # compile time (a cache hit: the load)

@@ -19,8 +19,9 @@ from torch import Tensor, nn
 from lightning_sparselift.frontend.capture import copy_features, same_features
 from lightning_sparselift.cost.calibration import RegionClock
 from lightning_sparselift.ir import LiftedModule, ModuleSchedule, ScheduleError, check_schedule
-from lightning_sparselift.ir.schedule import GENERATED_KERNEL, Region
+from lightning_sparselift.ir.schedule import CONSUMER_KERNEL, GENERATED_KERNEL, Region
 from lightning_sparselift.runtime.codegen import GeneratedLookup, Unsupported
+from lightning_sparselift.runtime.consumer_layout import ConsumerOutput, LayoutKernel
 from lightning_sparselift.runtime.input_dist import Distributed, GroupRuntime, InputDistribution
 from lightning_sparselift.runtime.kernels import kernel
 from lightning_sparselift.runtime.mean_pooling import MeanAfterReduce
@@ -73,11 +74,13 @@ class ModuleExecutor:
         self.early_starts = 0  # early starts that ran (one per step unless a start is discarded)
         self.prefetches = 0  # next-batch input distributions started
         self.prefetched_steps = 0  # training calls whose input distribution the step before started
+        self.concatenated_steps = 0  # calls whose output the model concatenated for free (the consumer layout)
         # called with (module path, features) on every training call of the module (the session's drift watch)
         self.observer: Optional[Callable[[str, Any], None]] = None
         # by group and buckets: built once, kept across plan switches
         self.generated: dict[tuple[int, tuple[tuple[str, ...], ...]], GeneratedLookup] = {}
         self.bucket_builds: list[dict[str, Any]] = []  # the kernels in buckets built since the last take
+        self.layout: Optional[LayoutKernel] = None  # the consumer layout's kernel, once built
         self.use(spec.schedule)
 
     def use(self, schedule: ModuleSchedule) -> None:
@@ -91,7 +94,7 @@ class ModuleExecutor:
             problems.append(f"streams {streams}: the runtime issues every exchange on the current stream")
         try:
             lookups = [self.lookup_kernel(i, schedule.region("lookup", i)) for i in range(len(self.groups))]
-            output = kernel("output", schedule.region("output").kernel)
+            output = self.output_kernel(schedule)
             inputs = InputDistribution(self.spec, schedule, self.groups, self.kept, self.process_groups, self.world,
                                        self.device)
         except (KeyError, LookupError, Unsupported) as error:
@@ -105,6 +108,21 @@ class ModuleExecutor:
         self.outputs = OutputDistribution(schedule, self.groups, self.kept, self.process_groups, self.rank, self.clock)
         self.starts_early = schedule.lookup_at == "root_forward"
         self.distributes_ahead = schedule.input_issue == "previous_step"
+
+    def output_kernel(self, schedule: ModuleSchedule) -> Callable[[LiftedModule, list, list], Any]:
+        """The kernel of the output region: the consumer layout is built for the schedule's buckets."""
+        name = schedule.region("output").kernel
+        if name != CONSUMER_KERNEL:
+            return kernel("output", name)
+        return ConsumerOutput(self.spec, schedule, self.layout_kernel(),
+                              lambda: setattr(self, "concatenated_steps", self.concatenated_steps + 1))
+
+    def layout_kernel(self) -> LayoutKernel:
+        """The module's generated consumer layout kernel, built (or loaded from the cache) on first
+        use; LookupError without a captured concatenation, :class:`Unsupported` when it cannot be built."""
+        if self.layout is None:
+            self.layout = LayoutKernel(self.spec, self.world)
+        return self.layout
 
     def lookup_kernel(self, group: int, region: Region) -> Callable[[nn.Module, Any], Tensor]:
         """The kernel of group ``group``'s lookup ``region``; a generated one (for the region's

@@ -38,9 +38,10 @@ class InstalledExecutor:
         self.graph = graph
 
     def build_generated(self) -> list[dict[str, Any]]:
-        """Build (or load from the cache) every group's generated lookup kernel on this rank, before
-        any plan uses one: per group, ``{"module", "group", "note"}`` ("" when built, else why not),
-        ``"seconds"`` and ``"cached"``."""
+        """Build (or load from the cache) every group's generated lookup kernel on this rank, and
+        the consumer layout's kernel of every module whose concatenation capture saw (``group``
+        -1), before any plan uses one: per kernel, ``{"module", "group", "note"}`` ("" when built,
+        else why not), ``"seconds"`` and ``"cached"``."""
         from lightning_sparselift.ir.schedule import GENERATED_KERNEL, Region
         from lightning_sparselift.runtime.codegen import Unsupported
 
@@ -53,6 +54,13 @@ class InstalledExecutor:
                                 "cached": built.cached})
                 except Unsupported as error:
                     out.append({"module": path, "group": group, "note": str(error), "seconds": 0.0, "cached": False})
+            if executor.spec.consumer is not None:  # (group -1: the module's output region)
+                try:
+                    layout = executor.layout_kernel().built
+                    out.append({"module": path, "group": -1, "note": "", "seconds": layout.build_s,
+                                "cached": layout.cached})
+                except (LookupError, Unsupported) as error:
+                    out.append({"module": path, "group": -1, "note": str(error), "seconds": 0.0, "cached": False})
         return out
 
     def take_bucket_builds(self) -> list[dict[str, Any]]:

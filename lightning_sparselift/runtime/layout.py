@@ -16,13 +16,16 @@ class PooledLayout:
     """The layout of one (possibly merged) table/column-wise output all-to-all: every rank's
     pooled [world*B, D_local] blocks go back to the ranks that own the samples (per destination:
     its B rows of every group, group after group); the gradients take the reverse path and are
-    divided by world size, as TorchRec's backward all-to-all does."""
+    divided by world size, as TorchRec's backward all-to-all does. ``raw``: what arrived is
+    handed on as it is (the consumer layout unpacks it) and the gradient comes laid out as the
+    send buffer."""
 
     dims: list[list[int]]  # per group: output columns of each rank
     batch_size: int
     group: Any
     column_index: list[Optional[Tensor]]  # per group: column permutation after the exchange
     rank: int
+    raw: bool = False
 
     @property
     def world(self) -> int:
@@ -38,6 +41,8 @@ class PooledLayout:
         return send, recv_sizes, [b * sum(d[self.rank] for d in self.dims)] * self.world
 
     def unpack_outputs(self, received: Tensor) -> tuple[Tensor, ...]:
+        if self.raw:
+            return (received,)
         b = self.batch_size
         per_group: list[list[Tensor]] = [[] for _ in self.dims]
         for s, chunk in enumerate(received.split([b * sum(d[s] for d in self.dims) for s in range(self.world)])):
@@ -51,6 +56,10 @@ class PooledLayout:
 
     def send_grads(self, grads: tuple[Tensor, ...]) -> tuple[Tensor, list[int], list[int]]:
         b = self.batch_size
+        send_sizes = [b * sum(d[s] for d in self.dims) for s in range(self.world)]
+        local = sum(b * d[self.rank] for d in self.dims)
+        if self.raw:
+            return grads[0].contiguous(), [local] * self.world, send_sizes
         by_source = []
         for grad, index, d in zip(grads, self.column_index, self.dims):
             if index is not None:
@@ -58,14 +67,12 @@ class PooledLayout:
                 unpermuted[:, index] = grad
                 grad = unpermuted
             by_source.append(grad.split(d, dim=1))
-        send_sizes = [b * sum(d[s] for d in self.dims) for s in range(self.world)]
         send = grads[0].new_empty(sum(send_sizes))
         offset = 0
         for s in range(self.world):  # each source rank's columns, copied once into their place
             for g, d in enumerate(self.dims):
                 send[offset:offset + b * d[s]].view(b, d[s]).copy_(by_source[g][s])
                 offset += b * d[s]
-        local = sum(b * d[self.rank] for d in self.dims)
         return send, [local] * self.world, send_sizes
 
     def unpack_grads(self, received: Tensor) -> list[Tensor]:

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from lightning_sparselift.cost.calibration import RegionClock
 from lightning_sparselift.ir import ModuleSchedule
+from lightning_sparselift.ir.schedule import CONSUMER_KERNEL
 from lightning_sparselift.runtime.collectives import (
     IssueOutputAllToAll, Layout, OutputAllToAll, PooledReduceScatter, WaitOutputAllToAll,
 )
@@ -53,6 +54,9 @@ class OutputDistribution:
     def __init__(self, schedule: ModuleSchedule, groups: list[GroupRuntime], kept: dict[int, TorchRecGroup],
                  process_groups: dict[str, Any], rank: int, clock: RegionClock) -> None:
         self.groups, self.kept, self.rank, self.clock = groups, kept, rank, clock
+        # the consumer layout reads what the all-to-alls received as it arrived (and gives their
+        # gradients back laid out as the send buffers)
+        self.raw = schedule.region("output").kernel == CONSUMER_KERNEL
         self.buckets = [_OutputBucket(e.groups, e.op == "all_to_all_single", e.wait != schedule.lookup_at,
                                       process_groups[e.process_group]) for e in schedule.outputs]
 
@@ -83,15 +87,25 @@ class OutputDistribution:
                 pending.append(Pending(b.groups, layout, box, IssueOutputAllToAll.apply(layout, box, self.clock,
                                                                                         *tensors), unbucketize))
             else:
-                for i, tensor, u in zip(b.groups, OutputAllToAll.apply(layout, self.clock, *tensors), unbucketize):
-                    out[i] = _unbucketize(tensor, u)
+                self._place(out, b.groups, OutputAllToAll.apply(layout, self.clock, *tensors), unbucketize)
         return out, pending
+
+    def _place(self, out: list[Optional[Tensor]], groups: list[int], received: tuple[Tensor, ...],
+               unbucketize: list[Optional[Tensor]]) -> None:
+        """A bucket's outputs into ``out``: per group, or (raw) the received buffer at its first group."""
+        if self.raw:
+            out[groups[0]], = received
+            for i in groups[1:]:
+                out[i] = None
+            return
+        for i, tensor, u in zip(groups, received, unbucketize):
+            out[i] = _unbucketize(tensor, u)
 
     def _layout(self, b: _OutputBucket, inputs: list[Distributed], batch_size: int) -> Layout:
         groups = [self.groups[i] for i in b.groups]
         if groups[0].row_width is None:
             return PooledLayout([g.spec.dim_sum_per_rank for g in groups], batch_size, b.process_group,
-                                [g.column_index for g in groups], self.rank)
+                                [g.column_index for g in groups], self.rank, self.raw)
         got = [inputs[i] for i in b.groups]
         return SequenceLayout([g.spec.dim_sum_per_rank for g in groups], [d.kjt.lengths() for d in got],
                               [g.row_recat for g in groups], [g.row_back for g in groups],
@@ -102,9 +116,8 @@ class OutputDistribution:
             if isinstance(p, KeptPending):
                 out[p.group] = p.awaitable.wait()
                 continue
-            tensors = WaitOutputAllToAll.apply(p.received, p.layout, p.box, self.clock)
-            for i, tensor, u in zip(p.groups, tensors, p.unbucketize):
-                out[i] = _unbucketize(tensor, u)
+            self._place(out, p.groups, WaitOutputAllToAll.apply(p.received, p.layout, p.box, self.clock),
+                        p.unbucketize)
         return out
 
     @staticmethod

@@ -12,7 +12,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -87,15 +87,17 @@ class BuiltKernel:
     build_s: float  # compile (or load) time
 
 
-def build(source: str, openmp: bool = False) -> BuiltKernel:
+def build(source: str, entry_points: dict[str, tuple[Any, list[Any]]], kind: str, openmp: bool = False
+          ) -> BuiltKernel:
     """The loaded library of ``source`` (with ``openmp``: its OpenMP pragmas on, linking the libgomp
-    torch has loaded); :class:`Unsupported` when it cannot be built here."""
+    torch has loaded), its ``entry_points`` (name -> ctypes result and argument types) declared;
+    ``kind`` names its cache folder. :class:`Unsupported` when it cannot be built here."""
     flags = _BASE_FLAGS + _cpu_flags() + (["-fopenmp"] if openmp else [])
     key = hashlib.sha256("\n".join([source, *flags, torch.__version__]).encode()).hexdigest()[:20]
     # cpp_extension remembers, per process, the extension names it built and where: the cache
     # folder is part of the name so another cache (e.g. a test's) builds its own
     root = cache_dir()
-    name = f"sparselift_lookup_{key}_{hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:6]}"
+    name = f"sparselift_{kind}_{key}_{hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:6]}"
     folder = root / name
     library = folder / f"{name}.so"
     built = folder / "built"  # written once the library is complete: ranks may build the same source at once
@@ -113,9 +115,6 @@ def build(source: str, openmp: bool = False) -> BuiltKernel:
         loaded = ctypes.CDLL(str(library))
     except OSError as error:
         raise Unsupported(f"the generated kernel {library} did not load ({error})") from error
-    for fn in (loaded.sl_forward, loaded.sl_backward):
-        fn.restype = ctypes.c_int64
-    loaded.sl_forward.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 5
-    loaded.sl_backward.argtypes = ([ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 6
-                                   + [ctypes.c_float])
+    for entry, (result, arguments) in entry_points.items():
+        getattr(loaded, entry).restype, getattr(loaded, entry).argtypes = result, arguments
     return BuiltKernel(loaded, str(library), key, cached, time.perf_counter() - start)

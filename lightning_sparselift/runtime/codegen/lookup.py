@@ -18,6 +18,15 @@ from lightning_sparselift.runtime.codegen.cpu_source import cpu_source
 from lightning_sparselift.runtime.codegen.spec import KernelSpec, Unsupported, spec_of
 
 _BITS = {torch.int32: 32, torch.int64: 64}
+# the generated source's functions (cpu_source): their ctypes result and argument types
+_ENTRY_POINTS = {"sl_forward": (ctypes.c_int64, [ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 5),
+                 "sl_backward": (ctypes.c_int64, [ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 6
+                                 + [ctypes.c_float])}
+
+
+def build_lookup(source: str, openmp: bool = False) -> BuiltKernel:
+    """The built library of a generated lookup's ``source`` (see :func:`~.build.build`)."""
+    return build(source, _ENTRY_POINTS, "lookup", openmp)
 
 
 def _ptr(t: Optional[Tensor]) -> Optional[int]:
@@ -143,7 +152,7 @@ class GeneratedLookup:
             spec = spec_of(tbe, weighted, check_ids)
             if buckets:
                 spec = bucketed(spec, table_names(module), buckets)
-            self.kernels.append(TableBatchKernel(tbe, spec, build(cpu_source(spec), openmp=len(spec.buckets) > 1)))
+            self.kernels.append(TableBatchKernel(tbe, spec, build_lookup(cpu_source(spec), len(spec.buckets) > 1)))
         self.splits = list(lookup._feature_splits)
 
     @property

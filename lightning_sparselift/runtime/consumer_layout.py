@@ -1,0 +1,375 @@
+"""The output layout the consumer reads: a pooled module's output written once, straight from what
+the output all-to-alls received, into the tensor the model concatenates it into (capture found
+the concatenation: :class:`~lightning_sparselift.ir.OutputConsumer`).
+
+TorchRec's path copies the pooled blocks twice each way: the output distribution unpacks them into
+a KeyedTensor in sharding order, and the model concatenates the keys' values in its own order
+(e.g. DLRM's ``SparseArch``: ``to_dict`` then ``torch.cat``); backward splits the gradient and the
+output distribution packs it again. Here the output kernel allocates the concatenation's result
+(``before`` + the keys' widths + ``after`` columns), writes each received block's columns into
+their keys' places, and returns a KeyedTensor in the consumer's key order whose values are a view
+of it. Its per-key views (``to_dict``, ``kt[key]``) know where they are, so the model's
+``torch.cat`` of all of them in that order, with other operands as wide as the reserved columns,
+only writes those operands into their columns and returns the whole tensor; in backward the
+gradient goes from that tensor straight into the send buffers of the gradient all-to-alls. Any
+other use of the values or views computes as usual (a concatenation in another order copies, as
+it would anyway). Only bytes move, so results stay bit-identical.
+
+The one difference a model could see: the concatenation's result shares memory with the
+KeyedTensor's values, so changing it in place changes them (TorchRec's ``torch.cat`` copies).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_sparselift.ir import LiftedModule, ModuleSchedule
+from lightning_sparselift.ir.vocab import output_collective
+from lightning_sparselift.runtime.codegen.build import build
+
+_CATS = (torch.cat, torch.concat, torch.concatenate)
+_SPLITS = (torch.Tensor.split, torch.split, torch.Tensor.split_with_sizes)
+_NARROWS = (torch.Tensor.narrow, torch.narrow)
+
+Runs = list[tuple[int, int, int]]  # (first column in the block, first column in the consumer's tensor, width)
+
+
+def _runs(destinations: list[int]) -> Runs:
+    """Per column of a block, its column in the consumer's tensor, as runs of consecutive columns."""
+    runs: Runs = []
+    for col, dst in enumerate(destinations):
+        if runs and runs[-1][0] + runs[-1][2] == col and runs[-1][1] + runs[-1][2] == dst:
+            first, to, width = runs[-1]
+            runs[-1] = (first, to, width + 1)
+        else:
+            runs.append((col, dst, 1))
+    return runs
+
+
+@dataclass(frozen=True)
+class Block:
+    """A [B, width] piece of a group's output as it arrives: one source rank's columns of an
+    all-to-all group (``rank``), or the whole output of a group that is not exchanged that way."""
+
+    group: int
+    rank: Optional[int]
+    width: int
+    runs: tuple[tuple[int, int, int], ...]
+
+
+def layout_blocks(spec: LiftedModule, world: int) -> tuple[int, list[Block]]:
+    """The consumer tensor's width and the blocks the module's output arrives in, each with the
+    runs of its columns' places there. Independent of the schedule: buckets only change where a
+    block lies in memory."""
+    consumer = spec.consumer
+    if consumer is None or not spec.pooled or spec.mean_after_reduce:
+        raise LookupError(f"{spec.path}: no consumer layout: " + (
+            spec.consumer_note or "not pooled" if consumer is None or not spec.pooled else
+            "the mean after the reduce-scatter rescales the whole output afterwards"))
+    dims: dict[str, int] = {}  # (a key's column shards, if listed one by one, add up)
+    for key, dim in zip(spec.embedding_names, spec.embedding_dims):
+        dims[key] = dims.get(key, 0) + dim
+    if sorted(dims) != sorted(consumer.keys):
+        raise LookupError(f"{spec.path}: the captured concatenation holds keys {consumer.keys}, the module outputs "
+                          f"{sorted(dims)}")
+    at, column = {}, consumer.before
+    for key in consumer.keys:
+        at[key], column = column, column + dims[key]
+    width = column + consumer.after
+    blocks = []
+    for g in spec.groups:
+        to: list[int] = []  # each output column's place in the consumer's tensor
+        for key, dim in zip(g.embedding_names, g.embedding_dims):
+            to += range(at[key], at[key] + dim)
+            at[key] += dim
+        if world > 1 and output_collective(g.kind, True) == "all_to_all_single":
+            # column c of the group's blocks, concatenated by source rank, is output column j where order[j] == c
+            order = g.column_order or list(range(sum(g.dim_sum_per_rank)))
+            output_col = {c: j for j, c in enumerate(order)}
+            start = 0
+            for rank, w in enumerate(g.dim_sum_per_rank):
+                blocks.append(Block(g.index, rank, w, tuple(_runs([to[output_col[start + k]] for k in range(w)]))))
+                start += w
+        else:
+            blocks.append(Block(g.index, None, len(to), tuple(_runs(to))))
+    return width, [b for b in blocks if b.width]
+
+
+def layout_source(width: int, blocks: list[Block]) -> str:
+    """C++ that copies every block's rows into the consumer's rows and back, the runs unrolled."""
+    def copies(forward: bool) -> str:
+        lines = []
+        for k, b in enumerate(blocks):
+            for first, to, n in b.runs:
+                src, dst = (f"blocks[{k}] + (b * {b.width} + {first}) * E", f"row + {to} * E") if forward else \
+                    (f"row + {to} * E", f"blocks[{k}] + (b * {b.width} + {first}) * E")
+                lines.append(f"            std::memcpy({dst}, {src}, {n} * E);")
+        return "\n".join(lines)
+
+    return f"""// generated by lightning_sparselift: a module's pooled output into its consumer's layout
+#include <cstdint>
+#include <cstring>
+
+template <int64_t E>
+static void forward(int64_t B, char* const* blocks, char* out) {{
+    for (int64_t b = 0; b < B; ++b) {{
+        char* row = out + b * {width} * E;
+{copies(True)}
+    }}
+}}
+
+template <int64_t E>
+static void backward(int64_t B, int64_t stride, const char* grad, char* const* blocks) {{
+    for (int64_t b = 0; b < B; ++b) {{
+        const char* row = grad + b * stride * E;
+{copies(False)}
+    }}
+}}
+
+extern "C" int64_t sl_layout_forward(int64_t B, int64_t element, char* const* blocks, char* out) {{
+    switch (element) {{
+        case 2: forward<2>(B, blocks, out); return 0;
+        case 4: forward<4>(B, blocks, out); return 0;
+        case 8: forward<8>(B, blocks, out); return 0;
+    }}
+    return 1;
+}}
+
+extern "C" int64_t sl_layout_backward(int64_t B, int64_t element, int64_t stride, const char* grad,
+                                      char* const* blocks) {{
+    switch (element) {{
+        case 2: backward<2>(B, stride, grad, blocks); return 0;
+        case 4: backward<4>(B, stride, grad, blocks); return 0;
+        case 8: backward<8>(B, stride, grad, blocks); return 0;
+    }}
+    return 1;
+}}
+"""
+
+
+_ENTRY_POINTS = {"sl_layout_forward": (ctypes.c_int64, [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                                        ctypes.c_void_p]),
+                 "sl_layout_backward": (ctypes.c_int64, [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                                         ctypes.c_void_p, ctypes.c_void_p])}
+
+
+class LayoutKernel:
+    """A module's generated layout kernel (built once per module, whatever its schedule)."""
+
+    def __init__(self, spec: LiftedModule, world: int) -> None:
+        self.width, self.blocks = layout_blocks(spec, world)
+        self.built = build(layout_source(self.width, self.blocks), _ENTRY_POINTS, "layout")
+
+
+@dataclass
+class _Source:
+    """One input of the layout: an all-to-all bucket's received buffer, or a group's output."""
+
+    group: int  # (the first group of the bucket)
+    # per block of the kernel that lies in it: (its index, its offset in the tensor in rows of B elements)
+    places: list[tuple[int, int]]
+    units: int  # the tensor's elements, in rows of B
+
+
+class ConsumerOutput:
+    """The output kernel ``consumer`` of a module's schedule: the module's output in the
+    consumer's layout (see the module docstring), written by the module's :class:`LayoutKernel`
+    from where the schedule's buckets leave the blocks. Built once per installed schedule."""
+
+    def __init__(self, spec: LiftedModule, schedule: ModuleSchedule, kernel: LayoutKernel,
+                 on_concatenated: Callable[[], None] = lambda: None) -> None:
+        """``on_concatenated``: called each time the model's concatenation is the layout's tensor."""
+        self.kernel, self.on_concatenated = kernel, on_concatenated
+        consumer = spec.consumer
+        dims: dict[str, int] = {}
+        for key, dim in zip(spec.embedding_names, spec.embedding_dims):
+            dims[key] = dims.get(key, 0) + dim
+        self.keys, self.dims = consumer.keys, [dims[k] for k in consumer.keys]
+        self.before, self.after, self.width = consumer.before, consumer.after, kernel.width
+        index = {(b.group, b.rank): k for k, b in enumerate(kernel.blocks)}
+        a2a = {i: e.groups for e in schedule.outputs if e.op == "all_to_all_single" for i in e.groups}
+        self.sources: list[_Source] = []
+        for i, group in enumerate(spec.groups):
+            if i not in a2a:
+                self.sources.append(_Source(i, [(index[i, None], 0)] if (i, None) in index else [],
+                                            sum(group.embedding_dims)))
+            elif a2a[i][0] == i:  # per source rank, group after group
+                members = [spec.groups[g] for g in a2a[i]]
+                places, offset = [], 0
+                for rank in range(len(members[0].dim_sum_per_rank)):
+                    for m in members:
+                        if (m.index, rank) in index:
+                            places.append((index[m.index, rank], offset))
+                        offset += m.dim_sum_per_rank[rank]
+                self.sources.append(_Source(i, places, offset))
+
+    def __call__(self, _module: LiftedModule, outs: list[Optional[Tensor]], _features: list[Any]) -> Any:
+        from torchrec.sparse.jagged_tensor import KeyedTensor
+
+        full = _WriteLayout.apply(self, *(outs[s.group] for s in self.sources))
+        values = full.narrow(1, self.before, self.width - self.before - self.after).as_subclass(ConsumerValues)
+        values._layout, values._full, values._concatenated = self, full, False
+        return KeyedTensor(keys=self.keys, length_per_key=self.dims, values=values, key_dim=1)
+
+    def pointers(self, tensors: list[Tensor], batch: int) -> Any:
+        """Every block's address in ``tensors`` (the sources, or their gradients)."""
+        addresses = [0] * len(self.kernel.blocks)
+        for tensor, source in zip(tensors, self.sources):
+            for k, offset in source.places:
+                addresses[k] = tensor.data_ptr() + offset * batch * tensor.element_size()
+        return (ctypes.c_void_p * len(addresses))(*addresses)
+
+
+class _WriteLayout(torch.autograd.Function):
+    """The sources' columns into one [B, width] tensor; backward: the gradient's columns into
+    tensors laid out as the sources (a received buffer's layout is the gradient all-to-all's send
+    buffer)."""
+
+    @staticmethod
+    def forward(ctx: Any, layout: ConsumerOutput, *tensors: Tensor) -> Tensor:
+        tensors = tuple(t.contiguous() for t in tensors)
+        batch = tensors[0].numel() // layout.sources[0].units
+        full = tensors[0].new_empty((batch, layout.width))
+        library = layout.kernel.built.library
+        if library.sl_layout_forward(batch, full.element_size(), layout.pointers(list(tensors), batch), full.data_ptr()):
+            raise TypeError(f"the consumer layout copies 2, 4 or 8-byte elements, not {full.dtype}")
+        ctx.layout, ctx.batch, ctx.shapes = layout, batch, [t.shape for t in tensors]
+        return full
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+        if grad.stride(1) != 1:
+            grad = grad.contiguous()
+        grads = [grad.new_empty(shape) for shape in ctx.shapes]
+        ctx.layout.kernel.built.library.sl_layout_backward(ctx.batch, grad.element_size(), grad.stride(0),
+                                                           grad.data_ptr(), ctx.layout.pointers(grads, ctx.batch))
+        return (None, *grads)
+
+
+class _FillSlots(torch.autograd.Function):
+    """The other operands of the consumer's concatenation written into their reserved columns of
+    the layout's tensor (in place): the concatenation without copying the module's values."""
+
+    @staticmethod
+    def forward(ctx: Any, full: Tensor, before: list[int], *others: Tensor) -> Tensor:
+        column = 0
+        ctx.places = []
+        for i, other in enumerate(others):
+            width = other.size(1)
+            if i == len(before):  # past the module's values
+                column = full.size(1) - sum(o.size(1) for o in others[i:])
+            full[:, column:column + width].copy_(other)
+            ctx.places.append((column, width))
+            column += width
+        ctx.mark_dirty(full)
+        return full
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+        # (the reserved columns' gradient reaches _WriteLayout's backward too, which reads only its own)
+        return (grad, None, *(grad[:, c:c + w] for c, w in ctx.places))
+
+
+class _Laid(Tensor):
+    """What the consumer layout hands the model: splits and narrows of the values give per-key
+    views that know their key, a concatenation of all of them in order is the layout's tensor;
+    every other operation computes as on a plain tensor (and returns plain tensors)."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if any(not issubclass(t, _Laid) for t in types):
+            # another type with its own protocol first (e.g. TorchRec's LazyAwaitable, which waits
+            # for a module's output when an operation reads it); it calls back with plain operands
+            return NotImplemented
+        kwargs = kwargs or {}
+        if func in _CATS:
+            laid = _concatenate(args, kwargs)
+            if laid is not None:  # (decided before computing: the copy saved is the point)
+                return laid
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **kwargs)
+        values = args[0] if args else None
+        if isinstance(values, ConsumerValues) and func in _SPLITS + _NARROWS:
+            return _key_views(values, func, args, kwargs, result)
+        return result
+
+
+class ConsumerValues(_Laid):
+    """A KeyedTensor's values in the consumer's layout (a view of the layout's tensor ``_full``)."""
+
+    _layout: ConsumerOutput
+    _full: Tensor
+    _concatenated: bool  # the layout's tensor was handed out as a concatenation (once only)
+
+
+class _KeyView(_Laid):
+    """One key's values (a view of :class:`ConsumerValues`), knowing which key it is."""
+
+    _values: ConsumerValues
+    _key: int
+
+
+def _dim(args: tuple, kwargs: dict, position: int, default: int = 0) -> int:
+    dim = kwargs.get("dim", args[position] if len(args) > position else default)
+    return dim + 2 if dim < 0 else dim
+
+
+def _key_views(values: ConsumerValues, func: Any, args: tuple, kwargs: dict, result: Any) -> Any:
+    """Tag the views that are exactly one key's columns."""
+    layout = values._layout
+    starts = [sum(layout.dims[:i]) for i in range(len(layout.dims))]
+    if func in _NARROWS:
+        dim = _dim(args, kwargs, 1)
+        start = kwargs.get("start", args[2] if len(args) > 2 else None)
+        length = kwargs.get("length", args[3] if len(args) > 3 else None)
+        pieces, places = [result], [(start, length)]
+    else:
+        dim = _dim(args, kwargs, 2)
+        pieces = list(result)
+        places, column = [], 0
+        for p in pieces:
+            places.append((column, p.size(1) if p.dim() == 2 else -1))
+            column += places[-1][1]
+    out = []
+    for piece, (start, length) in zip(pieces, places):
+        key = starts.index(start) if dim == 1 and start in starts else -1
+        if key >= 0 and layout.dims[key] == length:
+            piece = piece.as_subclass(_KeyView)
+            piece._values, piece._key = values, key
+        out.append(piece)
+    return out[0] if func in _NARROWS else type(result)(out)
+
+
+def _concatenate(args: tuple, kwargs: dict) -> Optional[Tensor]:
+    """When the operands of a ``torch.cat`` are every key's view in the layout's order along the
+    key dim, with other operands filling exactly the reserved columns: the layout's tensor with
+    those operands written in; else None (the concatenation is computed as usual)."""
+    tensors = list(kwargs.get("tensors", args[0] if args else []))
+    views = [i for i, t in enumerate(tensors) if isinstance(t, _KeyView)]
+    if not views or _dim(args, kwargs, 1) != 1 or kwargs.get("out") is not None:
+        return None
+    values = tensors[views[0]]._values
+    layout = values._layout
+    first = views[0]
+    run = tensors[first:first + len(layout.dims)]
+    if (values._concatenated or not all(isinstance(t, _KeyView) and t._values is values for t in run)
+            or [t._key for t in run] != list(range(len(layout.dims)))):
+        return None
+    before, after = tensors[:first], tensors[first + len(layout.dims):]
+    others = before + after
+    if (any(not isinstance(t, Tensor) or t.dim() != 2 or t.size(0) != values.size(0) or t.dtype != values.dtype
+            for t in others)
+            or sum(t.size(1) for t in before) != layout.before or sum(t.size(1) for t in after) != layout.after):
+        return None
+    # a second concatenation must not write other operands over the first one's result
+    values._concatenated = True
+    layout.on_concatenated()
+    if not others:
+        return values._full
+    with torch._C.DisableTorchFunctionSubclass():
+        return _FillSlots.apply(values._full, [t.size(1) for t in before], *others)
