@@ -394,8 +394,8 @@ class SparseLiftSession:
         mark_generated(graph, builds)
         built = [b for b in builds if not b.note]
         if built:
-            self.events.append(f"generated kernels (lookups, output layouts): {len(built)} built on {self.world} rank(s), "
-                               f"{sum(b.cached for b in built)} from the cache, "
+            self.events.append(f"generated kernels (lookups, output layouts): {len(built)} built on {self.world} "
+                               f"rank(s), {sum(b.cached for b in built)} from the cache, "
                                f"{max(b.seconds for b in built):.2f} s at most per kernel")
 
     # ------------------------------------------------------------------ plan

@@ -13,9 +13,10 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-_CATS = (torch.cat, torch.concat, torch.concatenate)
-_SPLITS = (torch.Tensor.split, torch.split, torch.Tensor.split_with_sizes)
-_NARROWS = (torch.Tensor.narrow, torch.narrow)
+# the operations that concatenate, and that take per-key views (KeyedTensor.to_dict splits, kt[key] narrows)
+CATS = (torch.cat, torch.concat, torch.concatenate)
+SPLITS = (torch.Tensor.split, torch.split, torch.Tensor.split_with_sizes)
+NARROWS = (torch.Tensor.narrow, torch.narrow)
 
 
 class OutputTrace:
@@ -24,7 +25,6 @@ class OutputTrace:
 
     def __init__(self, keys: list[str], dims: list[int]) -> None:
         self.keys, self.dims = keys, dims
-        self.starts = [sum(dims[:i]) for i in range(len(dims))]
         self.concatenations: list[tuple[list[int], Optional[int], Optional[int]]] = []
         self.other: list[str] = []
         self.behind = False  # concatenated after another module's values
@@ -66,7 +66,9 @@ def _traces(args: tuple) -> list[OutputTrace]:
     return found
 
 
-def _dim(args: tuple, kwargs: dict, position: int) -> int:
+def dim_argument(args: tuple, kwargs: dict, position: int) -> int:
+    """The ``dim`` an operation on two-dimensional tensors was called with (positional at
+    ``position`` or by keyword; default 0), counted from the front."""
     dim = kwargs.get("dim", args[position] if len(args) > position else 0)
     return dim + 2 if dim < 0 else dim
 
@@ -81,9 +83,9 @@ class _Traced(Tensor):
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
-        if args and isinstance(args[0], _TracedValues) and func in _SPLITS + _NARROWS:
+        if args and isinstance(args[0], _TracedValues) and func in SPLITS + NARROWS:
             return _tag_views(args[0]._trace, func, args, kwargs, result)
-        if func in _CATS:
+        if func in CATS:
             for trace in _traces(args):
                 _record_concatenation(trace, args, kwargs)
             return result
@@ -102,15 +104,18 @@ class _TracedView(_Traced):
     _key: int
 
 
-def _tag_views(trace: OutputTrace, func: Any, args: tuple, kwargs: dict, result: Any) -> Any:
-    """The views that are exactly one key's columns, tagged with the key; any other is a use."""
-    if func in _NARROWS:
-        dim = _dim(args, kwargs, 1)
+def key_views(func: Any, args: tuple, kwargs: dict, result: Any, dims: list[int]) -> list[tuple[Tensor, int]]:
+    """The views a split or narrow (``func`` called with ``args``, giving ``result``) of a
+    KeyedTensor's values made, each with the key whose columns it is exactly (-1: none); ``dims``:
+    the keys' widths, in order."""
+    starts = [sum(dims[:i]) for i in range(len(dims))]
+    if func in NARROWS:
+        dim = dim_argument(args, kwargs, 1)
         pieces = [result]
         places = [(kwargs.get("start", args[2] if len(args) > 2 else None),
                    kwargs.get("length", args[3] if len(args) > 3 else None))]
     else:
-        dim = _dim(args, kwargs, 2)
+        dim = dim_argument(args, kwargs, 2)
         pieces, places, column = list(result), [], 0
         for p in pieces:
             width = p.size(dim) if p.dim() > dim else 0
@@ -118,20 +123,28 @@ def _tag_views(trace: OutputTrace, func: Any, args: tuple, kwargs: dict, result:
             column += width
     out = []
     for piece, (start, length) in zip(pieces, places):
-        key = trace.starts.index(start) if dim == 1 and start in trace.starts else -1
-        if key >= 0 and trace.dims[key] == length:
+        key = starts.index(start) if dim == 1 and start in starts else -1
+        out.append((piece, key if key >= 0 and dims[key] == length else -1))
+    return out
+
+
+def _tag_views(trace: OutputTrace, func: Any, args: tuple, kwargs: dict, result: Any) -> Any:
+    """The views that are exactly one key's columns, tagged with the key; any other is a use."""
+    out = []
+    for piece, key in key_views(func, args, kwargs, result, trace.dims):
+        if key >= 0:
             piece = piece.as_subclass(_TracedView)
             piece._trace, piece._key = trace, key
         else:
             trace.other.append(f"{getattr(func, '__qualname__', func)} (not one key's columns)")
         out.append(piece)
-    return out[0] if func in _NARROWS else type(result)(out)
+    return out[0] if func in NARROWS else type(result)(out)
 
 
 def _record_concatenation(trace: OutputTrace, args: tuple, kwargs: dict) -> None:
     tensors = list(kwargs.get("tensors", args[0] if args else []))
     mine = [i for i, t in enumerate(tensors) if isinstance(t, _TracedView) and t._trace is trace]
-    if _dim(args, kwargs, 1) != 1 or any(isinstance(t, _TracedValues) and t._trace is trace for t in tensors):
+    if dim_argument(args, kwargs, 1) != 1 or any(isinstance(t, _TracedValues) and t._trace is trace for t in tensors):
         trace.other.append("torch.cat (of the values, or not along the key dim)")
         return
     if any(isinstance(t, _TracedView) for t in tensors[:mine[0]]):

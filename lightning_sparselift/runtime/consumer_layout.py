@@ -28,13 +28,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from lightning_sparselift.frontend.consumer import CATS, NARROWS, SPLITS, dim_argument, key_views
 from lightning_sparselift.ir import LiftedModule, ModuleSchedule
 from lightning_sparselift.ir.vocab import output_collective
 from lightning_sparselift.runtime.codegen.build import build
-
-_CATS = (torch.cat, torch.concat, torch.concatenate)
-_SPLITS = (torch.Tensor.split, torch.split, torch.Tensor.split_with_sizes)
-_NARROWS = (torch.Tensor.narrow, torch.narrow)
 
 Runs = list[tuple[int, int, int]]  # (first column in the block, first column in the consumer's tensor, width)
 
@@ -235,8 +232,8 @@ class _WriteLayout(torch.autograd.Function):
         tensors = tuple(t.contiguous() for t in tensors)
         batch = tensors[0].numel() // layout.sources[0].units
         full = tensors[0].new_empty((batch, layout.width))
-        library = layout.kernel.built.library
-        if library.sl_layout_forward(batch, full.element_size(), layout.pointers(list(tensors), batch), full.data_ptr()):
+        blocks = layout.pointers(list(tensors), batch)
+        if layout.kernel.built.library.sl_layout_forward(batch, full.element_size(), blocks, full.data_ptr()):
             raise TypeError(f"the consumer layout copies 2, 4 or 8-byte elements, not {full.dtype}")
         ctx.layout, ctx.batch, ctx.shapes = layout, batch, [t.shape for t in tensors]
         return full
@@ -287,14 +284,14 @@ class _Laid(Tensor):
             # for a module's output when an operation reads it); it calls back with plain operands
             return NotImplemented
         kwargs = kwargs or {}
-        if func in _CATS:
+        if func in CATS:
             laid = _concatenate(args, kwargs)
             if laid is not None:  # (decided before computing: the copy saved is the point)
                 return laid
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
         values = args[0] if args else None
-        if isinstance(values, ConsumerValues) and func in _SPLITS + _NARROWS:
+        if isinstance(values, ConsumerValues) and func in SPLITS + NARROWS:
             return _key_views(values, func, args, kwargs, result)
         return result
 
@@ -314,35 +311,15 @@ class _KeyView(_Laid):
     _key: int
 
 
-def _dim(args: tuple, kwargs: dict, position: int, default: int = 0) -> int:
-    dim = kwargs.get("dim", args[position] if len(args) > position else default)
-    return dim + 2 if dim < 0 else dim
-
-
 def _key_views(values: ConsumerValues, func: Any, args: tuple, kwargs: dict, result: Any) -> Any:
     """Tag the views that are exactly one key's columns."""
-    layout = values._layout
-    starts = [sum(layout.dims[:i]) for i in range(len(layout.dims))]
-    if func in _NARROWS:
-        dim = _dim(args, kwargs, 1)
-        start = kwargs.get("start", args[2] if len(args) > 2 else None)
-        length = kwargs.get("length", args[3] if len(args) > 3 else None)
-        pieces, places = [result], [(start, length)]
-    else:
-        dim = _dim(args, kwargs, 2)
-        pieces = list(result)
-        places, column = [], 0
-        for p in pieces:
-            places.append((column, p.size(1) if p.dim() == 2 else -1))
-            column += places[-1][1]
     out = []
-    for piece, (start, length) in zip(pieces, places):
-        key = starts.index(start) if dim == 1 and start in starts else -1
-        if key >= 0 and layout.dims[key] == length:
+    for piece, key in key_views(func, args, kwargs, result, values._layout.dims):
+        if key >= 0:
             piece = piece.as_subclass(_KeyView)
             piece._values, piece._key = values, key
         out.append(piece)
-    return out[0] if func in _NARROWS else type(result)(out)
+    return out[0] if func in NARROWS else type(result)(out)
 
 
 def _concatenate(args: tuple, kwargs: dict) -> Optional[Tensor]:
@@ -351,7 +328,7 @@ def _concatenate(args: tuple, kwargs: dict) -> Optional[Tensor]:
     those operands written in; else None (the concatenation is computed as usual)."""
     tensors = list(kwargs.get("tensors", args[0] if args else []))
     views = [i for i, t in enumerate(tensors) if isinstance(t, _KeyView)]
-    if not views or _dim(args, kwargs, 1) != 1 or kwargs.get("out") is not None:
+    if not views or dim_argument(args, kwargs, 1) != 1 or kwargs.get("out") is not None:
         return None
     values = tensors[views[0]]._values
     layout = values._layout
