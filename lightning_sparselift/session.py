@@ -67,9 +67,7 @@ DRIFT_CHECK_EVERY = 10  # steps between two drift checks (one small all-gather e
 def mark_generated(graph: SparseGraph, builds: list[KernelBuild]) -> None:
     """Record in ``graph`` which groups have a generated lookup kernel, and which modules a consumer
     layout kernel, on every rank (``builds``: all ranks'), and why the others have none."""
-    from lightning_sparselift.ir.schedule import GENERATED_KERNEL
-
-    from lightning_sparselift.ir.schedule import CONSUMER_KERNEL
+    from lightning_sparselift.ir.schedule import CONSUMER_KERNEL, GENERATED_KERNEL
 
     for module in graph.modules:
         layouts = [b for b in builds if b.module == module.path and b.group == -1]

@@ -59,10 +59,10 @@ class Block:
     runs: tuple[tuple[int, int, int], ...]
 
 
-def layout_blocks(spec: LiftedModule, world: int) -> tuple[int, list[Block]]:
-    """The consumer tensor's width and the blocks the module's output arrives in, each with the
-    runs of its columns' places there. Independent of the schedule: buckets only change where a
-    block lies in memory."""
+def layout_blocks(spec: LiftedModule, world: int) -> tuple[int, list[int], list[Block]]:
+    """The consumer tensor's width, the widths of the keys in the consumer's order, and the blocks
+    the module's output arrives in, each with the runs of its columns' places there. Independent
+    of the schedule: buckets only change where a block lies in memory."""
     consumer = spec.consumer
     if consumer is None or not spec.pooled or spec.mean_after_reduce:
         raise LookupError(f"{spec.path}: no consumer layout: " + (
@@ -94,7 +94,7 @@ def layout_blocks(spec: LiftedModule, world: int) -> tuple[int, list[Block]]:
                 start += w
         else:
             blocks.append(Block(g.index, None, len(to), tuple(_runs(to))))
-    return width, [b for b in blocks if b.width]
+    return width, [dims[k] for k in consumer.keys], [b for b in blocks if b.width]
 
 
 def layout_source(width: int, blocks: list[Block]) -> str:
@@ -159,7 +159,7 @@ class LayoutKernel:
     """A module's generated layout kernel (built once per module, whatever its schedule)."""
 
     def __init__(self, spec: LiftedModule, world: int) -> None:
-        self.width, self.blocks = layout_blocks(spec, world)
+        self.width, self.dims, self.blocks = layout_blocks(spec, world)
         self.built = build(layout_source(self.width, self.blocks), _ENTRY_POINTS, "layout")
 
 
@@ -183,10 +183,7 @@ class ConsumerOutput:
         """``on_concatenated``: called each time the model's concatenation is the layout's tensor."""
         self.kernel, self.on_concatenated = kernel, on_concatenated
         consumer = spec.consumer
-        dims: dict[str, int] = {}
-        for key, dim in zip(spec.embedding_names, spec.embedding_dims):
-            dims[key] = dims.get(key, 0) + dim
-        self.keys, self.dims = consumer.keys, [dims[k] for k in consumer.keys]
+        self.keys, self.dims = consumer.keys, kernel.dims
         self.before, self.after, self.width = consumer.before, consumer.after, kernel.width
         index = {(b.group, b.rank): k for k, b in enumerate(kernel.blocks)}
         a2a = {i: e.groups for e in schedule.outputs if e.op == "all_to_all_single" for i in e.groups}
@@ -253,12 +250,13 @@ class _FillSlots(torch.autograd.Function):
     the layout's tensor (in place): the concatenation without copying the module's values."""
 
     @staticmethod
-    def forward(ctx: Any, full: Tensor, before: list[int], *others: Tensor) -> Tensor:
+    def forward(ctx: Any, full: Tensor, before: int, *others: Tensor) -> Tensor:
+        """``before``: how many of ``others`` come before the module's values."""
         column = 0
         ctx.places = []
         for i, other in enumerate(others):
             width = other.size(1)
-            if i == len(before):  # past the module's values
+            if i == before:  # past the module's values
                 column = full.size(1) - sum(o.size(1) for o in others[i:])
             full[:, column:column + width].copy_(other)
             ctx.places.append((column, width))
@@ -349,4 +347,4 @@ def _concatenate(args: tuple, kwargs: dict) -> Optional[Tensor]:
     if not others:
         return values._full
     with torch._C.DisableTorchFunctionSubclass():
-        return _FillSlots.apply(values._full, [t.size(1) for t in before], *others)
+        return _FillSlots.apply(values._full, len(before), *others)
