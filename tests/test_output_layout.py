@@ -14,6 +14,7 @@ from lightning_sparselift.ir import OutputConsumer
 from lightning_sparselift.ir.schedule import CONSUMER_KERNEL
 from lightning_sparselift.passes.codegen import CodeGeneration
 from lightning_sparselift.plan.types import KernelBuild
+from lightning_sparselift.runtime.buffers import Buffers
 from lightning_sparselift.runtime.consumer_layout import ConsumerOutput, LayoutKernel
 from lightning_sparselift.session import mark_generated
 
@@ -130,7 +131,7 @@ def _layout_and_reference(order, before):
     graph, m = _with_consumer(OutputConsumer(order, before, 0))
     m.schedule.region("output").kernel = CONSUMER_KERNEL
     out = torch.randn(6, 8, requires_grad=True)  # the group's output: keys a, b (4 columns each)
-    return ConsumerOutput(m, m.schedule, LayoutKernel(m, 1)), m, out
+    return ConsumerOutput(m, m.schedule, LayoutKernel(m, 1), Buffers()), m, out
 
 
 @pytest.mark.parametrize("before", [0, 3])

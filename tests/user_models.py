@@ -112,7 +112,29 @@ class KJTAsKeyword(UserModel):
         return self(batch.dense, kjt=batch.sparse)
 
 
-MODELS = {"positional": PositionalKJT, "dict": KJTInDict, "dataclass": KJTInDataclass, "keyword": KJTAsKeyword}
+class KeepsItsOutputs(PositionalKJT):
+    """Keeps every training step's pooled values and the tensor it concatenated them into (as a
+    model that logs embeddings would), and fails a step when an earlier step's kept tensors
+    changed: memory a runtime handed out again while the model held it."""
+
+    def __init__(self, table_sizes: list[int], feature_names: list[str], dim: int = 8):
+        super().__init__(table_sizes, feature_names, dim)
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def score(self, dense: torch.Tensor, kjt: Any) -> torch.Tensor:
+        pooled = self.embeddings(kjt)
+        combined = torch.cat([self.bottom(dense)] + [pooled[f] for f in self.feature_names], dim=1)
+        if self.training:
+            for step, (held, copy) in enumerate(self.kept):
+                if not torch.equal(held, copy):
+                    raise AssertionError(f"the outputs kept from training step {step} changed")
+            for tensor in (pooled.values(), combined):
+                self.kept.append((tensor.detach(), tensor.detach().clone()))
+        return self.top(combined).squeeze(1)
+
+
+MODELS = {"positional": PositionalKJT, "dict": KJTInDict, "dataclass": KJTInDataclass, "keyword": KJTAsKeyword,
+          "keeps_outputs": KeepsItsOutputs}
 
 
 class WithSequenceFeature(L.LightningModule):

@@ -291,7 +291,8 @@ class SparseLift(LoopSystem):
                                                             s.embedding_optimizer)
         self.session = (SparseLiftSession(wrapped, self.model.plan, paths, s.warmup_batches, dist.group.WORLD,
                                           torch.device("cpu"), s.optimizations, s.calibrate, s.plan_path,
-                                          s.decision_rule, workspace_budget_bytes=s.workspace_budget_bytes)
+                                          s.decision_rule, workspace_budget_bytes=s.workspace_budget_bytes,
+                                          reuse_buffers=s.reuse_buffers)
                         if s.executor == "sparselift" else None)
         self._timed_sharded(wrapped, self.optimizer)
 
@@ -347,10 +348,12 @@ def time_early_starts(installed: Any, timer: StageTimer) -> None:
         forward.start = timed
 
 
-def _ablation(name: str, optimizations: list[str], doc: str) -> type[SparseLift]:
-    """A ``sparselift`` system whose planner may use only ``optimizations``."""
+def _ablation(name: str, optimizations: Optional[list[str]], doc: str, **options: Any) -> type[SparseLift]:
+    """A ``sparselift`` system whose planner may use only ``optimizations`` (None: all), with
+    other strategy ``options``."""
     def __init__(self, env: BenchEnv) -> None:
-        SparseLift.__init__(self, env, {"optimizations": optimizations})
+        SparseLift.__init__(self, env, {**({} if optimizations is None else {"optimizations": optimizations}),
+                                        **options})
 
     return type(name, (SparseLift,), {"name": name, "__init__": __init__, "__doc__": doc})
 
@@ -370,6 +373,8 @@ ABLATIONS = [
               "SparseLift without subgraph parallelism."),
     _ablation("sparselift-no-output-layout", ["aggregation", "latency_hiding", "codegen:lookup", "subgraph_parallelism"],
               "SparseLift without code generation's output layout (the model's concatenation copies)."),
+    _ablation("sparselift-fresh-buffers", None, "SparseLift allocating its per-step buffers every step.",
+              reuse_buffers=False),
 ]
 
 

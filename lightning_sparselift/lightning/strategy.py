@@ -111,6 +111,12 @@ class SparseLiftStrategy(ParallelStrategy):
             identity plan's as workspace; a candidate that needs more is infeasible, with the
             numbers in ``explain()`` (subgraph parallelism: the backward scratch of the buckets
             that run at once). None (default): no limit.
+        reuse_buffers: on CPU, the buffers the lifted executor fills every step (generated
+            lookups' outputs, what the all-to-alls receive, the consumer layout's tensor, gradient
+            send buffers) keep their memory from step to step instead of being allocated (and
+            page-faulted in) again; memory something still holds (e.g. a step's output the model
+            kept) is never handed out again (default True). Between steps each site keeps at most
+            two blocks.
         plan_path: a JSON file for the execution plan: reused (no calibration) when it was made
             for the same model, sharding plan, world size, backend and versions and its graph is
             what its accepted candidates give on this run's lift; otherwise planned again and
@@ -168,6 +174,7 @@ class SparseLiftStrategy(ParallelStrategy):
         calibration_min_gain: float = DecisionRule.min_gain,
         calibration_min_lookup_gain: float = DecisionRule.min_lookup_gain,
         workspace_budget_mb: Optional[float] = None,
+        reuse_buffers: bool = True,
         plan_path: Optional[str] = None,
         warmup_batches: int = 3,
         verify_steps: int = 40,
@@ -217,6 +224,7 @@ class SparseLiftStrategy(ParallelStrategy):
         if workspace_budget_mb is not None and not float(workspace_budget_mb) >= 0:
             raise ValueError(f"workspace_budget_mb must be >= 0 (MiB per rank) or None, got {workspace_budget_mb!r}")
         self.workspace_budget_bytes = None if workspace_budget_mb is None else int(float(workspace_budget_mb) * 2**20)
+        self.reuse_buffers = bool(reuse_buffers)
         self.plan_path = str(plan_path) if plan_path is not None else None
         self.warmup_batches = int(warmup_batches)
         from lightning_sparselift.plan.verification import check_steady_options
@@ -451,7 +459,7 @@ class SparseLiftStrategy(ParallelStrategy):
                                               self.warmup_batches, torch.distributed.group.WORLD, self.root_device,
                                               self.optimizations, self.calibrate, self.plan_path,
                                               self.decision_rule, workspace_budget_bytes=self.workspace_budget_bytes,
-                                              **self.steady_state_options)
+                                              reuse_buffers=self.reuse_buffers, **self.steady_state_options)
 
     @property
     def steady_state_options(self) -> dict[str, Any]:

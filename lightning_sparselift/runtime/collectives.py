@@ -12,14 +12,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sparselift.cost.calibration import RegionClock
+from lightning_sparselift.runtime.buffers import Buffer
 from lightning_sparselift.runtime.layout import PooledLayout, SequenceLayout
 
 Layout = Union[PooledLayout, SequenceLayout]
 
 
-def exchange(send: Tensor, recv_sizes: list[int], send_sizes: list[int], group: Any, async_op: bool = False
-              ) -> tuple[Tensor, Any]:
-    received = send.new_empty(sum(recv_sizes))
+def exchange(buffer: Buffer, send: Tensor, recv_sizes: list[int], send_sizes: list[int], group: Any,
+             async_op: bool = False) -> tuple[Tensor, Any]:
+    """One all-to-all of ``send`` into ``buffer``'s memory."""
+    received = buffer.empty((sum(recv_sizes),), send.dtype, send.device)
     work = dist.all_to_all_single(received, send, recv_sizes, send_sizes, group=group, async_op=async_op)
     return received, work
 
@@ -29,14 +31,14 @@ class OutputAllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, layout: Layout, clock: RegionClock, *locals_: Tensor) -> tuple[Tensor, ...]:
-        received, _ = exchange(*layout.send_outputs(locals_), layout.group)
+        received, _ = exchange(layout.buffers.received, *layout.send_outputs(locals_), layout.group)
         ctx.layout, ctx.clock = layout, clock
         return layout.unpack_outputs(received)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Optional[Tensor], ...]:
         with ctx.clock.region():
-            received, _ = exchange(*ctx.layout.send_grads(grads), ctx.layout.group)
+            received, _ = exchange(ctx.layout.buffers.grad_received, *ctx.layout.send_grads(grads), ctx.layout.group)
             return (None, None, *ctx.layout.unpack_grads(received))
 
 
@@ -48,7 +50,8 @@ class IssueOutputAllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, layout: Layout, box: dict, clock: RegionClock, *locals_: Tensor) -> Tensor:
-        received, box["work"] = exchange(*layout.send_outputs(locals_), layout.group, async_op=True)
+        received, box["work"] = exchange(layout.buffers.received, *layout.send_outputs(locals_), layout.group,
+                                         async_op=True)
         ctx.layout, ctx.box, ctx.clock = layout, box, clock
         return received
 
@@ -69,7 +72,8 @@ class WaitOutputAllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Optional[Tensor], ...]:
-        ctx.box["grad_received"], ctx.box["grad_work"] = exchange(*ctx.layout.send_grads(grads), ctx.layout.group,
+        ctx.box["grad_received"], ctx.box["grad_work"] = exchange(ctx.layout.buffers.grad_received,
+                                                                   *ctx.layout.send_grads(grads), ctx.layout.group,
                                                                    async_op=True)
         # the issue's backward reads the gradient from the box; this one only orders autograd
         return grads[0].new_empty(ctx.shape), None, None, None

@@ -31,6 +31,7 @@ from torch import Tensor
 from lightning_sparselift.frontend.consumer import CATS, NARROWS, SPLITS, dim_argument, key_views
 from lightning_sparselift.ir import LiftedModule, ModuleSchedule
 from lightning_sparselift.ir.vocab import output_collective
+from lightning_sparselift.runtime.buffers import Buffer, Buffers
 from lightning_sparselift.runtime.codegen.build import build
 
 Runs = list[tuple[int, int, int]]  # (first column in the block, first column in the consumer's tensor, width)
@@ -171,6 +172,7 @@ class _Source:
     # per block of the kernel that lies in it: (its index, its offset in the tensor in rows of B elements)
     places: list[tuple[int, int]]
     units: int  # the tensor's elements, in rows of B
+    grad: Buffer  # where its gradient is written (the gradient all-to-all's send buffer)
 
 
 class ConsumerOutput:
@@ -178,10 +180,12 @@ class ConsumerOutput:
     consumer's layout (see the module docstring), written by the module's :class:`LayoutKernel`
     from where the schedule's buckets leave the blocks. Built once per installed schedule."""
 
-    def __init__(self, spec: LiftedModule, schedule: ModuleSchedule, kernel: LayoutKernel,
+    def __init__(self, spec: LiftedModule, schedule: ModuleSchedule, kernel: LayoutKernel, buffers: Buffers,
                  on_concatenated: Callable[[], None] = lambda: None) -> None:
-        """``on_concatenated``: called each time the model's concatenation is the layout's tensor."""
+        """``buffers``: the module's (the layout's tensor and its gradients are kept there);
+        ``on_concatenated``: called each time the model's concatenation is the layout's tensor."""
         self.kernel, self.on_concatenated = kernel, on_concatenated
+        self.full = buffers.at(("layout",))
         consumer = spec.consumer
         self.keys, self.dims = consumer.keys, kernel.dims
         self.before, self.after, self.width = consumer.before, consumer.after, kernel.width
@@ -191,7 +195,7 @@ class ConsumerOutput:
         for i, group in enumerate(spec.groups):
             if i not in a2a:
                 self.sources.append(_Source(i, [(index[i, None], 0)] if (i, None) in index else [],
-                                            sum(group.embedding_dims)))
+                                            sum(group.embedding_dims), buffers.at(("layout_grad", i))))
             elif a2a[i][0] == i:  # per source rank, group after group
                 members = [spec.groups[g] for g in a2a[i]]
                 places, offset = [], 0
@@ -200,7 +204,7 @@ class ConsumerOutput:
                         if (m.index, rank) in index:
                             places.append((index[m.index, rank], offset))
                         offset += m.dim_sum_per_rank[rank]
-                self.sources.append(_Source(i, places, offset))
+                self.sources.append(_Source(i, places, offset, buffers.at(("layout_grad", i))))
 
     def __call__(self, _module: LiftedModule, outs: list[Optional[Tensor]], _features: list[Any]) -> Any:
         from torchrec.sparse.jagged_tensor import KeyedTensor
@@ -228,7 +232,7 @@ class _WriteLayout(torch.autograd.Function):
     def forward(ctx: Any, layout: ConsumerOutput, *tensors: Tensor) -> Tensor:
         tensors = tuple(t.contiguous() for t in tensors)
         batch = tensors[0].numel() // layout.sources[0].units
-        full = tensors[0].new_empty((batch, layout.width))
+        full = layout.full.empty((batch, layout.width), tensors[0].dtype, tensors[0].device)
         blocks = layout.pointers(list(tensors), batch)
         if layout.kernel.built.library.sl_layout_forward(batch, full.element_size(), blocks, full.data_ptr()):
             raise TypeError(f"the consumer layout copies 2, 4 or 8-byte elements, not {full.dtype}")
@@ -239,7 +243,8 @@ class _WriteLayout(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
         if grad.stride(1) != 1:
             grad = grad.contiguous()
-        grads = [grad.new_empty(shape) for shape in ctx.shapes]
+        grads = [source.grad.empty(tuple(shape), grad.dtype, grad.device)
+                 for source, shape in zip(ctx.layout.sources, ctx.shapes)]
         ctx.layout.kernel.built.library.sl_layout_backward(ctx.batch, grad.element_size(), grad.stride(0),
                                                            grad.data_ptr(), ctx.layout.pointers(grads, ctx.batch))
         return (None, *grads)

@@ -20,6 +20,7 @@ from lightning_sparselift.frontend.capture import copy_features, same_features
 from lightning_sparselift.cost.calibration import RegionClock
 from lightning_sparselift.ir import LiftedModule, ModuleSchedule, ScheduleError, check_schedule
 from lightning_sparselift.ir.schedule import CONSUMER_KERNEL, GENERATED_KERNEL, Region
+from lightning_sparselift.runtime.buffers import Buffers
 from lightning_sparselift.runtime.codegen import GeneratedLookup, Unsupported
 from lightning_sparselift.runtime.consumer_layout import ConsumerOutput, LayoutKernel
 from lightning_sparselift.runtime.input_dist import Distributed, GroupRuntime, InputDistribution
@@ -55,11 +56,15 @@ class _Prefetch:
 
 class ModuleExecutor:
     def __init__(self, spec: LiftedModule, sharded: nn.Module, world_size: int, rank: int,
-                 process_groups: dict[str, Any], device: torch.device, clock: RegionClock) -> None:
+                 process_groups: dict[str, Any], device: torch.device, clock: RegionClock,
+                 reuse_buffers: bool = True) -> None:
+        """``reuse_buffers``: the buffers the runtime fills every step keep their memory from step
+        to step (see :mod:`~lightning_sparselift.runtime.buffers`)."""
         self.spec = spec
         self.module = sharded
         self.world, self.rank, self.device, self.clock = world_size, rank, device, clock
         self.process_groups = process_groups
+        self.buffers = Buffers(reuse_buffers)
         self.groups = [GroupRuntime.build(g, lookup, world_size, rank, device, spec.pooled)
                        for g, lookup in zip(spec.groups, sharded._lookups)]
         self.kept = {g.index: TorchRecGroup(sharded, g.index) for g in spec.groups if g.not_lifted}
@@ -96,7 +101,7 @@ class ModuleExecutor:
             lookups = [self.lookup_kernel(i, schedule.region("lookup", i)) for i in range(len(self.groups))]
             output = self.output_kernel(schedule)
             inputs = InputDistribution(self.spec, schedule, self.groups, self.kept, self.process_groups, self.world,
-                                       self.device)
+                                       self.device, self.buffers)
         except (KeyError, LookupError, Unsupported) as error:
             problems.append(str(error))
         if problems:
@@ -105,7 +110,8 @@ class ModuleExecutor:
         # distribution started during a calibration step is used by the step after it, on every rank)
         self.schedule = schedule
         self.inputs, self.lookups, self.output = inputs, lookups, output
-        self.outputs = OutputDistribution(schedule, self.groups, self.kept, self.process_groups, self.rank, self.clock)
+        self.outputs = OutputDistribution(schedule, self.groups, self.kept, self.process_groups, self.rank, self.clock,
+                                          self.buffers)
         self.starts_early = schedule.lookup_at == "root_forward"
         self.distributes_ahead = schedule.input_issue == "previous_step"
 
@@ -114,7 +120,7 @@ class ModuleExecutor:
         name = schedule.region("output").kernel
         if name != CONSUMER_KERNEL:
             return kernel("output", name)
-        return ConsumerOutput(self.spec, schedule, self.layout_kernel(),
+        return ConsumerOutput(self.spec, schedule, self.layout_kernel(), self.buffers,
                               lambda: setattr(self, "concatenated_steps", self.concatenated_steps + 1))
 
     def layout_kernel(self) -> LayoutKernel:
@@ -135,7 +141,8 @@ class ModuleExecutor:
             # ids are checked in the kernel only when no input check runs before it (never twice)
             checked = any(isinstance(h, InputCheck) for h in self.module._forward_pre_hooks.values())
             built = self.generated[key] = GeneratedLookup(self.groups[group].lookup, self.spec.weighted,
-                                                          check_ids=not checked, buckets=region.buckets)
+                                                          check_ids=not checked, buckets=region.buckets,
+                                                          buffers=self.buffers)
             if region.buckets:
                 self.bucket_builds.append({"module": self.spec.path, "group": group, "buckets": len(region.buckets),
                                            "note": "", "seconds": built.build_s, "cached": built.cached})

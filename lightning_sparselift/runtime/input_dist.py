@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from lightning_sparselift.ir import LiftedModule, ModuleSchedule, ShardingGroup
 from lightning_sparselift.ir.vocab import ROW_SHARDED
+from lightning_sparselift.runtime.buffers import Buffers
 from lightning_sparselift.runtime.kernels import kernel
 from lightning_sparselift.runtime.packing import pack_by_destination, packed_sizes, unpack_by_source
 from lightning_sparselift.runtime.torchrec_group import TorchRecGroup
@@ -74,10 +75,14 @@ class Distributed:
 
 
 class _Bucket:
-    """One input exchange: its groups, process group and payload exchange."""
+    """One input exchange: its groups, process group and payload exchange (received into the
+    module's kept buffers)."""
 
-    def __init__(self, groups: list[int], packed: bool, process_group: Any, world: int) -> None:
+    def __init__(self, groups: list[int], packed: bool, process_group: Any, world: int, buffers: Buffers) -> None:
         self.groups, self.packed, self.process_group, self.world = groups, packed, process_group, world
+        key = tuple(groups)
+        self.received = [buffers.at((f"input_{role}", key)) for role in ("lengths", "values", "weights")]
+        self.payload = buffers.at(("input_payload", key))
 
     def exchange_splits(self, kjts: list[Any], counts: list[Counts]) -> list[list[list[int]]]:
         """Per group, per source rank: [lengths, values, (weights,) batch size] it sends here,
@@ -102,8 +107,8 @@ class _Bucket:
         if kjt.weights_or_none() is not None:
             tensors.append((kjt.weights(), out_counts[1], in_counts[1]))
         outputs, works = [], []
-        for tensor, out_splits, in_splits in tensors:
-            out = tensor.new_empty(sum(in_splits))
+        for (tensor, out_splits, in_splits), buffer in zip(tensors, self.received):
+            out = buffer.empty((sum(in_splits),), tensor.dtype, tensor.device)
             works.append(dist.all_to_all_single(out, tensor, in_splits, out_splits, group=self.process_group,
                                                 async_op=True))
             outputs.append(out)
@@ -128,7 +133,7 @@ class _Bucket:
         buffer, send_bytes = pack_by_destination([(t, c) for t, c, _ in flat], self.world)
         recv_layout = [(t.dtype, got) for t, _, got in flat]
         recv_bytes = packed_sizes(recv_layout, self.world)
-        received = buffer.new_empty(sum(recv_bytes))
+        received = self.payload.empty((sum(recv_bytes),), buffer.dtype, buffer.device)
         work = dist.all_to_all_single(received, buffer, recv_bytes, send_bytes, group=self.process_group,
                                       async_op=True)
 
@@ -147,7 +152,7 @@ class _Bucket:
 class InputDistribution:
     def __init__(self, spec: LiftedModule, schedule: ModuleSchedule, groups: list[GroupRuntime],
                  kept: dict[int, TorchRecGroup], process_groups: dict[str, Any], world: int,
-                 device: torch.device) -> None:
+                 device: torch.device, buffers: Buffers) -> None:
         self.spec, self.groups, self.kept, self.world = spec, groups, kept, world
         self.order = torch.tensor(spec.feature_order, dtype=torch.int32, device=device) if spec.feature_order else None
         self.splits = [len(g.features) for g in spec.groups]
@@ -155,7 +160,7 @@ class InputDistribution:
         self.bucketize = {i: kernel("bucketize", schedule.region("bucketize", i).kernel)
                           for i, g in enumerate(spec.groups) if g.kind in ROW_SHARDED}
         self.recat = {i: kernel("recat", schedule.region("recat", i).kernel) for e in schedule.inputs for i in e.groups}
-        self.buckets = [_Bucket(e.groups, e.packing == "bytes", process_groups[e.process_group], world)
+        self.buckets = [_Bucket(e.groups, e.packing == "bytes", process_groups[e.process_group], world, buffers)
                         for e in schedule.inputs]
 
     @torch.no_grad()

@@ -98,9 +98,11 @@ class InstalledExecutor:
         self._restore.clear()
 
 
-def install(graph: SparseGraph, model: nn.Module, group: Any, device: torch.device) -> InstalledExecutor:
+def install(graph: SparseGraph, model: nn.Module, group: Any, device: torch.device,
+            reuse_buffers: bool = True) -> InstalledExecutor:
     """Run every module of ``graph`` through a :class:`ModuleExecutor` from now on. ``model`` is
-    the root whose forward the training step calls (where early starts begin)."""
+    the root whose forward the training step calls (where early starts begin); ``reuse_buffers``:
+    as the executors'."""
     world = dist.get_world_size(group) if graph.world_size > 1 else 1
     if world != graph.world_size:
         raise ValueError(f"the graph was lifted for {graph.world_size} rank(s), the process group has {world}")
@@ -110,7 +112,7 @@ def install(graph: SparseGraph, model: nn.Module, group: Any, device: torch.devi
     executors, restore = {}, []
     for spec in graph.modules:
         sharded = model.get_submodule(spec.path)
-        executor = ModuleExecutor(spec, sharded, world, rank, process_groups, device, clock)
+        executor = ModuleExecutor(spec, sharded, world, rank, process_groups, device, clock, reuse_buffers)
         had_own = "forward" in sharded.__dict__
         previous = sharded.__dict__.get("forward")
         sharded.forward = executor

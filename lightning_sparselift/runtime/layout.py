@@ -4,11 +4,30 @@ The output all-to-alls (``runtime.collectives``) take either layout."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
+
+from lightning_sparselift.runtime.buffers import Buffer, Buffers
+
+
+@dataclass
+class ExchangeBuffers:
+    """An output bucket's buffers, kept from step to step (see :mod:`~lightning_sparselift.runtime.buffers`):
+    what its all-to-all receives, what the gradient all-to-all receives, and the gradient's send
+    buffer where the layout packs one."""
+
+    received: Buffer = field(default_factory=Buffer)
+    grad_received: Buffer = field(default_factory=Buffer)
+    grad_send: Buffer = field(default_factory=Buffer)
+
+    @classmethod
+    def of(cls, buffers: Buffers, groups: list[int]) -> "ExchangeBuffers":
+        """The buffers of the bucket of ``groups``."""
+        key = tuple(groups)
+        return cls(*(buffers.at((role, key)) for role in ("received", "grad_received", "grad_send")))
 
 
 @dataclass
@@ -26,6 +45,7 @@ class PooledLayout:
     column_index: list[Optional[Tensor]]  # per group: column permutation after the exchange
     rank: int
     raw: bool = False
+    buffers: ExchangeBuffers = field(default_factory=ExchangeBuffers)
 
     @property
     def world(self) -> int:
@@ -67,7 +87,7 @@ class PooledLayout:
                 unpermuted[:, index] = grad
                 grad = unpermuted
             by_source.append(grad.split(d, dim=1))
-        send = grads[0].new_empty(sum(send_sizes))
+        send = self.buffers.grad_send.empty((sum(send_sizes),), grads[0].dtype, grads[0].device)
         offset = 0
         for s in range(self.world):  # each source rank's columns, copied once into their place
             for g, d in enumerate(self.dims):
@@ -104,6 +124,7 @@ class SequenceLayout:
     received: list[list[int]]  # per group: ids each rank sent here (the rows this rank returns)
     group: Any
     rank: int
+    buffers: ExchangeBuffers = field(default_factory=ExchangeBuffers)
 
     def __post_init__(self) -> None:
         self.permuted_lengths: list[Optional[Tensor]] = [None] * len(self.dims)

@@ -15,11 +15,12 @@ from torch import Tensor
 from lightning_sparselift.cost.calibration import RegionClock
 from lightning_sparselift.ir import ModuleSchedule
 from lightning_sparselift.ir.schedule import CONSUMER_KERNEL
+from lightning_sparselift.runtime.buffers import Buffers
 from lightning_sparselift.runtime.collectives import (
     IssueOutputAllToAll, Layout, OutputAllToAll, PooledReduceScatter, WaitOutputAllToAll,
 )
 from lightning_sparselift.runtime.input_dist import Distributed, GroupRuntime
-from lightning_sparselift.runtime.layout import PooledLayout, SequenceLayout
+from lightning_sparselift.runtime.layout import ExchangeBuffers, PooledLayout, SequenceLayout
 from lightning_sparselift.runtime.torchrec_group import TorchRecGroup
 
 
@@ -29,6 +30,7 @@ class _OutputBucket:
     all_to_all: bool  # else a row-wise reduce-scatter
     in_flight: bool  # issued with an early start, waited for at the module's call
     process_group: Any
+    buffers: ExchangeBuffers
 
 
 @dataclass
@@ -52,13 +54,14 @@ class KeptPending:
 
 class OutputDistribution:
     def __init__(self, schedule: ModuleSchedule, groups: list[GroupRuntime], kept: dict[int, TorchRecGroup],
-                 process_groups: dict[str, Any], rank: int, clock: RegionClock) -> None:
+                 process_groups: dict[str, Any], rank: int, clock: RegionClock, buffers: Buffers) -> None:
         self.groups, self.kept, self.rank, self.clock = groups, kept, rank, clock
         # the consumer layout reads what the all-to-alls received as it arrived (and gives their
         # gradients back laid out as the send buffers)
         self.raw = schedule.region("output").kernel == CONSUMER_KERNEL
         self.buckets = [_OutputBucket(e.groups, e.op == "all_to_all_single", e.wait != schedule.lookup_at,
-                                      process_groups[e.process_group]) for e in schedule.outputs]
+                                      process_groups[e.process_group], ExchangeBuffers.of(buffers, e.groups))
+                        for e in schedule.outputs]
 
     def issue(self, locals_: list[Tensor], inputs: list[Distributed], batch_size: int, early: bool
               ) -> tuple[list[Tensor], list[Pending | KeptPending]]:
@@ -105,11 +108,11 @@ class OutputDistribution:
         groups = [self.groups[i] for i in b.groups]
         if groups[0].row_width is None:
             return PooledLayout([g.spec.dim_sum_per_rank for g in groups], batch_size, b.process_group,
-                                [g.column_index for g in groups], self.rank, self.raw)
+                                [g.column_index for g in groups], self.rank, self.raw, b.buffers)
         got = [inputs[i] for i in b.groups]
         return SequenceLayout([g.spec.dim_sum_per_rank for g in groups], [d.kjt.lengths() for d in got],
                               [g.row_recat for g in groups], [g.row_back for g in groups],
-                              [d.sent for d in got], [d.received for d in got], b.process_group, self.rank)
+                              [d.sent for d in got], [d.received for d in got], b.process_group, self.rank, b.buffers)
 
     def wait(self, out: list[Tensor], pending: list[Pending | KeptPending]) -> list[Tensor]:
         for p in pending:

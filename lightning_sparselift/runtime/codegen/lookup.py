@@ -7,12 +7,13 @@ optimizer update, as fbgemm's autograd function does."""
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
+from lightning_sparselift.runtime.buffers import Buffer, Buffers
 from lightning_sparselift.runtime.codegen.build import BuiltKernel, build
 from lightning_sparselift.runtime.codegen.cpu_source import cpu_source
 from lightning_sparselift.runtime.codegen.spec import KernelSpec, Unsupported, spec_of
@@ -52,8 +53,8 @@ class _Lookup(torch.autograd.Function):
     def forward(ctx: Any, placeholder: Tensor, kernel: "TableBatchKernel", ids: Tensor, offsets: Tensor,
                 weights: Optional[Tensor], batch: int) -> Tensor:
         tbe = kernel.tbe
-        out = torch.empty(ids.numel() if kernel.spec.pooling == "none" else batch, kernel.spec.total_dim,
-                          dtype=torch.float32)
+        out = kernel.output.empty((ids.numel() if kernel.spec.pooling == "none" else batch, kernel.spec.total_dim),
+                                  torch.float32, ids.device)
         bad = kernel.library.sl_forward(batch, _bits(ids, "ids"), _bits(offsets, "offsets"), ids.data_ptr(),
                                         offsets.data_ptr(), _ptr(weights), tbe.weights_host.data_ptr(), out.data_ptr())
         if bad != -1:
@@ -85,6 +86,7 @@ class TableBatchKernel:
     tbe: nn.Module
     spec: KernelSpec
     built: BuiltKernel
+    output: Buffer = field(default_factory=lambda: Buffer(reuse=False))  # where its forward writes
 
     @property
     def library(self) -> ctypes.CDLL:
@@ -133,10 +135,11 @@ class GeneratedLookup:
     reason) when one of the lookup's table-batched modules has no generated kernel. With
     ``buckets`` (table names), each kernel runs its tables in those buckets, concurrently.
     Its output is laid out as TorchRec's lookup lays it out: pooled bags side by side; an
-    EmbeddingCollection's rows flat, module after module."""
+    EmbeddingCollection's rows flat, module after module; in ``buffers`` (a lifted module's) when
+    given, else in fresh tensors."""
 
     def __init__(self, lookup: nn.Module, weighted: bool, check_ids: bool,
-                 buckets: Optional[list[list[str]]] = None) -> None:
+                 buckets: Optional[list[list[str]]] = None, buffers: Optional[Buffers] = None) -> None:
         from torchrec.distributed.embedding_lookup import GroupedEmbeddingsLookup, GroupedPooledEmbeddingsLookup
 
         self.pooled = isinstance(lookup, GroupedPooledEmbeddingsLookup)
@@ -152,7 +155,9 @@ class GeneratedLookup:
             spec = spec_of(tbe, weighted, check_ids)
             if buckets:
                 spec = bucketed(spec, table_names(module), buckets)
-            self.kernels.append(TableBatchKernel(tbe, spec, build_lookup(cpu_source(spec), len(spec.buckets) > 1)))
+            output = buffers.at(("lookup", id(tbe), spec.buckets)) if buffers is not None else Buffer(reuse=False)
+            self.kernels.append(TableBatchKernel(tbe, spec, build_lookup(cpu_source(spec), len(spec.buckets) > 1),
+                                                 output))
         self.splits = list(lookup._feature_splits)
 
     @property
