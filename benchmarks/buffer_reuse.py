@@ -13,33 +13,20 @@ slowest rank's.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from two_ranks import bench_env, spawn, warmed_up
 
 
-def _worker(rank: int, scenario: str, port: int, pairs: int, run: int, optimizations: list[str]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    from lightning_sparselift.bench import scenarios
-    from lightning_sparselift.bench.runner import BenchConfig, _data
-    from lightning_sparselift.bench.systems import BenchEnv, SparseLift
+def _worker(rank: int, scenario: str, pairs: int, run: int, optimizations: list[str]) -> None:
+    from lightning_sparselift.bench.systems import SparseLift
     from lightning_sparselift.cost.decision import paired_estimate
 
-    config = BenchConfig(scenario=scenario, world_size=2)
-    loaded = scenarios.load(scenario)
-    env = BenchEnv(loaded, rank, 2, _data(config, loaded).split("train"))
-    system = SparseLift(env, {"optimizations": optimizations, "calibrate": False})
-    system.setup()
-    step = 0
-    while not system.ready or step < 8:
-        system.step(step)
-        step += 1
+    system = SparseLift(bench_env(rank, scenario), {"optimizations": optimizations, "calibrate": False})
+    step = warmed_up(system)
     executors = list(system.session.installed.executors.values())
     samples: dict[bool, list[list[float]]] = {True: [], False: []}  # reuse -> per step [wall, thread, process]
     measured = run - 1
@@ -70,7 +57,6 @@ def _worker(rank: int, scenario: str, port: int, pairs: int, run: int, optimizat
                 print(f"  {who:<12s} {metric:<20s} reuse on {sorted(on)[len(on) // 2]:7.2f} ms, off "
                       f"{sorted(off)[len(off) // 2]:7.2f} ms: off - on {e.increment_ms:+.3f} ms "
                       f"[{e.interval_ms[0]:+.3f}, {e.interval_ms[1]:+.3f}] ({e.pairs} pairs, {e.outliers} outliers)")
-    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -82,10 +68,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.run < 2:
         parser.error("--run must be >= 2 (its first step is not measured)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(args.scenario, port, args.pairs, args.run, args.optimizations.split(",")), nprocs=2)
+    spawn(_worker, args.scenario, args.pairs, args.run, args.optimizations.split(","))
 
 
 if __name__ == "__main__":

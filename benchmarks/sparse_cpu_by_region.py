@@ -13,16 +13,12 @@ other threads' CPU (gloo's exchanges).
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from two_ranks import bench_env, spawn, warmed_up
 
 
 def _timed(acc: dict[str, float], key: str, fn: Callable[..., Any],
@@ -57,25 +53,14 @@ def _instrument(session: Any, acc: dict[str, float]) -> None:
         ex.output = _timed(acc, "KeyedTensor", ex.output)
 
 
-def _worker(rank: int, scenario: str, port: int, steps: int, optimizations: list[str]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    from lightning_sparselift.bench import scenarios
-    from lightning_sparselift.bench.runner import BenchConfig, _data
-    from lightning_sparselift.bench.systems import BenchEnv, DenseOnly, SparseLift, TorchRecSparseDist
+def _worker(rank: int, scenario: str, steps: int, optimizations: list[str]) -> None:
+    from lightning_sparselift.bench.systems import DenseOnly, SparseLift, TorchRecSparseDist
 
-    config = BenchConfig(scenario=scenario, world_size=2)
-    loaded = scenarios.load(scenario)
-    env = BenchEnv(loaded, rank, 2, _data(config, loaded).split("train"))
+    env = bench_env(rank, scenario)
     results = {}
     for system in (DenseOnly(env), TorchRecSparseDist(env),
                    SparseLift(env, {"optimizations": optimizations, "calibrate": False})):
-        system.setup()
-        step = 0
-        while not system.ready or step < 8:
-            system.step(step)
-            step += 1
+        step = warmed_up(system)
         acc: dict[str, float] = defaultdict(float)
         clock = None
         if isinstance(system, SparseLift):
@@ -96,7 +81,6 @@ def _worker(rank: int, scenario: str, port: int, steps: int, optimizations: list
             print(name)
             for key, ms in regions.items():
                 print(f"  {key:<58s} {ms:8.2f} ms/step")
-    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -105,10 +89,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--optimizations", default="aggregation,latency_hiding,codegen")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(args.scenario, port, args.steps, args.optimizations.split(",")), nprocs=2)
+    spawn(_worker, args.scenario, args.steps, args.optimizations.split(","))
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ class Buffer:
     """One allocation site's memory (a fresh tensor every call when ``reuse`` is off)."""
 
     def __init__(self, reuse: bool = True) -> None:
-        self.reuse = reuse and _use_count is not None
+        self.reuse = reuse
         self._kept: list[tuple[Tensor, int]] = []  # (bytes never handed out themselves, their idle use count)
         self.reused = 0  # calls that got kept memory
 
@@ -53,7 +53,7 @@ class Buffer:
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
         """An uninitialized contiguous tensor of ``shape`` (as ``torch.empty``)."""
-        if not self.reuse or device.type != "cpu":
+        if not self.reuse or _use_count is None or device.type != "cpu":
             return torch.empty(shape, dtype=dtype, device=device)
         nbytes = math.prod(shape) * dtype.itemsize
         free = [i for i, (base, idle) in enumerate(self._kept) if _holders(base) == idle]
@@ -91,7 +91,7 @@ class Buffers:
         """Every site's (off: fresh tensors, the kept memory let go)."""
         self._reuse = on
         for buffer in self._sites.values():
-            buffer.reuse = on and _use_count is not None
+            buffer.reuse = on
             if not on:
                 buffer.release()
 

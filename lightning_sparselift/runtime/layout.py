@@ -4,7 +4,7 @@ The output all-to-alls (``runtime.collectives``) take either layout."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -19,9 +19,9 @@ class ExchangeBuffers:
     what its all-to-all receives, what the gradient all-to-all receives, and the gradient's send
     buffer where the layout packs one."""
 
-    received: Buffer = field(default_factory=Buffer)
-    grad_received: Buffer = field(default_factory=Buffer)
-    grad_send: Buffer = field(default_factory=Buffer)
+    received: Buffer
+    grad_received: Buffer
+    grad_send: Buffer
 
     @classmethod
     def of(cls, buffers: Buffers, groups: list[int]) -> "ExchangeBuffers":
@@ -44,8 +44,8 @@ class PooledLayout:
     group: Any
     column_index: list[Optional[Tensor]]  # per group: column permutation after the exchange
     rank: int
+    buffers: ExchangeBuffers
     raw: bool = False
-    buffers: ExchangeBuffers = field(default_factory=ExchangeBuffers)
 
     @property
     def world(self) -> int:
@@ -124,7 +124,7 @@ class SequenceLayout:
     received: list[list[int]]  # per group: ids each rank sent here (the rows this rank returns)
     group: Any
     rank: int
-    buffers: ExchangeBuffers = field(default_factory=ExchangeBuffers)
+    buffers: ExchangeBuffers
 
     def __post_init__(self) -> None:
         self.permuted_lengths: list[Optional[Tensor]] = [None] * len(self.dims)

@@ -108,7 +108,7 @@ class OutputDistribution:
         groups = [self.groups[i] for i in b.groups]
         if groups[0].row_width is None:
             return PooledLayout([g.spec.dim_sum_per_rank for g in groups], batch_size, b.process_group,
-                                [g.column_index for g in groups], self.rank, self.raw, b.buffers)
+                                [g.column_index for g in groups], self.rank, b.buffers, self.raw)
         got = [inputs[i] for i in b.groups]
         return SequenceLayout([g.spec.dim_sum_per_rank for g in groups], [d.kjt.lengths() for d in got],
                               [g.row_recat for g in groups], [g.row_back for g in groups],

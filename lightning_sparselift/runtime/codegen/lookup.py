@@ -155,7 +155,8 @@ class GeneratedLookup:
             spec = spec_of(tbe, weighted, check_ids)
             if buckets:
                 spec = bucketed(spec, table_names(module), buckets)
-            output = buffers.at(("lookup", id(tbe), spec.buckets)) if buffers is not None else Buffer(reuse=False)
+            # (one site per table-batched module: its output has one shape whatever the buckets)
+            output = buffers.at(("lookup", id(tbe))) if buffers is not None else Buffer(reuse=False)
             self.kernels.append(TableBatchKernel(tbe, spec, build_lookup(cpu_source(spec), len(spec.buckets) > 1),
                                                  output))
         self.splits = list(lookup._feature_splits)
