@@ -1,7 +1,12 @@
+import os
 
 import pytest
 import torch
 
+# Triton decides at import whether its kernels (and its own library's) are interpreted: without
+# a GPU the generated Triton kernels run interpreted on CPU tensors (tests/test_triton_lookup.py)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

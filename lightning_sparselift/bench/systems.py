@@ -292,7 +292,7 @@ class SparseLift(LoopSystem):
         self.session = (SparseLiftSession(wrapped, self.model.plan, paths, s.warmup_batches, dist.group.WORLD,
                                           torch.device("cpu"), s.optimizations, s.calibrate, s.plan_path,
                                           s.decision_rule, workspace_budget_bytes=s.workspace_budget_bytes,
-                                          reuse_buffers=s.reuse_buffers)
+                                          reuse_buffers=s.reuse_buffers, numerics=s.numerics)
                         if s.executor == "sparselift" else None)
         self._timed_sharded(wrapped, self.optimizer)
 

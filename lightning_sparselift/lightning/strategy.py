@@ -50,6 +50,7 @@ from lightning_sparselift.lightning.report import report_events, report_metrics,
 from lightning_sparselift.sharding import EmbeddingOptimizer, combine_optimizers, shard_model
 from lightning_sparselift.lightning.signals import SignalConnector
 from lightning_sparselift.lightning.step_check import NON_FINITE_POLICIES, StepCheck
+from lightning_sparselift.runtime.codegen.lookup import NUMERICS
 
 if TYPE_CHECKING:
     from lightning_sparselift.ir import SparseGraph
@@ -117,6 +118,10 @@ class SparseLiftStrategy(ParallelStrategy):
             page-faulted in) again; memory something still holds (e.g. a step's output the model
             kept) is never handed out again (default True). Between steps each site keeps at most
             two blocks.
+        numerics: ``"exact"`` (default): only generated kernels whose results are bit-identical
+            to TorchRec's / fbgemm's run (the C++ kernels on CPU); ``"fast"`` also lets kernels
+            whose rounding may differ run: the Triton kernels on CUDA tables, whose bit identity
+            with fbgemm's CUDA kernels is not established (see the README for their error bound).
         plan_path: a JSON file for the execution plan: reused (no calibration) when it was made
             for the same model, sharding plan, world size, backend and versions and its graph is
             what its accepted candidates give on this run's lift; otherwise planned again and
@@ -175,6 +180,7 @@ class SparseLiftStrategy(ParallelStrategy):
         calibration_min_lookup_gain: float = DecisionRule.min_lookup_gain,
         workspace_budget_mb: Optional[float] = None,
         reuse_buffers: bool = True,
+        numerics: str = "exact",
         plan_path: Optional[str] = None,
         warmup_batches: int = 3,
         verify_steps: int = 40,
@@ -225,6 +231,9 @@ class SparseLiftStrategy(ParallelStrategy):
             raise ValueError(f"workspace_budget_mb must be >= 0 (MiB per rank) or None, got {workspace_budget_mb!r}")
         self.workspace_budget_bytes = None if workspace_budget_mb is None else int(float(workspace_budget_mb) * 2**20)
         self.reuse_buffers = bool(reuse_buffers)
+        if numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
+        self.numerics = numerics
         self.plan_path = str(plan_path) if plan_path is not None else None
         self.warmup_batches = int(warmup_batches)
         from lightning_sparselift.plan.verification import check_steady_options
@@ -459,7 +468,8 @@ class SparseLiftStrategy(ParallelStrategy):
                                               self.warmup_batches, torch.distributed.group.WORLD, self.root_device,
                                               self.optimizations, self.calibrate, self.plan_path,
                                               self.decision_rule, workspace_budget_bytes=self.workspace_budget_bytes,
-                                              reuse_buffers=self.reuse_buffers, **self.steady_state_options)
+                                              reuse_buffers=self.reuse_buffers, numerics=self.numerics,
+                                              **self.steady_state_options)
 
     @property
     def steady_state_options(self) -> dict[str, Any]:

@@ -57,14 +57,16 @@ class _Prefetch:
 class ModuleExecutor:
     def __init__(self, spec: LiftedModule, sharded: nn.Module, world_size: int, rank: int,
                  process_groups: dict[str, Any], device: torch.device, clock: RegionClock,
-                 reuse_buffers: bool = True) -> None:
+                 reuse_buffers: bool = True, numerics: str = "exact") -> None:
         """``reuse_buffers``: the buffers the runtime fills every step keep their memory from step
-        to step (see :mod:`~lightning_sparselift.runtime.buffers`)."""
+        to step (see :mod:`~lightning_sparselift.runtime.buffers`); ``numerics``: which generated
+        kernels may run (see :func:`~lightning_sparselift.runtime.codegen.lookup.build_kernel`)."""
         self.spec = spec
         self.module = sharded
         self.world, self.rank, self.device, self.clock = world_size, rank, device, clock
         self.process_groups = process_groups
         self.buffers = Buffers(reuse_buffers)
+        self.numerics = numerics
         self.groups = [GroupRuntime.build(g, lookup, world_size, rank, device, spec.pooled)
                        for g, lookup in zip(spec.groups, sharded._lookups)]
         self.kept = {g.index: TorchRecGroup(sharded, g.index) for g in spec.groups if g.not_lifted}
@@ -141,7 +143,8 @@ class ModuleExecutor:
             # ids are checked in the kernel only when no input check runs before it (never twice)
             checked = any(isinstance(h, InputCheck) for h in self.module._forward_pre_hooks.values())
             built = self.generated[key] = GeneratedLookup(self.groups[group].lookup, self.spec.weighted,
-                                                          check_ids=not checked, buckets=region.buckets,
+                                                          check_ids=not checked, numerics=self.numerics,
+                                                          buckets=region.buckets,
                                                           buffers=self.buffers)
             if region.buckets:
                 self.bucket_builds.append({"module": self.spec.path, "group": group, "buckets": len(region.buckets),

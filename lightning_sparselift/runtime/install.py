@@ -99,10 +99,10 @@ class InstalledExecutor:
 
 
 def install(graph: SparseGraph, model: nn.Module, group: Any, device: torch.device,
-            reuse_buffers: bool = True) -> InstalledExecutor:
+            reuse_buffers: bool = True, numerics: str = "exact") -> InstalledExecutor:
     """Run every module of ``graph`` through a :class:`ModuleExecutor` from now on. ``model`` is
-    the root whose forward the training step calls (where early starts begin); ``reuse_buffers``:
-    as the executors'."""
+    the root whose forward the training step calls (where early starts begin); ``reuse_buffers``,
+    ``numerics``: as the executors'."""
     world = dist.get_world_size(group) if graph.world_size > 1 else 1
     if world != graph.world_size:
         raise ValueError(f"the graph was lifted for {graph.world_size} rank(s), the process group has {world}")
@@ -112,7 +112,8 @@ def install(graph: SparseGraph, model: nn.Module, group: Any, device: torch.devi
     executors, restore = {}, []
     for spec in graph.modules:
         sharded = model.get_submodule(spec.path)
-        executor = ModuleExecutor(spec, sharded, world, rank, process_groups, device, clock, reuse_buffers)
+        executor = ModuleExecutor(spec, sharded, world, rank, process_groups, device, clock, reuse_buffers,
+                                  numerics)
         had_own = "forward" in sharded.__dict__
         previous = sharded.__dict__.get("forward")
         sharded.forward = executor

@@ -1,12 +1,14 @@
 """Build a generated C++ kernel with ``torch.utils.cpp_extension`` (the machine's compiler and
-ninja) into a cache keyed by the hash of its source and flags, and load it. A second run of the
-same model finds the library there and compiles nothing."""
+ninja) into a cache keyed by the hash of its source and flags, and load it; or write a generated
+Triton module there and import it. A second run of the same model finds the library there and
+compiles nothing."""
 
 from __future__ import annotations
 
 import ctypes
 import fcntl
 import hashlib
+import importlib.util
 import os
 import time
 from contextlib import contextmanager
@@ -80,7 +82,7 @@ def _compile(name: str, folder: Path, source: str, flags: list[str], openmp: boo
 
 @dataclass
 class BuiltKernel:
-    library: ctypes.CDLL
+    library: Any  # the loaded ctypes.CDLL (C++) or Python module (Triton)
     path: str
     key: str
     cached: bool  # found in the cache: nothing was compiled
@@ -118,3 +120,37 @@ def build(source: str, entry_points: dict[str, tuple[Any, list[Any]]], kind: str
     for entry, (result, arguments) in entry_points.items():
         getattr(loaded, entry).restype, getattr(loaded, entry).argtypes = result, arguments
     return BuiltKernel(loaded, str(library), key, cached, time.perf_counter() - start)
+
+
+# imported Triton modules by file and mode (``TRITON_INTERPRET`` is read when a kernel is decorated)
+_modules: dict[tuple[str, str], Any] = {}
+
+
+def build_triton(source: str, kind: str) -> BuiltKernel:
+    """The imported Triton module of ``source``, written once into the cache (Triton compiles each
+    kernel specialisation on its first launch, into its own cache). :class:`Unsupported` when
+    Triton is not installed or the source does not import."""
+    try:
+        import triton
+    except ImportError as error:
+        raise Unsupported("Triton is not installed (the gpu extra installs it)") from error
+    key = hashlib.sha256("\n".join([source, triton.__version__]).encode()).hexdigest()[:20]
+    folder = cache_dir() / f"sparselift_triton_{kind}_{key}"
+    path = folder / "kernel.py"
+    start = time.perf_counter()
+    cached = path.exists()
+    if not cached:
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = folder / f"kernel.py.{os.getpid()}"  # ranks writing at once: each renames a complete file
+        partial.write_text(source)
+        partial.replace(path)
+    mode = (str(path), os.environ.get("TRITON_INTERPRET", "0"))
+    if mode not in _modules:
+        spec = importlib.util.spec_from_file_location(f"sparselift_triton_{kind}_{key}", path)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as error:  # a generated module that does not import is a build failure
+            raise Unsupported(f"the generated Triton kernel {path} did not import ({error})") from error
+        _modules[mode] = module
+    return BuiltKernel(_modules[mode], str(path), key, cached, time.perf_counter() - start)

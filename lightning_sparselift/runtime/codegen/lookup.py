@@ -14,9 +14,10 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sparselift.runtime.buffers import Buffer, Buffers
-from lightning_sparselift.runtime.codegen.build import BuiltKernel, build
+from lightning_sparselift.runtime.codegen.build import BuiltKernel, build, build_triton
 from lightning_sparselift.runtime.codegen.cpu_source import cpu_source
 from lightning_sparselift.runtime.codegen.spec import KernelSpec, Unsupported, spec_of
+from lightning_sparselift.runtime.codegen.triton_source import triton_source
 
 _BITS = {torch.int32: 32, torch.int64: 64}
 # the generated source's functions (cpu_source): their ctypes result and argument types
@@ -25,9 +26,28 @@ _ENTRY_POINTS = {"sl_forward": (ctypes.c_int64, [ctypes.c_int64, ctypes.c_int, c
                                  + [ctypes.c_float])}
 
 
+# what each ``numerics`` setting of the strategy lets generated kernels do
+NUMERICS = ("exact", "fast")
+
+
 def build_lookup(source: str, openmp: bool = False) -> BuiltKernel:
-    """The built library of a generated lookup's ``source`` (see :func:`~.build.build`)."""
+    """The built library of a generated lookup's C++ ``source`` (see :func:`~.build.build`)."""
     return build(source, _ENTRY_POINTS, "lookup", openmp)
+
+
+def build_kernel(spec: KernelSpec, numerics: str) -> BuiltKernel:
+    """The built kernel of ``spec``: C++ for host tables, Triton for device tables (whose
+    rounding is not shown to be fbgemm's CUDA kernels': only under ``numerics="fast"``)."""
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
+    if spec.device == "cpu":
+        return build_lookup(cpu_source(spec), len(spec.buckets) > 1)
+    if numerics == "exact":
+        raise Unsupported("device tables: the generated Triton kernels are not shown bit-identical to fbgemm's CUDA "
+                          "kernels (numerics='fast' runs them)")
+    if len(spec.buckets) > 1:
+        raise Unsupported("buckets on device tables (they need a CUDA stream each, not built)")
+    return build_triton(triton_source(spec), "lookup")
 
 
 def _ptr(t: Optional[Tensor]) -> Optional[int]:
@@ -52,11 +72,9 @@ class _Lookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, placeholder: Tensor, kernel: "TableBatchKernel", ids: Tensor, offsets: Tensor,
                 weights: Optional[Tensor], batch: int) -> Tensor:
-        tbe = kernel.tbe
         out = kernel.output.empty((ids.numel() if kernel.spec.pooling == "none" else batch, kernel.spec.total_dim),
                                   torch.float32, ids.device)
-        bad = kernel.library.sl_forward(batch, _bits(ids, "ids"), _bits(offsets, "offsets"), ids.data_ptr(),
-                                        offsets.data_ptr(), _ptr(weights), tbe.weights_host.data_ptr(), out.data_ptr())
+        bad = kernel.forward(batch, ids, offsets, weights, out)
         if bad != -1:
             _raise_bad_id(kernel, ids, bad)
         ctx.kernel, ctx.batch = kernel, batch
@@ -67,13 +85,7 @@ class _Lookup(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[None, ...]:
         kernel: TableBatchKernel = ctx.kernel
         ids, offsets, weights = ctx.saved_tensors
-        grad = grad.contiguous()
-        tbe = kernel.tbe
-        state = tbe.momentum1_host.data_ptr() if kernel.spec.optimizer != "sgd" else None
-        bad = kernel.library.sl_backward(ctx.batch, _bits(ids, "ids"), _bits(offsets, "offsets"), ids.data_ptr(),
-                                         offsets.data_ptr(), _ptr(weights), grad.data_ptr(),
-                                         tbe.weights_host.data_ptr(), state,
-                                         ctypes.c_float(float(tbe.learning_rate_tensor)))
+        bad = kernel.backward(ctx.batch, ids, offsets, weights, grad.contiguous())
         if bad != -1:
             _raise_bad_id(kernel, ids, bad)
         return None, None, None, None, None, None
@@ -81,16 +93,34 @@ class _Lookup(torch.autograd.Function):
 
 @dataclass
 class TableBatchKernel:
-    """The generated kernel of one fbgemm table-batched embedding module."""
+    """The generated kernel of one fbgemm table-batched embedding module: the C++ library (host
+    tables) or the Triton module (device tables) built from its spec."""
 
     tbe: nn.Module
     spec: KernelSpec
     built: BuiltKernel
     output: Buffer = field(default_factory=lambda: Buffer(reuse=False))  # where its forward writes
 
-    @property
-    def library(self) -> ctypes.CDLL:
-        return self.built.library
+    def forward(self, batch: int, ids: Tensor, offsets: Tensor, weights: Optional[Tensor], out: Tensor) -> int:
+        """Pool ``batch`` bags per feature into ``out``; -1, or the position of an out-of-range id."""
+        tbe, library = self.tbe, self.built.library
+        if self.spec.device == "cuda":
+            return library.forward(batch, ids, offsets, weights, tbe.weights_dev, out)
+        return library.sl_forward(batch, _bits(ids, "ids"), _bits(offsets, "offsets"), ids.data_ptr(),
+                                  offsets.data_ptr(), _ptr(weights), tbe.weights_host.data_ptr(), out.data_ptr())
+
+    def backward(self, batch: int, ids: Tensor, offsets: Tensor, weights: Optional[Tensor], grad: Tensor) -> int:
+        """Each touched row's summed gradient and the fused update of it and its optimizer state."""
+        tbe, library, optimizer = self.tbe, self.built.library, self.spec.optimizer
+        lr = float(tbe.learning_rate_tensor)
+        if self.spec.device == "cuda":
+            return library.backward(batch, ids, offsets, weights, grad, tbe.weights_dev,
+                                    tbe.momentum1_dev if optimizer != "sgd" else None,
+                                    tbe.momentum2_dev if optimizer == "adam" else None, lr, int(tbe.iter_cpu.item()))
+        state = tbe.momentum1_host.data_ptr() if optimizer != "sgd" else None
+        return library.sl_backward(batch, _bits(ids, "ids"), _bits(offsets, "offsets"), ids.data_ptr(),
+                                   offsets.data_ptr(), _ptr(weights), grad.data_ptr(), tbe.weights_host.data_ptr(),
+                                   state, ctypes.c_float(lr))
 
     def __call__(self, kjt: Any) -> Tensor:
         weights = kjt.weights_or_none() if self.spec.weighted else None
@@ -107,7 +137,7 @@ class TableBatchKernel:
         """The counters fbgemm's forward keeps (its iteration counter is checkpointed)."""
         tbe = self.tbe
         tbe.step += 1
-        if self.spec.optimizer == "rowwise_adagrad":
+        if self.spec.optimizer in ("rowwise_adagrad", "adam"):
             if int(tbe.iter_cpu.item()) == 0:
                 tbe.iter_cpu.fill_(tbe.iter.cpu().item())
             tbe.iter_cpu.add_(1)
@@ -136,9 +166,9 @@ class GeneratedLookup:
     ``buckets`` (table names), each kernel runs its tables in those buckets, concurrently.
     Its output is laid out as TorchRec's lookup lays it out: pooled bags side by side; an
     EmbeddingCollection's rows flat, module after module; in ``buffers`` (a lifted module's) when
-    given, else in fresh tensors."""
+    given, else in fresh tensors. ``numerics``: see :func:`build_kernel`."""
 
-    def __init__(self, lookup: nn.Module, weighted: bool, check_ids: bool,
+    def __init__(self, lookup: nn.Module, weighted: bool, check_ids: bool, numerics: str,
                  buckets: Optional[list[list[str]]] = None, buffers: Optional[Buffers] = None) -> None:
         from torchrec.distributed.embedding_lookup import GroupedEmbeddingsLookup, GroupedPooledEmbeddingsLookup
 
@@ -157,8 +187,7 @@ class GeneratedLookup:
                 spec = bucketed(spec, table_names(module), buckets)
             # (one site per table-batched module: its output has one shape whatever the buckets)
             output = buffers.at(("lookup", id(tbe))) if buffers is not None else Buffer(reuse=False)
-            self.kernels.append(TableBatchKernel(tbe, spec, build_lookup(cpu_source(spec), len(spec.buckets) > 1),
-                                                 output))
+            self.kernels.append(TableBatchKernel(tbe, spec, build_kernel(spec, numerics), output))
         self.splits = list(lookup._feature_splits)
 
     @property

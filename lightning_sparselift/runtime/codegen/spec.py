@@ -9,8 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# fbgemm's CPU optimizers a generated kernel reproduces bit for bit (OptimType values)
-OPTIMIZERS = {"exact_sgd": "sgd", "exact_adagrad": "adagrad", "exact_row_wise_adagrad": "rowwise_adagrad"}
+# fbgemm's optimizers a generated kernel applies (OptimType values)
+OPTIMIZERS = {"exact_sgd": "sgd", "exact_adagrad": "adagrad", "exact_row_wise_adagrad": "rowwise_adagrad",
+              "adam": "adam"}
+# those fbgemm's CPU module runs (the C++ kernels reproduce them bit for bit; it refuses Adam)
+HOST_OPTIMIZERS = ("adagrad", "rowwise_adagrad", "sgd")
 # fbgemm's PoolingMode values (none: a row per id, as an EmbeddingCollection's lookups return)
 POOLING = {0: "sum", 1: "mean", 2: "none"}
 
@@ -27,6 +30,7 @@ class TableSpec:
     state_offset: int  # first element of its optimizer state (momentum1); 0 without state
     first_feature: int
     end_feature: int  # features [first_feature, end_feature) read this table, in KJT order
+    state2_offset: int = 0  # first element of its second state (Adam's momentum2)
 
 
 @dataclass(frozen=True)
@@ -35,9 +39,12 @@ class KernelSpec:
     total_dim: int  # output columns: the features' dims in feature order (none: the rows' one width)
     pooling: str  # sum | mean | none
     weighted: bool
-    optimizer: str  # sgd | adagrad | rowwise_adagrad
+    optimizer: str  # sgd | adagrad | rowwise_adagrad | adam
     eps: float
     check_ids: bool  # no input check runs before the kernel: it rejects out-of-range ids itself
+    device: str = "cpu"  # where the tables are: cpu (C++ kernel) | cuda (Triton kernel)
+    beta1: float = 0.0  # Adam's
+    beta2: float = 0.0
     # tables of each bucket: buckets are independent (disjoint tables, features and output
     # columns) and may run concurrently; one bucket of every table by default
     buckets: tuple[tuple[int, ...], ...] = ()
@@ -74,16 +81,22 @@ def spec_of(tbe: Any, weighted: bool, check_ids: bool) -> KernelSpec:
         raise Unsupported(f"optimizer {tbe.optimizer.value}: generated kernels reproduce {sorted(OPTIMIZERS.values())}")
     if str(tbe.weights_precision).lower() not in ("fp32", "sparsetype.fp32"):
         raise Unsupported(f"weights in {tbe.weights_precision}: generated kernels handle fp32 tables")
-    if tbe.weights_host.numel() == 0 or tbe.weights_host.device.type != "cpu":
-        raise Unsupported("tables not in host memory: the C++ kernel runs on CPU tables")
+    placements = set(tbe.weights_placements.tolist())
+    if placements == {EmbeddingLocation.HOST.value} and tbe.weights_host.numel():
+        device = "cpu"
+    elif placements == {EmbeddingLocation.DEVICE.value} and tbe.weights_dev.is_cuda:
+        device = "cuda"
+    else:
+        raise Unsupported("tables placed in managed or cached memory, or mixed: generated kernels read host tables "
+                          "(C++) or device tables (Triton)")
+    if device == "cpu" and optimizer not in HOST_OPTIMIZERS:
+        raise Unsupported(f"{optimizer} on host tables: fbgemm's CPU module has no state for it to update")
     pooling = POOLING.get(int(tbe.pooling_mode))
     if pooling is None:
         raise Unsupported(f"pooling mode {tbe.pooling_mode}: generated kernels pool by sum or mean, or return rows")
     args = tbe.optimizer_args
     if args.weight_decay != 0 or args.gradient_clipping or args.max_norm != 0:
         raise Unsupported("weight decay, gradient clipping or max-norm in the fused optimizer")
-    if set(tbe.weights_placements.tolist()) != {EmbeddingLocation.HOST.value}:
-        raise Unsupported("tables placed on a device, managed or cached memory: the C++ kernel reads host tables")
     table_of = list(tbe.feature_table_map)
     if table_of != sorted(table_of):
         raise Unsupported("features do not read their tables in table order")
@@ -91,12 +104,14 @@ def spec_of(tbe: Any, weighted: bool, check_ids: bool) -> KernelSpec:
     dims = (tbe.D_offsets[1:] - tbe.D_offsets[:-1]).tolist()
     rows = tbe.rows_per_table.tolist()
     state = tbe.momentum1_offsets.tolist() if optimizer != "sgd" else [0] * len(table_of)
+    state2 = tbe.momentum2_offsets.tolist() if optimizer == "adam" else [0] * len(table_of)
     tables = []
     for t in range(max(table_of) + 1):
         features = [f for f, x in enumerate(table_of) if x == t]
         first = features[0]
         tables.append(TableSpec(rows=int(rows[first]), dim=int(dims[first]), weights_offset=int(weights_offsets[first]),
-                                state_offset=int(state[first]), first_feature=first, end_feature=features[-1] + 1))
+                                state_offset=int(state[first]), first_feature=first, end_feature=features[-1] + 1,
+                                state2_offset=int(state2[first])))
     total_dim = int(tbe.D_offsets[-1])
     if pooling == "none":
         widths = sorted({t.dim for t in tables})
@@ -105,4 +120,6 @@ def spec_of(tbe: Any, weighted: bool, check_ids: bool) -> KernelSpec:
                               f"generated kernels return rows of one width, unweighted")
         total_dim = widths[0]
     return KernelSpec(tables=tuple(tables), total_dim=total_dim, pooling=pooling, weighted=weighted,
-                      optimizer=optimizer, eps=float(args.eps), check_ids=check_ids)
+                      optimizer=optimizer, eps=float(args.eps), check_ids=check_ids, device=device,
+                      beta1=float(args.beta1) if optimizer == "adam" else 0.0,
+                      beta2=float(args.beta2) if optimizer == "adam" else 0.0)
