@@ -1,6 +1,6 @@
 """Peak memory per rank: TorchRec's pipeline, SparseLift with the reference kernels (the identity
 plan on the lifted executor) and SparseLift with generated kernels (code generation's lookups and
-output layout, applied without calibration, kept buffers on), each in fresh processes on 2 ranks
+output layout, applied without calibration; kept buffers on, and off), each in fresh processes on 2 ranks
 so each peak is its own. Per rank: the resident set after the bench data is loaded, the peak
 resident set (``ru_maxrss``) after the system's warmup and ``--steps`` steps, and the bytes of
 the sharded tables and their optimizer state (the storage every system updates in place).
@@ -22,6 +22,7 @@ SYSTEMS = {
     "torchrec": None,
     "sparselift-reference-kernels": {"optimizations": [], "calibrate": False},
     "sparselift-generated-kernels": {"optimizations": ["codegen"], "calibrate": False},
+    "sparselift-generated-fresh-buffers": {"optimizations": ["codegen"], "calibrate": False, "reuse_buffers": False},
 }
 
 
@@ -34,10 +35,14 @@ def _state_mb(module: torch.nn.Module) -> float:
     """The fused tables and optimizer state the rank's table-batched modules hold."""
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
-    total = 0
-    for m in module.modules():
-        if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen):
-            total += sum(t.numel() * t.element_size() for t in (m.weights_host, m.momentum1_host, m.momentum2_host))
+    seen, total = set(), 0
+    # (TorchRec's sharded modules keep their lookups in a plain list, which modules() does not walk)
+    for lookup in (lk for m in module.modules() for lk in getattr(m, "_lookups", [])):
+        for m in lookup.modules():
+            if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen) and id(m) not in seen:
+                seen.add(id(m))
+                total += sum(t.numel() * t.element_size() for t in (m.weights_host, m.momentum1_host,
+                                                                     m.momentum2_host))
     return total / 2**20
 
 

@@ -131,7 +131,7 @@ def _layout_and_reference(order, before):
     graph, m = _with_consumer(OutputConsumer(order, before, 0))
     m.schedule.region("output").kernel = CONSUMER_KERNEL
     out = torch.randn(6, 8, requires_grad=True)  # the group's output: keys a, b (4 columns each)
-    return ConsumerOutput(m, m.schedule, LayoutKernel(m, 1), Buffers()), m, out
+    return ConsumerOutput(m, m.schedule, LayoutKernel(m, 1, torch.device("cpu")), Buffers()), m, out
 
 
 @pytest.mark.parametrize("before", [0, 3])
@@ -168,3 +168,12 @@ def test_any_other_concatenation_copies_as_usual():
     again = torch.cat([kt["b"], kt["a"]], dim=1)  # a second one must not share the first one's memory
     assert first.data_ptr() == kt.values().data_ptr() and again.data_ptr() != first.data_ptr()
     assert torch.equal(first, again) and type(again) is torch.Tensor
+
+
+def test_device_tensors_get_no_layout_kernel():
+    """The layout kernel writes host memory: on CUDA the candidate is infeasible with the reason."""
+    from lightning_sparselift.runtime.codegen import Unsupported
+
+    _, m = _with_consumer(OutputConsumer(["a", "b"], 0, 0))
+    with pytest.raises(Unsupported, match="on cuda the model's concatenation copies"):
+        LayoutKernel(m, 1, torch.device("cuda"))

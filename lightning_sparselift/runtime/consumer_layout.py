@@ -33,6 +33,7 @@ from lightning_sparselift.ir import LiftedModule, ModuleSchedule
 from lightning_sparselift.ir.vocab import output_collective
 from lightning_sparselift.runtime.buffers import Buffer, Buffers
 from lightning_sparselift.runtime.codegen.build import build
+from lightning_sparselift.runtime.codegen.spec import Unsupported
 
 Runs = list[tuple[int, int, int]]  # (first column in the block, first column in the consumer's tensor, width)
 
@@ -159,7 +160,10 @@ _ENTRY_POINTS = {"sl_layout_forward": (ctypes.c_int64, [ctypes.c_int64, ctypes.c
 class LayoutKernel:
     """A module's generated layout kernel (built once per module, whatever its schedule)."""
 
-    def __init__(self, spec: LiftedModule, world: int) -> None:
+    def __init__(self, spec: LiftedModule, world: int, device: torch.device) -> None:
+        if device.type != "cpu":
+            raise Unsupported(f"the layout kernel is C++ over host memory; on {device.type} the model's concatenation "
+                              f"copies as with TorchRec")
         self.width, self.dims, self.blocks = layout_blocks(spec, world)
         self.built = build(layout_source(self.width, self.blocks), _ENTRY_POINTS, "layout")
 

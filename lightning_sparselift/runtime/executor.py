@@ -129,7 +129,7 @@ class ModuleExecutor:
         """The module's generated consumer layout kernel, built (or loaded from the cache) on first
         use; LookupError without a captured concatenation, :class:`Unsupported` when it cannot be built."""
         if self.layout is None:
-            self.layout = LayoutKernel(self.spec, self.world)
+            self.layout = LayoutKernel(self.spec, self.world, self.device)
         return self.layout
 
     def lookup_kernel(self, group: int, region: Region) -> Callable[[nn.Module, Any], Tensor]:
