@@ -268,6 +268,8 @@ class SparseLiftSession:
         if self._in_step:
             raise RuntimeError(f"SparseLift cannot plan again ({reason}) during a training step")
         self.events.append(f"planning again: {reason}")
+        # (subgraph parallelism's sweep starts from the buckets of the plan in use)
+        self.identity.incumbent_buckets = self.plan.graph.lookup_buckets() if self.plan is not None else {}
         self.plan_reused = False
         self.trigger = trigger
         self._plan(reuse_saved=False)

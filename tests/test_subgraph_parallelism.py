@@ -122,6 +122,71 @@ def test_the_sweep_goes_up_while_each_g_improves_on_the_one_before_and_stops_at_
     assert len(loop.plan.graph.module(EBC).schedule.region("lookup", 0).buckets) == 2
 
 
+def _sweep(incumbent: int, wall_ms: dict[int, float]) -> tuple[dict, int]:
+    """A planning round of code generation and subgraph parallelism whose incumbent plan ran
+    ``incumbent`` buckets, the lookups taking ``wall_ms[G]`` (G = 0: one bucket); the decisions by
+    candidate and the G planned."""
+    graph = _eight_tables()
+    graph.incumbent_buckets = {EBC: incumbent}
+    passes = ["codegen", "subgraph_parallelism"]
+    fingerprint = PlanFingerprint(graph.fingerprint(), "sharding", 1, "gloo", {}, passes)
+    loop = PlanningLoop(Planner(select_passes(passes), None, calibrate=True), fingerprint, graph, None)
+    loop.propose()
+    while not loop.done:
+        region = loop.next_graph().module(EBC).schedule.region("lookup", 0)
+        loop.feedback(50.0, 20.0, 10.0 if region.kernel == GENERATED_KERNEL else 14.0, wall_ms[len(region.buckets)])
+    decisions = {d.candidate.split("@")[0].removeprefix("subgraph_parallelism:"): d for d in loop.plan.decisions}
+    return decisions, len(loop.plan.graph.module(EBC).schedule.region("lookup", 0).buckets)
+
+
+def test_the_sweep_starts_at_the_incumbents_g_and_goes_both_ways():
+    sweep = SubgraphParallelism()
+    graph = _eight_tables()
+    graph.incumbent_buckets = {EBC: 4}
+    two, four, eight = sweep.candidates(graph)
+    assert (four.follows, eight.follows, eight.when) == (None, four.id, "accepted")
+    assert (two.follows, two.when, two.unless) == (four.id, "decided", eight.id)  # the turn
+    ordered, _ = Planner([sweep], None, calibrate=True).propose(graph)
+    assert [c.role for c in ordered] == ["buckets4", "buckets8", "buckets2"]
+    graph.incumbent_buckets = {EBC: 8}  # the top of the ladder: it turns down at once
+    two, four, eight = sweep.candidates(graph)
+    assert (eight.follows, four.follows, four.when, two.follows) == (None, eight.id, "decided", four.id)
+    # 8 improves on 4: the sweep does not turn, 2 is not tried
+    decisions, planned = _sweep(4, {0: 12.0, 2: 7.0, 4: 6.0, 8: 5.0})
+    assert decisions["buckets4"].accepted and decisions["buckets8"].accepted and planned == 8
+    assert "the sweep went the other way: subgraph_parallelism:buckets8" in decisions["buckets2"].reason
+    # 8 does not improve on 4: down to 2, measured against 4
+    decisions, planned = _sweep(4, {0: 12.0, 2: 7.0, 4: 7.5, 8: 8.0})
+    assert [decisions[r].accepted for r in ("buckets4", "buckets8", "buckets2")] == [True, False, True]
+    assert decisions["buckets2"].measured_ms == pytest.approx(-0.5) and planned == 2
+    # 4 does not improve on one bucket: up is not tried, 2 is measured against one bucket
+    decisions, planned = _sweep(4, {0: 12.0, 2: 10.0, 4: 12.5, 8: 4.0})
+    assert not decisions["buckets4"].accepted and "the sweep stopped" in decisions["buckets8"].reason
+    assert decisions["buckets2"].measured_ms == pytest.approx(-2.0) and planned == 2
+    # from 8: down while each G improves (4 on 8), stopping at 2 (slower than 4)
+    decisions, planned = _sweep(8, {0: 12.0, 2: 9.0, 4: 6.0, 8: 7.0})
+    assert [decisions[r].measured_ms for r in ("buckets8", "buckets4", "buckets2")] == pytest.approx([-5, -1, 3])
+    assert planned == 4
+    # without calibration a sweep does not turn: the rungs up from the start are applied
+    planner = Planner([sweep], None, calibrate=False)
+    graph.incumbent_buckets = {EBC: 4}
+    loop = PlanningLoop(planner, PlanFingerprint(graph.fingerprint(), "s", 1, "gloo", {}, []), graph, None)
+    loop.propose()
+    assert len(loop.plan.graph.module(EBC).schedule.region("lookup", 0).buckets) == 8
+    assert "a sweep turns on measurements only" in {d.role: d for d in loop.plan.decisions}["buckets2"].reason
+
+
+def test_a_replan_starts_the_sweep_from_the_installed_plans_buckets():
+    graph = _eight_tables()
+    assert graph.lookup_buckets() == {}
+    applied = SubgraphParallelism().apply(graph, SubgraphParallelism().candidates(graph)[1])  # G = 4
+    assert applied.lookup_buckets() == {EBC: 4}
+    applied.incumbent_buckets = applied.lookup_buckets()
+    assert f"planned from lookups in 4 buckets ({EBC})" in applied.explain()
+    assert applied.fingerprint() == SparseGraph.from_dict({**applied.to_dict(), "incumbent_buckets": {EBC: 4}}
+                                                          ).fingerprint()  # the run's, not the structure's
+
+
 def test_a_rung_selected_alone_stands_alone_and_one_after_an_infeasible_rung_is_not_tried():
     graph = _eight_tables()
     planner = Planner(select_passes(["subgraph_parallelism:buckets4"]), None, calibrate=True)

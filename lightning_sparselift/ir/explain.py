@@ -44,6 +44,9 @@ def explain(graph: "SparseGraph") -> str:
                if graph.threads_per_rank else "")
     if graph.workspace_budget_bytes is not None:
         threads += f", workspace budget {human_bytes(graph.workspace_budget_bytes)} per rank"
+    if graph.incumbent_buckets:
+        threads += ", planned from lookups in " + ", ".join(f"{g} buckets ({path})"
+                                                           for path, g in graph.incumbent_buckets.items())
     lines = [f"SparseGraph (SRSV) v{graph.version}: {graph.world_size} rank(s){threads}, backend {graph.backend}, "
              f"fingerprint {graph.fingerprint()}"]
     lines += [f"pass applied: {p}" for p in graph.provenance]

@@ -171,6 +171,9 @@ class SparseGraph:
     # the workspace a schedule may hold beyond the identity plan's, per rank (the user's
     # ``workspace_budget_mb``; None: no limit); like the threads, the run's, not the structure's
     workspace_budget_bytes: Optional[int] = None
+    # per module, the buckets of its lookups (G) in the plan in use when this planning round began
+    # (absent: one); subgraph parallelism's sweep starts there; like the threads, not the structure's
+    incumbent_buckets: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.version != GRAPH_VERSION:
@@ -207,6 +210,15 @@ class SparseGraph:
         from lightning_sparselift.ir.serialize import graph_from_dict
 
         return graph_from_dict(data)
+
+    def lookup_buckets(self) -> dict[str, int]:
+        """Per module whose lookups run in buckets: their count (the largest of its groups')."""
+        out = {}
+        for m in self.modules:
+            counts = [len(r.buckets) for r in m.schedule.regions if r.name == "lookup" and r.buckets]
+            if counts:
+                out[m.path] = max(counts)
+        return out
 
     def copy(self) -> "SparseGraph":
         return SparseGraph.from_dict(self.to_dict())

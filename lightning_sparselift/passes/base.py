@@ -34,9 +34,14 @@ class Candidate:
     feasible: bool
     reasons: list[str] = field(default_factory=list)
     cost_inputs: dict[str, float] = field(default_factory=dict)
-    # the candidate (id) decided right before this one, which must be accepted for this one to be
-    # tried: the rungs of a sweep (e.g. 4 buckets only after 2 buckets improved on 1)
+    # the candidate (id) this one is decided after: the rungs of a sweep. ``when`` "accepted": it
+    # must have been accepted for this one to be tried (4 buckets only after 2 improved on 1);
+    # "decided": whatever its verdict, once it and the rungs that follow it when accepted are done
+    # (a sweep turning the other way). ``unless``: a candidate whose acceptance means this one is
+    # not tried (the sweep improved in the other direction)
     follows: Optional[str] = None
+    when: str = "accepted"
+    unless: Optional[str] = None
 
     @property
     def id(self) -> str:

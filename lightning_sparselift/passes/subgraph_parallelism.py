@@ -21,10 +21,13 @@ go to the bucket whose load is least on the ranks holding a shard of them (a tab
 ranks is in one bucket everywhere, so the schedule names buckets by table, the same on all
 ranks). Buckets that get no table on a rank are skipped there.
 
-The candidates are the rungs of a sweep, G = 2, 4, 8: each rung is tried only after the one
-before it was accepted (``Candidate.follows``), measured against it, so the sweep stops at the
-first G that does not improve. Planning starts from the plan without buckets (G = 1), so the sweep
-goes up from there. Calibration: one warmup pair, then paired observations of the lookup regions'
+The candidates are the rungs of a bidirectional sweep over G = 2, 4, 8 that starts at the
+incumbent's G (``SparseGraph.incumbent_buckets``: the plan in use when the round began, e.g. before
+a drift re-plan; 2 on a first round, whose incumbent runs one bucket) and is measured against
+the plan of this round so far. Going up, each rung is tried only after the one below it was
+accepted (``Candidate.follows``) and is measured against it; when the first step up (or the
+start, at the top of the ladder) did not improve, the sweep turns down from the start, each rung
+measured against the best so far, and stops at the first G that does not improve. Calibration: one warmup pair, then paired observations of the lookup regions'
 *wall* time (the training thread's CPU time would not see the work moved to other threads),
 mirrored as the code generation's. Ranks with more threads than cores (e.g. two ranks of two
 threads on two cores) are where the measurement rejects the buckets.
@@ -50,6 +53,13 @@ def _role(count: int) -> str:
 
 def _count(role: str) -> int:
     return int(role.removeprefix("buckets"))
+
+
+def _start(incumbent: int, feasible: list[int]) -> int:
+    """The rung a sweep starts at: the incumbent's G when it is a feasible rung, else the largest
+    feasible rung below it, else the first rung."""
+    below = [g for g in feasible if g <= incumbent]
+    return max(below) if below else BUCKET_COUNTS[0]
 
 
 def _table_ids(module: LiftedModule, table: TableShard) -> float:
@@ -131,10 +141,17 @@ class SubgraphParallelism(OptimizationPass):
 
     def candidates(self, graph: SparseGraph) -> list[Candidate]:
         out = super().candidates(graph)
-        for c in out:
-            count = _count(c.role)
-            if count != BUCKET_COUNTS[0]:
-                c.follows = f"{self.name}:{_role(count // 2)}@{c.module}"
+        for module in graph.modules:
+            rungs = {_count(c.role): c for c in out if c.module == module.path}
+            start = _start(graph.incumbent_buckets.get(module.path, 1), [g for g, c in rungs.items() if c.feasible])
+            for count, c in rungs.items():
+                if count > start:  # up: after the rung below improved
+                    c.follows = rungs[count // 2].id
+                elif count == start // 2:  # the turn: from the start, unless the first step up improved
+                    c.follows, c.when = rungs[start].id, "decided"
+                    c.unless = rungs[start * 2].id if start * 2 in rungs else None
+                elif count < start:  # further down: after the rung above improved
+                    c.follows = rungs[count * 2].id
         return out
 
     def _buckets(self, module: LiftedModule, count: int) -> dict[int, list[list[str]]]:

@@ -66,8 +66,8 @@ class Planner:
         feasible.sort(key=lambda c: (self._stage(c.pass_name),
                                      self.predict_ms(c) if self.predict_ms(c) is not None else 0.0))
         for c in feasible:
-            if c.follows not in selected:
-                c.follows = None  # (a rung selected without the one before it stands alone)
+            if c.follows not in selected:  # (a rung selected without the one before it stands alone)
+                c.follows, c.when, c.unless = None, "accepted", None
         ids = {c.id for c in feasible}
         orphans = [c for c in feasible if c.follows is not None and c.follows not in ids]
         while orphans:  # (a rung whose predecessor is not tried, then the rungs after it)
@@ -78,14 +78,22 @@ class Planner:
                 rejected.append(Decision(c.id, c.pass_name, c.module, c.role, False, [why], None, None, None, False,
                                          f"infeasible: {why}"))
             orphans = [c for c in feasible if c.follows is not None and c.follows not in ids]
-        followers = {c.follows: c for c in feasible if c.follows is not None}
-        ordered = []
-        for c in feasible:
+        followers: dict[str, list[Candidate]] = {}
+        for c in feasible:  # (the rungs taken when it was accepted first, then the turn)
             if c.follows is not None:
-                continue  # placed right after the candidate it follows
-            while c is not None:
-                ordered.append(c)
-                c = followers.get(c.id)
+                followers.setdefault(c.follows, []).append(c)
+        for after in followers.values():
+            after.sort(key=lambda c: c.when != "accepted")
+        ordered: list[Candidate] = []
+
+        def place(c: Candidate) -> None:
+            ordered.append(c)
+            for f in followers.get(c.id, []):
+                place(f)
+
+        for c in feasible:
+            if c.follows is None:  # (the others are placed right after the candidate they follow)
+                place(c)
         return ordered, rejected
 
     def _stage(self, name: str) -> int:
@@ -178,17 +186,23 @@ class PlanningLoop:
         self._calibrator: Optional[Calibrator] = None
         self._calibration_start = 0.0
         self._ran: list[tuple[SparseGraph, float]] = []  # per calibration step: the graph it ran, its wall ms
+        self._accepted: dict[str, bool] = {}  # per candidate decided or passed over: whether it was accepted
 
     def propose(self, since: Optional[float] = None) -> None:
-        """Propose the candidates (without calibration: apply every feasible one, and the loop is
-        done). ``since``: when planning this round began (``time.perf_counter()``), if before the
+        """Propose the candidates (without calibration: apply every feasible one but a sweep's turn,
+        which only a measurement makes, and the loop is done). ``since``: when planning this round began (``time.perf_counter()``), if before the
         call (the plan's ``planning_s`` counts from it)."""
         start = time.perf_counter() if since is None else since
         feasible, rejected = self.planner.propose(self.incumbent)
         self.plan.decisions.extend(rejected)
         if not self.planner.calibrate:
             for candidate in feasible:
-                applied = self._apply(candidate)
+                if candidate.when != "accepted":
+                    self.plan.decisions.append(self.planner.undecided(candidate, "a sweep turns on measurements only "
+                                                                                 "(calibrate=False)"))
+                    continue
+                applied = None if self._passed_over(candidate) else self._apply(candidate)
+                self._accepted[candidate.id] = applied is not None
                 if applied is not None:
                     self.incumbent = applied
                     self.plan.decisions.append(self.planner.decide(candidate, None))
@@ -242,6 +256,8 @@ class PlanningLoop:
         self.done = True
 
     def _next_candidate(self) -> None:
+        while self._queue and self._passed_over(self._queue[0]):
+            self._queue.pop(0)
         if not self._queue:
             self._finish()
             return
@@ -249,6 +265,7 @@ class PlanningLoop:
         protocol = self.planner.passes[candidate.pass_name].protocol_for(candidate.role)
         self.trial = self._apply(candidate)
         if self.trial is None:
+            self._accepted[candidate.id] = False
             self._queue.pop(0)
             self._next_candidate()
             return
@@ -257,6 +274,20 @@ class PlanningLoop:
         steps = f"{self._calibrator.planned} steps, up to {protocol.steps_for(self._calibrator.looks[-1])}"
         self.events.append(f"calibrating {candidate.id} ({steps}; predicted {predicted:+.3f} ms)"
                            if predicted is not None else f"calibrating {candidate.id} ({steps})")
+
+    def _passed_over(self, candidate: Candidate) -> bool:
+        """Whether a sweep's rung is not tried (recorded as such): the rung it follows was not
+        accepted, or the sweep improved in the other direction."""
+        why = None
+        if candidate.follows is not None and candidate.when == "accepted" and not self._accepted.get(candidate.follows):
+            why = f"the sweep stopped: {candidate.follows} was not accepted"
+        elif candidate.unless is not None and self._accepted.get(candidate.unless):
+            why = f"the sweep went the other way: {candidate.unless} was accepted"
+        if why is None:
+            return False
+        self._accepted[candidate.id] = False
+        self.plan.decisions.append(self.planner.undecided(candidate, why))
+        return True
 
     def _apply(self, candidate: Candidate) -> Optional[SparseGraph]:
         """The incumbent with ``candidate`` applied; None, with the decision recorded, when the
@@ -273,16 +304,10 @@ class PlanningLoop:
         candidate = self._queue.pop(0)
         decision = self.planner.decide(candidate, measurement)
         self.plan.decisions.append(decision)
+        self._accepted[candidate.id] = decision.accepted
         if decision.accepted:
             self.incumbent = self.trial
         self.events.append(f"{candidate.id}: {'accepted' if decision.accepted else 'rejected'}, {decision.reason}")
-        if not decision.accepted:  # a sweep stops at the first rung that does not improve
-            stopped = candidate.id
-            while self._queue and self._queue[0].follows == stopped:
-                rung = self._queue.pop(0)
-                self.plan.decisions.append(self.planner.undecided(rung, f"the sweep stopped: {stopped} was not "
-                                                                        f"accepted"))
-                stopped = rung.id
         self._calibrator, self.trial = None, None
         self._next_candidate()
 
