@@ -190,8 +190,8 @@ class PlanningLoop:
 
     def propose(self, since: Optional[float] = None) -> None:
         """Propose the candidates (without calibration: apply every feasible one but a sweep's turn,
-        which only a measurement makes, and the loop is done). ``since``: when planning this round began (``time.perf_counter()``), if before the
-        call (the plan's ``planning_s`` counts from it)."""
+        which only a measurement makes, and the loop is done). ``since``: when planning this round
+        began (``time.perf_counter()``), if before the call (the plan's ``planning_s`` counts from it)."""
         start = time.perf_counter() if since is None else since
         feasible, rejected = self.planner.propose(self.incumbent)
         self.plan.decisions.extend(rejected)
