@@ -84,8 +84,7 @@ def pool(ids, offsets, psw, weights, out, bad, B,
 
 
 @triton.jit
-def update(order, starts, keys, grad_at, scale, grad, weights, state1, state2, lr, correction1, correction2,
-           first_unique,
+def update(order, starts, keys, grad_at, scale, grad, weights, state1, state2, lr, corrections, first_unique,
            BASE: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, WEIGHTS_AT: tl.constexpr,
            STATE1_AT: tl.constexpr, STATE2_AT: tl.constexpr, SCALED: tl.constexpr, OPTIMIZER: tl.constexpr,
            EPS: tl.constexpr, BETA1: tl.constexpr, BETA2: tl.constexpr):
@@ -125,8 +124,8 @@ def update(order, starts, keys, grad_at, scale, grad, weights, state1, state2, l
         m2 = tl.fma(g * g, 1.0 - BETA2, tl.load(m2_at, mask=lane, other=0.0) * BETA2)
         tl.store(m1_at, m1, mask=lane)
         tl.store(m2_at, m2, mask=lane)
-        second = tl.sqrt_rn((m2.to(tl.float64) / correction2).to(tl.float32)) + EPS
-        step = (m1.to(tl.float64) / correction1 / second.to(tl.float64)) * lr  # lr widened to double
+        second = tl.sqrt_rn((m2.to(tl.float64) / tl.load(corrections + 1)).to(tl.float32)) + EPS
+        step = (m1.to(tl.float64) / tl.load(corrections) / second.to(tl.float64)) * lr  # lr widened to double
         w = (w.to(tl.float64) - step).to(tl.float32)
     tl.store(at, w, mask=lane)
 
@@ -185,9 +184,10 @@ def backward(B, ids, offsets, psw, grad, weights, state1, state2, lr, iteration)
     table_first = torch.searchsorted(keys, row_base).tolist()
     state1 = state1 if state1 is not None else weights
     state2 = state2 if state2 is not None else weights
-    # Adam's bias corrections, powf in float then 1 - it in double (as fbgemm's template)
-    correction1 = 1.0 - float(np.float32(BETA1) ** np.float32(iteration))
-    correction2 = 1.0 - float(np.float32(BETA2) ** np.float32(iteration))
+    # Adam's bias corrections, powf in float then 1 - it in double (as fbgemm's template; a float
+    # argument would reach the kernel as float32)
+    corrections = torch.tensor([1.0 - float(np.float32(beta) ** np.float32(iteration)) for beta in (BETA1, BETA2)],
+                               dtype=torch.float64, device=ids.device)
     grad = grad.contiguous()
 $backward_launches
     return -1
@@ -225,7 +225,7 @@ def triton_source(spec: KernelSpec) -> str:
         backward.append(
             f"    if table_first[{t + 1}] > table_first[{t}]:\n"
             f"        update[(table_first[{t + 1}] - table_first[{t}],)](order, starts, keys, grad_at, scale, grad, "
-            f"weights, state1, state2, lr, correction1, correction2, table_first[{t}], BASE={row_base[t]}, "
+            f"weights, state1, state2, lr, corrections, table_first[{t}], BASE={row_base[t]}, "
             f"{constants}, STATE1_AT={table.state_offset}, STATE2_AT={table.state2_offset}, "
             f"SCALED={scaled}, OPTIMIZER={_OPTIMIZER_CODES[spec.optimizer]}, "
             f"EPS={spec.eps!r}, BETA1={spec.beta1!r}, BETA2={spec.beta2!r})")
