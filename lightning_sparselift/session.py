@@ -129,7 +129,7 @@ class SparseLiftSession:
         self.events: list[str] = []  # what happened, for the caller to report
         self._capture_step: Optional[ContextManager[None]] = None  # the captured step in progress
         self._in_step = False
-        self._step_start = 0.0
+        self._step_start = self._step_cpu_start = 0.0
         # steady state: verification and drift
         self.verify_steps, self.replan_on_drift, self.drift_ratio = int(verify_steps), bool(replan_on_drift), \
             float(drift_ratio)
@@ -184,7 +184,7 @@ class SparseLiftSession:
             self.installed.use(self.loop.next_graph())
             self.installed.clock.take()
             self.installed.clock.take_lookup()
-            self._step_start = time.perf_counter()
+            self._step_start, self._step_cpu_start = time.perf_counter(), time.thread_time()
         elif self.phase == "verify":
             self.installed.use(self.plan.graph if self._check.next_uses_candidate() else self.identity)
             self._step_start = time.perf_counter()
@@ -215,9 +215,11 @@ class SparseLiftSession:
             return self._plan(reuse_saved=True)
         if self.phase == "plan":
             step_ms = (time.perf_counter() - self._step_start) * 1e3
+            # (on CUDA the training thread's clock misses the device's work: the step's wall time)
+            step_cpu_ms = (time.thread_time() - self._step_cpu_start) * 1e3 if self.device.type == "cpu" else step_ms
             sparse_ms, (lookup_ms, lookup_wall_ms) = self.installed.clock.take(), self.installed.clock.take_lookup()
             self.installed.use(self.loop.incumbent)
-            self.loop.feedback(step_ms, sparse_ms, lookup_ms, lookup_wall_ms)
+            self.loop.feedback(step_ms, sparse_ms, lookup_ms, lookup_wall_ms, step_cpu_ms)
             if self.loop.done:
                 self._finish()
                 return True

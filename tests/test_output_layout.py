@@ -101,7 +101,7 @@ def test_the_pass_proposes_the_layout_only_where_capture_found_the_concatenation
     assert m.output_kernels == ["torchrec", CONSUMER_KERNEL]
     (candidate,) = [c for c in CodeGeneration().candidates(graph) if c.role == "output"]
     assert candidate.feasible and candidate.cost_inputs["pooled_bytes"] == 8 * 8 * 4
-    assert CodeGeneration().protocol_for("output").region == "step"
+    assert CodeGeneration().protocol_for("output").region == "step_cpu"
     applied = CodeGeneration().apply(graph, candidate)
     assert applied.module(EBC).schedule.region("output").kernel == CONSUMER_KERNEL
     assert "written straight into the model's concatenation (2 keys after 3" in applied.provenance[-1]
@@ -177,3 +177,26 @@ def test_device_tensors_get_no_layout_kernel():
     _, m = _with_consumer(OutputConsumer(["a", "b"], 0, 0))
     with pytest.raises(Unsupported, match="on cuda the model's concatenation copies"):
         LayoutKernel(m, 1, torch.device("cuda"))
+
+
+def test_the_layout_is_decided_on_the_training_threads_cpu_clock_of_whole_steps():
+    """What the layout saves is the training thread's compute (the model's copies): its candidate
+    is judged on that clock, whatever the steps' wall time says."""
+    from lightning_sparselift.passes import select_passes
+    from lightning_sparselift.plan import PlanFingerprint, Planner, PlanningLoop
+
+    graph, m = _with_consumer(OutputConsumer(["a", "b"], 0, 0))
+    mark_generated(graph, [KernelBuild(EBC, -1, 0, "", 0.1, False)])
+    fingerprint = PlanFingerprint(graph.fingerprint(), "sharding", 1, "gloo", {}, ["codegen:output"])
+    loop = PlanningLoop(Planner(select_passes(["codegen:output"]), None, calibrate=True), fingerprint, graph, None)
+    loop.propose()
+    while not loop.done:
+        layout = loop.next_graph().module(EBC).schedule.region("output").kernel == CONSUMER_KERNEL
+        # the wall time is 1 ms slower with the layout, its training thread 2 ms faster
+        loop.feedback(81.0 if layout else 80.0, 10.0, step_cpu_ms=58.0 if layout else 60.0)
+    (decision,) = loop.plan.decisions
+    assert decision.accepted and decision.measured_ms == pytest.approx(-2.0)
+    loop = PlanningLoop(Planner(select_passes(["codegen:output"]), None, calibrate=True), fingerprint, graph, None)
+    loop.propose()
+    with pytest.raises(ValueError, match="'step_cpu' calibration needs"):
+        loop.feedback(80.0, 10.0)

@@ -114,9 +114,12 @@ class CalibrationProtocol:
     warmup_pairs: int = 1
     measured_pairs: int = 2
     # what F measures: "sparse" (the executor's regions), "step" (the whole step's wall time),
-    # "lookup" (the lookup regions' forward and backward on the training thread's clock, see
-    # RegionClock: for candidates that change only the lookups' compute) or "lookup_wall" (the
-    # same regions' wall time: for candidates that spread that compute over threads)
+    # "step_cpu" (the whole step on the training thread's CPU clock on CPU, its wall time on CUDA:
+    # for candidates whose effect is compute on that thread anywhere in the step, e.g. copies the
+    # model's own code makes; the clock leaves out the waits and preemptions that are most of a
+    # CPU step's noise), "lookup" (the lookup regions' forward and backward on the training
+    # thread's clock, see RegionClock: for candidates that change only the lookups' compute) or
+    # "lookup_wall" (the same regions' wall time: for candidates that spread that compute over threads)
     region: str = "sparse"
     settle_steps: int = 0  # unmeasured steps on the same plan before each observed one
     # every other pair runs T1 first (T0 T1, T1 T0, ...: the paper's ref -> gen -> gen -> ref), so a
