@@ -101,7 +101,8 @@ class SparseLiftSession:
         """``check_group``: a process group for the drift checks and the verification's exchange
         (default ``group``): a group of their own does not wait behind exchanges left in flight.
         ``workspace_budget_bytes``: the lifted graph's (see ``SparseGraph.workspace_budget_bytes``).
-        ``reuse_buffers``, ``numerics``: the executor's (see :class:`~lightning_sparselift.runtime.executor.ModuleExecutor`)."""
+        ``reuse_buffers``, ``numerics``: the executor's (see
+        :class:`~lightning_sparselift.runtime.executor.ModuleExecutor`)."""
         from lightning_sparselift.passes import select_passes
 
         if warmup_batches < 1:

@@ -50,7 +50,7 @@ from lightning_sparselift.lightning.report import report_events, report_metrics,
 from lightning_sparselift.sharding import EmbeddingOptimizer, combine_optimizers, shard_model
 from lightning_sparselift.lightning.signals import SignalConnector
 from lightning_sparselift.lightning.step_check import NON_FINITE_POLICIES, StepCheck
-from lightning_sparselift.runtime.codegen.lookup import NUMERICS
+from lightning_sparselift.runtime.codegen.lookup import check_numerics
 
 if TYPE_CHECKING:
     from lightning_sparselift.ir import SparseGraph
@@ -231,9 +231,7 @@ class SparseLiftStrategy(ParallelStrategy):
             raise ValueError(f"workspace_budget_mb must be >= 0 (MiB per rank) or None, got {workspace_budget_mb!r}")
         self.workspace_budget_bytes = None if workspace_budget_mb is None else int(float(workspace_budget_mb) * 2**20)
         self.reuse_buffers = bool(reuse_buffers)
-        if numerics not in NUMERICS:
-            raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
-        self.numerics = numerics
+        self.numerics = check_numerics(numerics)
         self.plan_path = str(plan_path) if plan_path is not None else None
         self.warmup_batches = int(warmup_batches)
         from lightning_sparselift.plan.verification import check_steady_options

@@ -27,9 +27,10 @@ a drift re-plan; 2 on a first round, whose incumbent runs one bucket) and is mea
 the plan of this round so far. Going up, each rung is tried only after the one below it was
 accepted (``Candidate.follows``) and is measured against it; when the first step up (or the
 start, at the top of the ladder) did not improve, the sweep turns down from the start, each rung
-measured against the best so far, and stops at the first G that does not improve. Calibration: one warmup pair, then paired observations of the lookup regions'
-*wall* time (the training thread's CPU time would not see the work moved to other threads),
-mirrored as the code generation's. Ranks with more threads than cores (e.g. two ranks of two
+measured against the best so far, and stops at the first G that does not improve. Calibration:
+one warmup pair, then paired observations of the lookup regions' *wall* time (the training
+thread's CPU time would not see the work moved to other threads), mirrored as the code
+generation's. Ranks with more threads than cores (e.g. two ranks of two
 threads on two cores) are where the measurement rejects the buckets.
 """
 

@@ -202,8 +202,8 @@ class PlanningLoop:
                                                                                  "(calibrate=False)"))
                     continue
                 applied = None if self._passed_over(candidate) else self._apply(candidate)
-                self._accepted[candidate.id] = applied is not None
                 if applied is not None:
+                    self._accepted[candidate.id] = True
                     self.incumbent = applied
                     self.plan.decisions.append(self.planner.decide(candidate, None))
             feasible = []
@@ -266,7 +266,6 @@ class PlanningLoop:
         protocol = self.planner.passes[candidate.pass_name].protocol_for(candidate.role)
         self.trial = self._apply(candidate)
         if self.trial is None:
-            self._accepted[candidate.id] = False
             self._queue.pop(0)
             self._next_candidate()
             return
@@ -296,6 +295,7 @@ class PlanningLoop:
         try:
             return self.planner.apply(self.incumbent, candidate)
         except InfeasibleCandidate as error:
+            self._accepted[candidate.id] = False
             self.plan.decisions.append(Decision(candidate.id, candidate.pass_name, candidate.module, candidate.role,
                                                 False, [str(error)], self.planner.predict_ms(candidate), None, None,
                                                 False, f"infeasible after the candidates accepted before it: {error}"))

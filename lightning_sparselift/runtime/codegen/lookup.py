@@ -30,6 +30,13 @@ _ENTRY_POINTS = {"sl_forward": (ctypes.c_int64, [ctypes.c_int64, ctypes.c_int, c
 NUMERICS = ("exact", "fast")
 
 
+def check_numerics(numerics: str) -> str:
+    """``numerics`` if it is one of :data:`NUMERICS`, else ValueError."""
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
+    return numerics
+
+
 def build_lookup(source: str, openmp: bool = False) -> BuiltKernel:
     """The built library of a generated lookup's C++ ``source`` (see :func:`~.build.build`)."""
     return build(source, _ENTRY_POINTS, "lookup", openmp)
@@ -38,8 +45,7 @@ def build_lookup(source: str, openmp: bool = False) -> BuiltKernel:
 def build_kernel(spec: KernelSpec, numerics: str) -> BuiltKernel:
     """The built kernel of ``spec``: C++ for host tables, Triton for device tables (whose
     rounding is not shown to be fbgemm's CUDA kernels': only under ``numerics="fast"``)."""
-    if numerics not in NUMERICS:
-        raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
+    check_numerics(numerics)
     if spec.device == "cpu":
         return build_lookup(cpu_source(spec), len(spec.buckets) > 1)
     if numerics == "exact":

@@ -46,6 +46,7 @@ FEATURE_TABLE = $feature_table
 FEATURE_COLUMN = $feature_column
 # per table: the first key of its rows (tables' rows side by side), and one past the last
 ROW_BASE = $row_base
+ADAM = $adam
 BETA1 = $beta1
 BETA2 = $beta2
 
@@ -148,7 +149,8 @@ def forward(B, ids, offsets, psw, weights, out):
         if POOLED:
             out.zero_()
         return -1
-    bad = torch.full((1,), NO_BAD_ID, dtype=torch.int64, device=ids.device)
+    # (unused arguments get any tensor)
+    bad = torch.full((1,), NO_BAD_ID, dtype=torch.int64, device=ids.device) if CHECK else ids
     psw = psw if psw is not None else weights
 $forward_launches
     if CHECK:
@@ -187,7 +189,7 @@ def backward(B, ids, offsets, psw, grad, weights, state1, state2, lr, iteration)
     # Adam's bias corrections, powf in float then 1 - it in double (as fbgemm's template; a float
     # argument would reach the kernel as float32)
     corrections = torch.tensor([1.0 - float(np.float32(beta) ** np.float32(iteration)) for beta in (BETA1, BETA2)],
-                               dtype=torch.float64, device=ids.device)
+                               dtype=torch.float64, device=ids.device) if ADAM else weights
     grad = grad.contiguous()
 $backward_launches
     return -1
@@ -234,4 +236,4 @@ def triton_source(spec: KernelSpec) -> str:
         total_dim=spec.total_dim, pooled=pooled, weighted=spec.weighted, mean=spec.pooling == "mean",
         check=spec.check_ids, feature_table=[f[0] for f in features], feature_column=[f[2] for f in features],
         row_base=row_base, forward_launches="\n".join(forward), backward_launches="\n".join(backward),
-        beta1=repr(spec.beta1), beta2=repr(spec.beta2))
+        adam=spec.optimizer == "adam", beta1=repr(spec.beta1), beta2=repr(spec.beta2))
