@@ -4,6 +4,7 @@ sharded tables run fused into their backward."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -16,17 +17,16 @@ from lightning_sparselift.ir.vocab import SHARDING_TYPES
 _CONSTRUCTED_ON_CPU = ("row_wise", "table_row_wise")
 
 EMBEDDING_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
-# fbgemm's CPU TBE kernels implement only these.
-CPU_EMBEDDING_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 
 
 @dataclass
 class EmbeddingOptimizer:
     """The optimizer fused into the sharded tables' backward (fbgemm TBE), with its settings.
 
-    ``name``: ``sgd``, ``adagrad``, ``rowwise_adagrad`` or ``adam`` (CUDA only: fbgemm's CPU
-    kernels have no Adam). ``lr`` is its learning rate; ``eps``,
-    ``betas`` and ``weight_decay`` apply where the optimizer has them.
+    ``name``: ``sgd``, ``adagrad``, ``rowwise_adagrad`` or ``adam`` (on CPU tables fbgemm has
+    no Adam: a generated kernel runs it, see :mod:`~lightning_sparselift.runtime.codegen.host_adam`).
+    ``lr`` is its learning rate; ``eps``, ``betas`` and ``weight_decay`` apply where the optimizer
+    has them.
     """
 
     name: str = "sgd"
@@ -55,11 +55,8 @@ class EmbeddingOptimizer:
             return cls(**value)
         raise TypeError(f"embedding_optimizer must be a name, a dict or EmbeddingOptimizer, got {type(value)}")
 
-    def apply_in_backward(self, params: list[nn.Parameter], device_type: str) -> None:
+    def apply_in_backward(self, params: list[nn.Parameter]) -> None:
         """Attach the optimizer to ``params`` so TorchRec picks the fused kernel for them."""
-        if device_type == "cpu" and self.name not in CPU_EMBEDDING_OPTIMIZERS:
-            raise ValueError(f"embedding optimizer {self.name!r} needs CUDA: fbgemm's CPU kernels implement only "
-                             f"{CPU_EMBEDDING_OPTIMIZERS}")
         from torch.distributed.optim import _apply_optimizer_in_backward
         from torchrec import optim as trec_optim
 
@@ -277,8 +274,8 @@ class ShardedModel:
 
 
 def shard_model(module: nn.Module, world_size: int, device: torch.device, sharding_types: Optional[dict[str, str]],
-                embedding_optimizer: EmbeddingOptimizer, process_group: Any, input_check_group: Optional[Any]
-                ) -> ShardedModel:
+                embedding_optimizer: EmbeddingOptimizer, process_group: Any, input_check_group: Optional[Any],
+                generated_adam: bool = True) -> ShardedModel:
     """Shard every TorchRec sparse module of ``module`` (EmbeddingBagCollection,
     EmbeddingCollection, FeatureProcessedEmbeddingBagCollection, the managed-collision
     collections: row-wise, as TorchRec allows) with TorchRec's sharders and
@@ -286,7 +283,8 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
     (which also wraps the rest in DDP), with ``embedding_optimizer`` fused into the tables. With
     an ``input_check_group`` every sharded module checks its input (ranks compare on that group,
     over the same ranks as ``process_group``) and fbgemm's lookups skip their own check of the ids;
-    None: no checks (fbgemm's stay)."""
+    None: no checks (fbgemm's stay). ``generated_adam``: Adam on CPU tables runs SparseLift's
+    generated kernel (False: TorchRec and fbgemm alone, which have no CPU Adam: ValueError)."""
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
 
@@ -299,24 +297,26 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
                          f"TorchRec's embedding collections")
     tables = describe_tables(module)
     managed = sorted({t.module_path for t in tables.values() if t.managed_collision})
-    if managed and device.type == "cpu" and embedding_optimizer.name == "rowwise_adagrad":
-        raise ValueError(f"managed-collision collection(s) {managed} with the rowwise_adagrad embedding optimizer on "
-                         f"CPU: evicting rows resets their optimizer state with fbgemm::reset_weight_momentum, which "
-                         f"fbgemm implements for CUDA only; use sgd or adagrad on CPU (or CUDA devices)")
+    if managed and device.type == "cpu" and embedding_optimizer.name in ("rowwise_adagrad", "adam"):
+        raise ValueError(f"managed-collision collection(s) {managed} with the {embedding_optimizer.name} embedding "
+                         f"optimizer on CPU: evicting rows resets their optimizer state with "
+                         f"fbgemm::reset_weight_momentum, which fbgemm implements for CUDA only; use sgd or adagrad on "
+                         f"CPU (or CUDA devices)")
     # TorchRec shards managed-collision collections row-wise only: their tables are row-wise unless
     # asked otherwise (which the validation refuses)
     requested = {**{t: "row_wise" for t, info in tables.items() if info.managed_collision}, **(sharding_types or {})}
     # (what the sharder offers on CUDA: on CPU it leaves out the row-wise types, whose plan we construct)
     offered = {path: list(sharder_for(m).sharding_types("cuda")) for path, m in modules.items()}
     checked = validate_sharding_types(requested, tables, offered)
-    embedding_optimizer.apply_in_backward([p for m in modules.values() for p in table_parameters(m)], device.type)
+    embedding_optimizer.apply_in_backward([p for m in modules.values() for p in table_parameters(m)])
     # (one per module type, in the order the modules appear: the same list on every rank)
     sharders = [cls() for cls in dict.fromkeys(_sharders()[type(m)] for m in modules.values())]
     plan = build_sharding_plan(module, sharders, world_size, device.type, checked, process_group)
     if input_check_group is not None:
         _without_lookup_bounds_check(plan)
-    dmp = DistributedModelParallel(module, env=ShardingEnv.from_process_group(process_group), device=device,
-                                   plan=plan, sharders=sharders, data_parallel_wrapper=DenseDataParallelWrapper())
+    with _tables_for(embedding_optimizer, device, generated_adam):
+        dmp = DistributedModelParallel(module, env=ShardingEnv.from_process_group(process_group), device=device,
+                                       plan=plan, sharders=sharders, data_parallel_wrapper=DenseDataParallelWrapper())
     if input_check_group is not None:
         from lightning_sparselift.validation import install_input_checks
 
@@ -327,6 +327,19 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
         install_input_checks(module, sorted(modules), tables, input_check_group, having("row_wise", "table_row_wise"),
                              having("data_parallel"), _pooling_data_parallel(modules, plan))
     return ShardedModel(dmp, tables, sorted(modules))
+
+
+def _tables_for(embedding_optimizer: EmbeddingOptimizer, device: torch.device, generated_adam: bool) -> Any:
+    """Where the fused tables are built: fbgemm's module, or for Adam on CPU (which fbgemm's CPU
+    module refuses) one keeping Adam's state whose lookups run a generated kernel."""
+    if device.type == "cpu" and embedding_optimizer.name == "adam":
+        if not generated_adam:
+            raise ValueError("embedding optimizer 'adam' on CPU tables: fbgemm's CPU kernels (and so TorchRec's) have "
+                             "no Adam; only SparseLift's generated kernel runs it")
+        from lightning_sparselift.runtime.codegen.host_adam import host_adam_tables
+
+        return host_adam_tables()
+    return contextlib.nullcontext()
 
 
 def _without_lookup_bounds_check(plan: Any) -> None:

@@ -23,7 +23,7 @@ def _dlrm(sizes: list[int], **kwargs) -> DLRMModule:
     torch.manual_seed(0)
     model = DLRMModule(sizes, embedding_dim=16, dense_arch_layer_sizes=[32, 16], over_arch_layer_sizes=[32, 1],
                        **kwargs)
-    EmbeddingOptimizer("sgd").apply_in_backward([p for p in model.parameters() if p.is_meta], "cpu")
+    EmbeddingOptimizer("sgd").apply_in_backward([p for p in model.parameters() if p.is_meta])
     return model
 
 

@@ -178,13 +178,6 @@ def test_embedding_lr_follows_dense_schedule(tmp_path, data_cache):
             assert rows[-1][0] < 0.1
 
 
-def test_adam_embedding_optimizer_needs_cuda(data_cache):
-    dm = tiny_data(data_cache)
-    t = trainer(1, SparseLiftStrategy(start_method="fork", embedding_optimizer="adam"))
-    with pytest.raises(Exception, match="needs CUDA"):
-        t.fit(tiny_model(dm), dm)
-
-
 def test_uneven_user_dataloaders_raise_instead_of_hanging(data_cache):
     from torch.utils.data import DataLoader
 

@@ -222,13 +222,14 @@ class DenseOnly(LoopSystem):
 
 
 def _shard(env: BenchEnv, validate_inputs: bool, sharding_types: Optional[dict[str, str]] = None,
-           embedding_optimizer: Optional[Any] = None) -> tuple[nn.Module, Any, nn.Module, list[str]]:
+           embedding_optimizer: Optional[Any] = None, generated_adam: bool = True
+           ) -> tuple[nn.Module, Any, nn.Module, list[str]]:
     from lightning_sparselift.sharding import EmbeddingOptimizer, combine_optimizers, shard_model
 
     wrapped = WithLoss(build_rec_model(env.scenario, env.seed))
     sharded = shard_model(wrapped, env.world_size, torch.device("cpu"), sharding_types,
                           EmbeddingOptimizer.parse(embedding_optimizer or env.scenario.embedding_optimizer()),
-                          dist.group.WORLD, dist.group.WORLD if validate_inputs else None)
+                          dist.group.WORLD, dist.group.WORLD if validate_inputs else None, generated_adam)
     dense = _dense_optimizer(env.scenario, sharded.dmp.parameters())
     return sharded.dmp, combine_optimizers(sharded.dmp, dense), wrapped, sharded.sparse_module_paths
 
@@ -240,7 +241,8 @@ class _TorchRecPipeline(System):
     pipeline_class: Callable[..., Any]
 
     def setup(self) -> None:
-        dmp, optimizer, wrapped, _ = _shard(self.env, validate_inputs=False)
+        # (TorchRec as its users run it: no generated kernel, so no Adam on CPU tables)
+        dmp, optimizer, wrapped, _ = _shard(self.env, validate_inputs=False, generated_adam=False)
         self.dmp, self.optimizer = dmp, optimizer
         self.pipeline = self.pipeline_class(model=dmp, optimizer=optimizer, device=torch.device("cpu"))
         self.batches = self.env.local_iterator()

@@ -74,7 +74,7 @@ class SparseLiftStrategy(ParallelStrategy):
             planner (table-wise on the least loaded rank when the plan has to be constructed, as
             for row-wise and table-row-wise on CPU).
         embedding_optimizer: the optimizer fused into the model-parallel tables' backward: a
-            name (``sgd``, ``adagrad``, ``rowwise_adagrad``; ``adam`` on CUDA only), a dict
+            name (``sgd``, ``adagrad``, ``rowwise_adagrad``; ``adam``, which on CPU tables only the generated kernel runs), a dict
             (``{"name": ..., "lr": ...}``) or an
             :class:`~lightning_sparselift.sharding.EmbeddingOptimizer`. ``data_parallel`` tables
             are replicated dense parameters: TorchRec all-reduces their gradients and the dense

@@ -43,6 +43,8 @@ namespace {
 constexpr int64_t TOTAL_D = $total_dim;
 constexpr int64_t BUCKETS = $buckets;
 constexpr float EPS = $eps;
+constexpr float BETA1 = $beta1;  // Adam's (0 for the other optimizers)
+constexpr float BETA2 = $beta2;
 
 constexpr int64_t PREFETCH = 16;  // rows ahead (as fbgemm's kernels): table rows are random reads
 
@@ -265,6 +267,25 @@ void update_rowwise_adagrad_shared(float* table, float* state, const Scratch& s,
   });
 }
 
+// Adam as fbgemm's CUDA template writes it (fbgemm has no CPU Adam; the Triton kernel is the same
+// arithmetic): each moment decayed then the new term added by one fma, the bias corrections
+// 1 - powf(beta, iter) in double, the step in double, rounded once to float
+template <int D>
+void update_adam(float* table, float* m1s, float* m2s, const Scratch& s, int64_t U, float lr,
+                 double correction1, double correction2) {
+  update_rows<D>(table, s, U, [&](float* w, const float* g, int64_t row) {
+    float* m1 = m1s + row * D;
+    float* m2 = m2s + row * D;
+    for (int d = 0; d < D; ++d) {
+      m1[d] = std::fma(g[d], 1.0f - BETA1, m1[d] * BETA1);
+      m2[d] = std::fma(g[d] * g[d], 1.0f - BETA2, m2[d] * BETA2);
+      const float second = std::sqrt(static_cast<float>(static_cast<double>(m2[d]) / correction2)) + EPS;
+      const double step = static_cast<double>(m1[d]) / correction1 / static_cast<double>(second) * static_cast<double>(lr);
+      w[d] = static_cast<float>(static_cast<double>(w[d]) - step);
+    }
+  });
+}
+
 // one bucket's features (buckets hold disjoint tables and write disjoint output columns)
 template <typename I, typename O>
 int64_t forward_bucket(int64_t bucket, int64_t B, const I* ids, const O* offsets, const float* psw,
@@ -279,7 +300,8 @@ $forward_body
 // one bucket's tables
 template <typename I, typename O>
 int64_t backward_bucket(int64_t bucket, int64_t B, const I* ids, const O* offsets, const float* psw,
-                        const float* grad, float* weights, float* state, float lr) {
+                        const float* grad, float* weights, float* state, float* state2, float lr,
+                        double correction1, double correction2) {
   static thread_local Scratch s;
   int64_t U = 0;
   switch (bucket) {
@@ -307,9 +329,12 @@ int64_t forward(int64_t B, const I* ids, const O* offsets, const float* psw, con
 
 template <typename I, typename O>
 int64_t backward(int64_t B, const I* ids, const O* offsets, const float* psw, const float* grad, float* weights,
-                 float* state, float lr) {
+                 float* state, float* state2, float lr, int64_t iter) {
+  // (powf in float, 1 - it in double, as fbgemm's template)
+  const double correction1 = 1.0 - static_cast<double>(powf(BETA1, static_cast<float>(iter)));
+  const double correction2 = 1.0 - static_cast<double>(powf(BETA2, static_cast<float>(iter)));
   return each_bucket([&](int64_t b) {
-    return backward_bucket<I, O>(b, B, ids, offsets, psw, grad, weights, state, lr);
+    return backward_bucket<I, O>(b, B, ids, offsets, psw, grad, weights, state, state2, lr, correction1, correction2);
   });
 }
 }  // namespace
@@ -329,8 +354,9 @@ extern "C" int64_t sl_forward(int64_t B, int id_bits, int off_bits, const void* 
 }
 
 extern "C" int64_t sl_backward(int64_t B, int id_bits, int off_bits, const void* ids, const void* offsets,
-                               const float* psw, const float* grad, float* weights, float* state, float lr) {
-#define SL_BACKWARD(I, O) backward<I, O>(B, static_cast<const I*>(ids), static_cast<const O*>(offsets), psw, grad, weights, state, lr)
+                               const float* psw, const float* grad, float* weights, float* state, float* state2,
+                               float lr, int64_t iter) {
+#define SL_BACKWARD(I, O) backward<I, O>(B, static_cast<const I*>(ids), static_cast<const O*>(offsets), psw, grad, weights, state, state2, lr, iter)
   SL_DISPATCH(SL_BACKWARD)
 }
 """
@@ -363,12 +389,17 @@ def cpu_source(spec: KernelSpec) -> str:
             if update == "rowwise_adagrad" and (rows or table.end_feature - table.first_feature > 1):
                 update = "rowwise_adagrad_shared"
             state = "nullptr" if spec.optimizer == "sgd" else f"state + {table.state_offset}LL"
+            step = "lr"
+            if update == "adam":
+                state += f", state2 + {table.state2_offset}LL"
+                step = "lr, correction1, correction2"
             backward.append(
                 f"      U = accumulate<{table.dim}, {flags}, {_bool(rows)}, I, O>(ids, offsets, psw, grad, B, "
                 f"{table.first_feature}, {table.end_feature}, {features[table.first_feature][2]}, {table.rows}LL, s);\n"
                 f"      if (U < 0) return -U - 1;\n"
-                f"      update_{update}<{table.dim}>(weights + {table.weights_offset}LL, {state}, s, U, lr);")
+                f"      update_{update}<{table.dim}>(weights + {table.weights_offset}LL, {state}, s, U, {step});")
         forward.append("      break;")
         backward.append("      break;")
     return Template(_PRELUDE).substitute(total_dim=spec.total_dim, buckets=len(spec.buckets), eps=f"{spec.eps!r}f",
+                                         beta1=f"{spec.beta1!r}f", beta2=f"{spec.beta2!r}f",
                                          forward_body="\n".join(forward), backward_body="\n".join(backward))

@@ -22,8 +22,8 @@ from lightning_sparselift.runtime.codegen.triton_source import triton_source
 _BITS = {torch.int32: 32, torch.int64: 64}
 # the generated source's functions (cpu_source): their ctypes result and argument types
 _ENTRY_POINTS = {"sl_forward": (ctypes.c_int64, [ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 5),
-                 "sl_backward": (ctypes.c_int64, [ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 6
-                                 + [ctypes.c_float])}
+                 "sl_backward": (ctypes.c_int64, [ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 7
+                                 + [ctypes.c_float, ctypes.c_int64])}
 
 
 # what each ``numerics`` setting of the strategy lets generated kernels do
@@ -124,12 +124,18 @@ class TableBatchKernel:
                                     tbe.momentum1_dev if optimizer != "sgd" else None,
                                     tbe.momentum2_dev if optimizer == "adam" else None, lr, int(tbe.iter_cpu.item()))
         state = tbe.momentum1_host.data_ptr() if optimizer != "sgd" else None
+        state2 = tbe.momentum2_host.data_ptr() if optimizer == "adam" else None
         return library.sl_backward(batch, _bits(ids, "ids"), _bits(offsets, "offsets"), ids.data_ptr(),
                                    offsets.data_ptr(), _ptr(weights), grad.data_ptr(), tbe.weights_host.data_ptr(),
-                                   state, ctypes.c_float(lr))
+                                   state, state2, ctypes.c_float(lr), int(tbe.iter_cpu.item()))
 
     def __call__(self, kjt: Any) -> Tensor:
-        weights = kjt.weights_or_none() if self.spec.weighted else None
+        return self.lookup(kjt.values(), kjt.offsets(), kjt.weights_or_none() if self.spec.weighted else None,
+                           kjt.stride())
+
+    def lookup(self, ids: Tensor, offsets: Tensor, weights: Optional[Tensor], batch: int) -> Tensor:
+        """The lookup of ``batch`` bags per feature (fbgemm's layout: ``offsets`` feature-major),
+        differentiable: its backward applies the fused update."""
         if self.spec.weighted and weights is None:
             raise ValueError("generated lookup: the weighted module's features carry no per-sample weights")
         if weights is not None and weights.dtype != torch.float32:
@@ -137,7 +143,7 @@ class TableBatchKernel:
         tbe = self.tbe
         if tbe.training and torch.is_grad_enabled():
             self._count_step()
-        return _Lookup.apply(tbe.placeholder_autograd_tensor, self, kjt.values(), kjt.offsets(), weights, kjt.stride())
+        return _Lookup.apply(tbe.placeholder_autograd_tensor, self, ids, offsets, weights, batch)
 
     def _count_step(self) -> None:
         """The counters fbgemm's forward keeps (its iteration counter is checkpointed)."""

@@ -12,8 +12,6 @@ from typing import Any
 # fbgemm's optimizers a generated kernel applies (OptimType values)
 OPTIMIZERS = {"exact_sgd": "sgd", "exact_adagrad": "adagrad", "exact_row_wise_adagrad": "rowwise_adagrad",
               "adam": "adam"}
-# those fbgemm's CPU module runs (the C++ kernels reproduce them bit for bit; it refuses Adam)
-HOST_OPTIMIZERS = ("adagrad", "rowwise_adagrad", "sgd")
 # fbgemm's PoolingMode values (none: a row per id, as an EmbeddingCollection's lookups return)
 POOLING = {0: "sum", 1: "mean", 2: "none"}
 
@@ -43,7 +41,7 @@ class KernelSpec:
     eps: float
     check_ids: bool  # no input check runs before the kernel: it rejects out-of-range ids itself
     device: str = "cpu"  # where the tables are: cpu (C++ kernel) | cuda (Triton kernel)
-    beta1: float = 0.0  # Adam's
+    beta1: float = 0.0  # Adam's, rounded to float32
     beta2: float = 0.0
     # tables of each bucket: buckets are independent (disjoint tables, features and output
     # columns) and may run concurrently; one bucket of every table by default
@@ -89,8 +87,9 @@ def spec_of(tbe: Any, weighted: bool, check_ids: bool) -> KernelSpec:
     else:
         raise Unsupported("tables placed in managed or cached memory, or mixed: generated kernels read host tables "
                           "(C++) or device tables (Triton)")
-    if device == "cpu" and optimizer not in HOST_OPTIMIZERS:
-        raise Unsupported(f"{optimizer} on host tables: fbgemm's CPU module has no state for it to update")
+    if device == "cpu" and optimizer == "adam" and tbe.momentum2_host.numel() != tbe.weights_host.numel():
+        raise Unsupported("Adam on host tables without Adam's second moment (fbgemm's CPU module refuses Adam; "
+                          "HostAdamTableBatch keeps its state)")
     pooling = POOLING.get(int(tbe.pooling_mode))
     if pooling is None:
         raise Unsupported(f"pooling mode {tbe.pooling_mode}: generated kernels pool by sum or mean, or return rows")
@@ -121,5 +120,13 @@ def spec_of(tbe: Any, weighted: bool, check_ids: bool) -> KernelSpec:
         total_dim = widths[0]
     return KernelSpec(tables=tuple(tables), total_dim=total_dim, pooling=pooling, weighted=weighted,
                       optimizer=optimizer, eps=float(args.eps), check_ids=check_ids, device=device,
-                      beta1=float(args.beta1) if optimizer == "adam" else 0.0,
-                      beta2=float(args.beta2) if optimizer == "adam" else 0.0)
+                      beta1=_float32(args.beta1) if optimizer == "adam" else 0.0,
+                      beta2=_float32(args.beta2) if optimizer == "adam" else 0.0)
+
+
+def _float32(value: float) -> float:
+    """``value`` rounded to float32, as fbgemm passes its optimizer's hyper-parameters to its
+    kernels (``1 - beta`` is then computed from the rounded beta, as fbgemm's template does)."""
+    import numpy as np
+
+    return float(np.float32(value))
