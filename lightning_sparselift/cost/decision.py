@@ -43,8 +43,12 @@ OUTLIER_SIGMAS = 6.0
 # more than 30% off its arm's median can be one)
 MIN_RELATIVE_SPREAD = 0.05
 
-# a sequential calibration stops a candidate as negligible from this many pairs on
-NEGLIGIBLE_FROM_PAIRS = 24
+# a sequential calibration stops a candidate as negligible from this many pairs on (the look at
+# 64 with the default looks): from 24 (the look at 32), output layout on dlrm (~-2 ms of a 90 ms
+# step, step-CPU noise ~4 ms) was stopped as negligible in 1 of 10 calibrations (+0.11 ms at 32
+# pairs); on injected timings (200 seeds, 7.5 ms noise) a -3 ms effect was stopped so 26 times at
+# 24 and 5 at 48, while a candidate without effect spends 115 pairs on average instead of 93
+NEGLIGIBLE_FROM_PAIRS = 48
 
 # the regions that time only the lookups' own compute (see CalibrationProtocol.region)
 LOOKUP_REGIONS = ("lookup", "lookup_wall")
@@ -60,7 +64,8 @@ class DecisionRule:
     confidence: float = 0.95
     # enough for an effect of ~6% of the step (early start on dlrm: -4.5 ms on 78 ms) to be accepted
     # in >98% of runs under this machine's step noise (8-12 ms sd per pair); the pairs a candidate
-    # uses are far fewer: ~40-70 for that one, ~30-80 for one without effect (negligible)
+    # uses are far fewer: ~40-70 for that one, 64 or more for one without effect (115 on average
+    # on injected timings)
     max_pairs: int = 192
     # the smallest improvement accepted, as a fraction of the incumbent's step, for candidates
     # measured on the whole step or the sparse regions: on dlrm (10 calibrations each) at 0.005

@@ -74,8 +74,8 @@ class SparseLiftStrategy(ParallelStrategy):
             planner (table-wise on the least loaded rank when the plan has to be constructed, as
             for row-wise and table-row-wise on CPU).
         embedding_optimizer: the optimizer fused into the model-parallel tables' backward: a
-            name (``sgd``, ``adagrad``, ``rowwise_adagrad``; ``adam``, which on CPU tables only the generated kernel runs), a dict
-            (``{"name": ..., "lr": ...}``) or an
+            name (``sgd``, ``adagrad``, ``rowwise_adagrad``; ``adam``, which on CPU tables only
+            the generated kernel runs), a dict (``{"name": ..., "lr": ...}``) or an
             :class:`~lightning_sparselift.sharding.EmbeddingOptimizer`. ``data_parallel`` tables
             are replicated dense parameters: TorchRec all-reduces their gradients and the dense
             optimizer from ``configure_optimizers`` updates them.
@@ -100,7 +100,7 @@ class SparseLiftStrategy(ParallelStrategy):
             signed-rank bounds; see :mod:`lightning_sparselift.cost.decision`).
         calibration_max_pairs: the measured pairs (incumbent step, candidate step) one candidate
             may use while it is undecided (default 192); still undecided after them, it is
-            rejected. A candidate whose estimate is not half the smallest gain after 24 pairs
+            rejected. A candidate whose estimate is not half the smallest gain after 48 pairs
             stops there (negligible).
         calibration_min_gain: the smallest improvement a candidate measured on whole steps or the
             executor's sparse regions (latency hiding, aggregation) must show (beyond the noise),
