@@ -1,5 +1,6 @@
 """Mid-epoch resume: a run killed mid-epoch and resumed from its last checkpoint ends exactly where
-an uninterrupted run ends, on both executors (the lifted one reads the loader one batch ahead)."""
+an uninterrupted run ends, on both executors (the lifted one reads the loader one batch ahead), with
+rowwise Adagrad and with Adam (whose bias corrections read fbgemm's iteration counter)."""
 
 from pathlib import Path
 
@@ -33,7 +34,7 @@ class KillAtStep(L.Callback):
             raise Killed(f"killed before step {self.step}")
 
 
-def _fit(dm, tmp_path: Path, name: str, executor: str, ckpt_path=None, kill_at=None):
+def _fit(dm, tmp_path: Path, name: str, executor: str, optimizer: str, ckpt_path=None, kill_at=None):
     L.seed_everything(11)
     model = tiny_model(dm, lr_scheduler="cosine", lr_scheduler_steps=80)
     callbacks = [DumpLocalState(tmp_path / name),
@@ -42,22 +43,23 @@ def _fit(dm, tmp_path: Path, name: str, executor: str, ckpt_path=None, kill_at=N
         callbacks.append(KillAtStep(kill_at))
     # calibrate=False applies the next-batch schedule unmeasured: the lifted run always trains on announced batches
     strategy = SparseLiftStrategy(start_method="fork", executor=executor, calibrate=False,
-                                  embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05},
+                                  embedding_optimizer={"name": optimizer, "lr": 0.05},
                                   embedding_lr_schedule="follow_dense")
     t = trainer(2, strategy, max_epochs=2, callbacks=callbacks, limit_val_batches=0, enable_checkpointing=True)
     t.fit(model, dm, ckpt_path=ckpt_path)
 
 
-@pytest.mark.parametrize("executor", ["torchrec", "sparselift"])
-def test_mid_epoch_resume_continues_exactly(tmp_path, data_cache, executor):
+@pytest.mark.parametrize("executor, optimizer", [("torchrec", "rowwise_adagrad"), ("sparselift", "rowwise_adagrad"),
+                                                 ("sparselift", "adam")])
+def test_mid_epoch_resume_continues_exactly(tmp_path, data_cache, executor, optimizer):
     dm = tiny_data(data_cache, num_train=NUM_TRAIN)
-    _fit(dm, tmp_path, "straight", executor)
+    _fit(dm, tmp_path, "straight", executor, optimizer)
     with pytest.raises(Exception, match=f"killed before step {KILL_AT_STEP}"):
-        _fit(dm, tmp_path, "killed", executor, kill_at=KILL_AT_STEP)
+        _fit(dm, tmp_path, "killed", executor, optimizer, kill_at=KILL_AT_STEP)
     checkpoints = sorted(p.name for p in (tmp_path / "killed-ckpt").iterdir())
     assert checkpoints == ["epoch=0-step=10.ckpt", "epoch=0-step=20.ckpt"]
     # resumed mid-epoch 0, it runs through the rest of epoch 0 and all of epoch 1
-    _fit(dm, tmp_path, "resumed", executor, ckpt_path=tmp_path / "killed-ckpt" / "epoch=0-step=20.ckpt")
+    _fit(dm, tmp_path, "resumed", executor, optimizer, ckpt_path=tmp_path / "killed-ckpt" / "epoch=0-step=20.ckpt")
 
     straight, resumed = load_dumps(tmp_path / "straight", 2), load_dumps(tmp_path / "resumed", 2)
     for rank in range(2):

@@ -7,6 +7,9 @@ A checkpoint is a folder:
 - ``param_groups.rank<R>.json``: each rank's optimizer hyper-parameters (learning rates, ...),
   which TorchRec's ``KeyedOptimizer.state_dict()`` leaves out and which differ per rank for the
   fused tables;
+- ``optimizer_steps.rank<R>.json``: each of the rank's fbgemm table-batched modules' iteration
+  counter (by module path), which its fused optimizer reads (Adam's bias corrections) and
+  TorchRec's ``state_dict`` leaves out, so a resumed Adam continues its corrections exactly;
 - ``rng.rank<R>.pt``: each rank's random number generators (torch, CUDA, numpy, Python) as plain
   tensors and numbers, restored on load, so randomness inside training steps (dropout, a
   managed-collision module re-initialising evicted rows) continues exactly after a resume;
@@ -81,6 +84,46 @@ def _param_groups_file(path: Path, rank: int) -> Path:
 
 def _rng_file(path: Path, rank: int) -> Path:
     return path / f"rng.rank{rank}.pt"
+
+
+def _steps_file(path: Path, rank: int) -> Path:
+    return path / f"optimizer_steps.rank{rank}.json"
+
+
+def _table_batches(dmp: nn.Module) -> dict[str, nn.Module]:
+    """fbgemm's table-batched embedding modules in the model, by path. TorchRec's sharded modules
+    keep their lookups in a plain list (``_lookups``), which ``named_modules`` does not reach."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+
+    found = {}
+    for path, module in dmp.named_modules():
+        lookups = getattr(module, "_lookups", None)
+        if not isinstance(lookups, list):
+            continue
+        for i, lookup in enumerate(lookups):
+            for name, m in lookup.named_modules(prefix=f"{path}._lookups.{i}"):
+                if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen):
+                    found[name] = m
+    return found
+
+
+def _restore_steps(path: Path, rank: int, dmp: nn.Module) -> None:
+    file = _steps_file(path, rank)
+    modules = _table_batches(dmp)
+    if not file.exists():
+        if modules:
+            warnings.warn(f"{file.name} is missing (the checkpoint was saved before checkpoints held them): the fused "
+                          f"embedding optimizers' iteration counters start from 0 (Adam's bias corrections restart)",
+                          RuntimeWarning)
+        return
+    saved = json.loads(file.read_text())
+    if saved.keys() != modules.keys():
+        raise CheckpointError(f"checkpoint {path}: rank {rank} saved iteration counters for the table-batched modules "
+                              f"{sorted(saved)}, this model has {sorted(modules)}")
+    for name, module in modules.items():
+        module.iter.fill_(saved[name])
+        # fbgemm's forward takes its host copy from ``iter`` while that copy is 0
+        module.iter_cpu.fill_(0)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -173,13 +216,16 @@ def _replaceable(folder: Path) -> bool:
 
 
 def write_shards(folder: Path, dmp: nn.Module, optimizer: Optional[Any], rank: int) -> None:
-    """Every rank: its DCP shards, optimizer hyper-parameters and random number generators."""
+    """Every rank: its DCP shards, optimizer hyper-parameters and iteration counters, and random
+    number generators."""
     folder.mkdir(parents=True, exist_ok=True)
     torch.save(_rng_state(), _rng_file(folder, rank))
     state: dict[str, Any] = {"model": dmp.state_dict()}
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
         _param_groups_file(folder, rank).write_text(json.dumps(_per_optimizer_groups(optimizer)))
+        _steps_file(folder, rank).write_text(json.dumps({name: int(m.iter.item())
+                                                          for name, m in _table_batches(dmp).items()}))
     dcp.save(state, checkpoint_id=str(folder))
 
 
@@ -369,6 +415,7 @@ def load(path: Path, dmp: nn.Module, optimizer: Optional[Any], info: dict[str, A
             dense.load_state_dict({"state": {k[len("dense."):]: v for k, v in state["optimizer"]["state"].items()}})
         else:
             optimizer.load_state_dict(state["optimizer"])
+            _restore_steps(path, rank, dmp)
         groups_file = _param_groups_file(path, rank)
         if not groups_file.exists():
             raise FileNotFoundError(f"{groups_file} is missing: the checkpoint was saved by a different world size")
