@@ -50,8 +50,9 @@ def test_a_candidate_with_a_real_effect_is_decided_right_in_every_seeded_trial(e
     outcomes = [_decide(effect_ms, seed) for seed in range(20)]
     assert [accepted for accepted, _, _ in outcomes] == [effect_ms < 0] * 20
     assert all(reason.startswith(verdict) for _, reason, _ in outcomes), [r for _, r, _ in outcomes]
-    # the first look (8 pairs) can reject a slower candidate, but accepts nothing before 16 pairs
-    assert min(pairs for _, _, pairs in outcomes) == (16 if effect_ms < 0 else 8), outcomes
+    # the first look (10 pairs) can reject a slower candidate, but accepts nothing before 16 pairs
+    # (the look at 20)
+    assert min(pairs for _, _, pairs in outcomes) == (20 if effect_ms < 0 else 10), outcomes
 
 
 def test_an_effect_of_six_percent_of_the_step_is_accepted_in_every_seeded_trial():
@@ -135,7 +136,10 @@ def test_look_points_and_rule_limits():
     assert bounding_pairs(0.05) == 5 and bounding_pairs(0.01) == 7
     for looks in (look_points(2, 192, 0.95), look_points(2, 24, 0.99)):
         assert 2 ** -looks[0] <= 0.05 / len(looks) or 2 ** -looks[0] <= 0.01 / len(looks)
+    assert look_points(2, DecisionRule().max_pairs, DecisionRule().confidence) == [10, 20, 40, 80, 160, 256]
     with pytest.raises(ValueError, match="needs at least 5 pairs"):
-        DecisionRule(max_pairs=4)
+        DecisionRule(confidence=0.95, max_pairs=4)
+    with pytest.raises(ValueError, match="needs at least 7 pairs"):
+        DecisionRule(max_pairs=6)
     with pytest.raises(ValueError, match="confidence"):
         DecisionRule(confidence=1.0)

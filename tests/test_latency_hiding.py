@@ -21,7 +21,7 @@ from lightning_sparselift.lightning.lookahead import LookaheadLoader
 
 def test_calibration_observes_the_step_after_each_settle_step_and_extends_to_the_next_look():
     calibrator = Calibrator(CalibrationProtocol(warmup_pairs=1, measured_pairs=2, settle_steps=1),
-                            DecisionRule(max_pairs=12))
+                            DecisionRule(confidence=0.95, max_pairs=12))
     # the signed-rank bounds need 6 pairs at an error rate of 0.05 / 2 looks; then the budget
     assert calibrator.looks == [7, 12]
     plans, f = [], 0.0

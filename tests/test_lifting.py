@@ -296,7 +296,7 @@ def _fit_with_plan(tmp_path, data_cache, plan_path, run):
     folder.mkdir()
     # a budget of 5 measured pairs: one look (the fewest pairs signed-rank bounds exist for at 95%)
     t = trainer(2, SparseLiftStrategy(start_method="fork", sharding_types=MIXED, plan_path=str(plan_path),
-                                      calibration_max_pairs=5),
+                                      calibration_confidence=0.95, calibration_max_pairs=5),
                 callbacks=[SaveExecutor(folder)], limit_val_batches=0)
     t.fit(tiny_model(dm), dm)
     return torch.load(folder / "executor0.pt", weights_only=False)["metrics"]

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from lightning_sparselift.cost.calibration import Measurement
-from lightning_sparselift.cost.decision import paired_estimate
+from lightning_sparselift.cost.decision import DecisionRule, paired_estimate
 from lightning_sparselift.cost.priors import AlphaBeta, LookupModel, Priors
 from lightning_sparselift.ir import SparseGraph
 from lightning_sparselift.passes import select_passes
@@ -17,6 +17,9 @@ from lightning_sparselift.plan import Decision, ExecutionPlan, PlanFileError, Pl
 from graph_fixtures import COMPUTED_INPUT, EBC, ITEM, NOT_IN_BATCH, NOTHING_TO_MERGE, USER, load
 
 ALL = ["aggregation", "latency_hiding"]
+# the loop's step counts below are written for this rule's looks (8, 16, 32, 64, 128, 192 pairs); the
+# default rule's are test_decision's
+RULE = DecisionRule(confidence=0.95, max_pairs=192)
 FAST = "faster: -2.000 ms, 95% bounds [-2.000, -2.000] over 16 pairs (noise 0.000 ms)"
 
 
@@ -27,7 +30,7 @@ def _identity() -> SparseGraph:
 def _loop(optimizations: list[str], calibrate: bool = True) -> PlanningLoop:
     identity = _identity()
     fingerprint = PlanFingerprint(identity.fingerprint(), "sharding", 2, "gloo", {}, sorted(optimizations))
-    loop = PlanningLoop(Planner(select_passes(optimizations), None, calibrate), fingerprint, identity, None)
+    loop = PlanningLoop(Planner(select_passes(optimizations), None, calibrate, RULE), fingerprint, identity, None)
     loop.propose()
     return loop
 
@@ -165,7 +168,7 @@ def test_infeasible_candidates_are_rejected_with_their_reasons():
 
 
 def test_decide_accepts_a_candidate_only_when_its_interval_is_below_zero_on_the_slowest_rank():
-    planner = Planner(select_passes(ALL), PRIORS, True)
+    planner = Planner(select_passes(ALL), PRIORS, True, RULE)
     (c,) = [c for c in planner.propose(load("two_modules_2ranks"))[0] if c.id == f"aggregation:input@{ITEM}"]
     predicted = planner.predict_ms(c)
     assert predicted == pytest.approx(-0.19072)
@@ -223,7 +226,7 @@ class _Steps:
 
 def _calibrating_loop(graph: SparseGraph) -> PlanningLoop:
     fingerprint = PlanFingerprint(graph.fingerprint(), "sharding", graph.world_size, graph.backend, {}, ALL)
-    loop = PlanningLoop(Planner(select_passes(ALL), PRIORS, calibrate=True), fingerprint, graph, None)
+    loop = PlanningLoop(Planner(select_passes(ALL), PRIORS, True, RULE), fingerprint, graph, None)
     loop.propose()
     return loop
 
@@ -374,7 +377,7 @@ class _Exclusive(select_passes(["latency_hiding"])[0].__class__):
 def test_a_candidate_that_an_accepted_one_made_infeasible_is_recorded_not_applied(calibrate):
     identity = _identity()
     fingerprint = PlanFingerprint(identity.fingerprint(), "sharding", 2, "gloo", {}, ["latency_hiding"])
-    loop = PlanningLoop(Planner([_Exclusive()], None, calibrate), fingerprint, identity, None)
+    loop = PlanningLoop(Planner([_Exclusive()], None, calibrate, RULE), fingerprint, identity, None)
     loop.propose()
     _run(loop, lambda graph, trial: 5.0 if trial else 10.0)
     (early, ahead) = loop.plan.decisions

@@ -181,16 +181,16 @@ def test_a_slower_installed_plan_is_rolled_back(tmp_path, data_cache, monkeypatc
     # reused with calibration on: the steady-state check runs it against the identity plan, and the
     # executor sleeps 20 ms in every step of a non-identity schedule (forked ranks inherit the patch)
     monkeypatch.setattr(ModuleExecutor, "__call__", _slow_when_not_identity(0.02))
-    dm = tiny_data(data_cache, num_train=1344)  # 21 steps: 3 captured, 16 checking, 2 after
+    dm = tiny_data(data_cache, num_train=1856)  # 29 steps: 3 captured, 24 checking, 2 after
     L.seed_everything(0)
     strategy = SparseLiftStrategy(start_method="fork", optimizations=["aggregation"], plan_path=str(plan_path),
-                                  verify_steps=16)
+                                  verify_steps=24)
     t = trainer(2, strategy, callbacks=[SaveSession(tmp_path)], limit_val_batches=0)
     t.fit(tiny_model(dm), dm)
     for rank in range(2):
         info = torch.load(tmp_path / f"session{rank}.pt", weights_only=False)
         (v,) = info["verifications"]
-        assert v.verdict == "slower" and v.rolled_back and v.pairs + v.outliers == 7 and v.steps == 16
+        assert v.verdict == "slower" and v.rolled_back and v.pairs + v.outliers == 11 and v.steps == 24
         assert v.measured_ms > 10 and v.interval_ms[0] > 0  # the 20 ms sleep, beyond noise
         assert v.calibrated_ms is None  # a reused plan: no calibration on this run
         assert info["rollbacks"] == 1 and info["plan_accepted"] == []
@@ -265,9 +265,10 @@ def test_drift_replans_once_and_stays_bit_identical_to_torchrec(tmp_path, data_c
                           drift_from=30)
         folder = tmp_path / executor
         folder.mkdir()
-        # a budget of 5 pairs (one look): each round ends within 12 steps
+        # a budget of 5 pairs (one look at 95%): each round ends within 12 steps
         strategy = SparseLiftStrategy(start_method="fork", executor=executor, optimizations=["aggregation"],
-                                      verify_steps=0, min_steps_between_replans=20, calibration_max_pairs=5)
+                                      verify_steps=0, min_steps_between_replans=20, calibration_confidence=0.95,
+                                      calibration_max_pairs=5)
         callbacks = [DumpLocalState(folder)] + ([SaveSession(folder)] if executor == "sparselift" else [])
         t = trainer(2, strategy, callbacks=callbacks, limit_val_batches=0)
         t.fit(tiny_model(dm), dm)

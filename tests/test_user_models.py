@@ -50,9 +50,9 @@ def test_user_model_with_every_pass_forced_on_matches_torchrec(name, tmp_path, d
 
 
 def test_user_model_with_default_calibration_matches_torchrec(tmp_path, data_cache):
-    # 1,700 steps: 3 captured, then at most 386 + 386 + 772 calibrating (aggregation's input, early
-    # start and next batch, each up to the default budget of 192 measured pairs), then the 40-step check
-    dm = tiny_data(data_cache, num_train=1700 * 64)
+    # 2,100 steps: 3 captured, then at most 514 + 514 + 1028 calibrating (aggregation's input, early
+    # start and next batch, each up to the default budget of 256 measured pairs), then the 40-step check
+    dm = tiny_data(data_cache, num_train=2100 * 64)
     _fit("positional", dm, tmp_path / "torchrec", executor="torchrec")
     reports = _fit("positional", dm, tmp_path / "lifted")
     for report in reports:

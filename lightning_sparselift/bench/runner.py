@@ -331,9 +331,9 @@ def _worker_main(rank: int, config: BenchConfig, port: int, out: str) -> None:
 
 
 # cap on the untimed steps a system may add to finish its own warmup (SparseLift's capture, its
-# calibration and the steady-state check): five candidates at the default budget (192 pairs, next
-# batch's with a settle step each) take ~2,300 steps at most; typical is a quarter of it
-_MAX_EXTRA_WARMUP = 3000
+# calibration and the steady-state check): five candidates at the default budget (256 pairs, next
+# batch's with a settle step each) take ~3,100 steps at most; typical is a third of it
+_MAX_EXTRA_WARMUP = 4000
 
 
 def _write_atomically(path: str, data: dict[str, Any]) -> None:

@@ -44,7 +44,7 @@ OUTLIER_SIGMAS = 6.0
 MIN_RELATIVE_SPREAD = 0.05
 
 # a sequential calibration stops a candidate as negligible from this many pairs on (the look at
-# 64 with the default looks): from 24 (the look at 32), output layout on dlrm (~-2 ms of a 90 ms
+# 80 with the default looks): from 24 (the look at 32), output layout on dlrm (~-2 ms of a 90 ms
 # step, step-CPU noise ~4 ms) was stopped as negligible in 1 of 10 calibrations (+0.11 ms at 32
 # pairs); on injected timings (200 seeds, 7.5 ms noise) a -3 ms effect was stopped so 26 times at
 # 24 and 5 at 48, while a candidate without effect spends 115 pairs on average instead of 93
@@ -61,12 +61,15 @@ class DecisionRule:
     """How sure a decision must be: the interval's ``confidence`` over the whole sequential
     calibration, and the measured pairs one candidate may use before it is rejected undecided."""
 
-    confidence: float = 0.95
-    # enough for an effect of ~6% of the step (early start on dlrm: -4.5 ms on 78 ms) to be accepted
-    # in >98% of runs under this machine's step noise (8-12 ms sd per pair); the pairs a candidate
-    # uses are far fewer: ~40-70 for that one, 64 or more for one without effect (115 on average
-    # on injected timings)
-    max_pairs: int = 192
+    # at 0.95, 1 of 12 sparse-heavy calibrations (2 commits, 2 loops) accepted early start, whose
+    # effect there is nil (+4.4 to -5.7 ms, mean +0.3): five candidates per calibration give a plan
+    # five chances; at 0.99 injected timings without effect were accepted 0/400 (0.95: 7/400)
+    confidence: float = 0.99
+    # at confidence 0.99, enough for an effect of ~6% of the step (early start on dlrm: -4.5 ms on
+    # 75 ms) to be accepted as often as 192 pairs did at 0.95 (injected timings, 200 seeds: 178 vs
+    # 173 at 10 ms noise, 199-200 at 6 ms); the pairs a candidate uses are far fewer: ~90 for that
+    # one, 80 or more for one without effect (~150 on average on injected timings, 115 before)
+    max_pairs: int = 256
     # the smallest improvement accepted, as a fraction of the incumbent's step, for candidates
     # measured on the whole step or the sparse regions: on dlrm (10 calibrations each) at 0.005
     # early start (-3.4 to -14 ms) was accepted 10/10 and next batch (~1 ms) 0/10; at 0.002 next

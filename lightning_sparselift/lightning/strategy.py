@@ -99,7 +99,7 @@ class SparseLiftStrategy(ParallelStrategy):
             below minus ``calibration_min_gain`` with this confidence (paired steps, Wilcoxon
             signed-rank bounds; see :mod:`lightning_sparselift.cost.decision`).
         calibration_max_pairs: the measured pairs (incumbent step, candidate step) one candidate
-            may use while it is undecided (default 192); still undecided after them, it is
+            may use while it is undecided (default 256); still undecided after them, it is
             rejected. A candidate whose estimate is not half the smallest gain after 48 pairs
             stops there (negligible).
         calibration_min_gain: the smallest improvement a candidate measured on whole steps or the
