@@ -63,7 +63,7 @@ class DecisionRule:
 
     # at 0.95, 1 of 12 sparse-heavy calibrations (2 commits, 2 loops) accepted early start, whose
     # effect there is nil (+4.4 to -5.7 ms, mean +0.3): five candidates per calibration give a plan
-    # five chances; at 0.99 injected timings without effect were accepted 0/400 (0.95: 7/400)
+    # five chances; at 0.99 injected timings without effect were accepted 0/400 (0.95: 5/400)
     confidence: float = 0.99
     # at confidence 0.99, enough for an effect of ~6% of the step (early start on dlrm: -4.5 ms on
     # 75 ms) to be accepted as often as 192 pairs did at 0.95 (injected timings, 200 seeds: 178 vs
