@@ -189,7 +189,7 @@ def test_graph_round_trips_and_explains(runs):
 # ---------------------------------------------------------------------------- through the strategy
 import lightning.pytorch as L  # noqa: E402
 
-from helpers import DumpLocalState, assert_same_dumps, tiny_data, tiny_model, trainer  # noqa: E402
+from helpers import ONE_LOOK, DumpLocalState, assert_same_dumps, tiny_data, tiny_model, trainer  # noqa: E402
 from lightning_sparselift import SparseLiftStrategy  # noqa: E402
 
 MIXED = dict(zip(["t_cat_0", "t_cat_1", "t_cat_2", "t_cat_3", "t_cat_4", "t_cat_5"],
@@ -294,9 +294,7 @@ def _fit_with_plan(tmp_path, data_cache, plan_path, run):
     L.seed_everything(0)
     folder = tmp_path / run
     folder.mkdir()
-    # a budget of 5 measured pairs: one look (the fewest pairs signed-rank bounds exist for at 95%)
-    t = trainer(2, SparseLiftStrategy(start_method="fork", sharding_types=MIXED, plan_path=str(plan_path),
-                                      calibration_confidence=0.95, calibration_max_pairs=5),
+    t = trainer(2, SparseLiftStrategy(start_method="fork", sharding_types=MIXED, plan_path=str(plan_path), **ONE_LOOK),
                 callbacks=[SaveExecutor(folder)], limit_val_batches=0)
     t.fit(tiny_model(dm), dm)
     return torch.load(folder / "executor0.pt", weights_only=False)["metrics"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import tiny_data, tiny_model, trainer
+from helpers import ONE_LOOK, tiny_data, tiny_model, trainer
 from lightning_sparselift import SparseLiftStrategy
 from lightning_sparselift.session import SparseLiftSession
 
@@ -40,9 +40,8 @@ class PlanAgain(L.Callback):
 def test_planning_again_calibrates_and_installs_a_new_plan(tmp_path, data_cache):
     dm = tiny_data(data_cache, num_train=1920)  # 30 steps: 3 captured, 12 calibrating, 12 calibrating again, 3
     L.seed_everything(0)
-    # a budget of 5 measured pairs (one look at 95%: every candidate decided there), no steady-state check
-    strategy = SparseLiftStrategy(start_method="fork", optimizations=["aggregation"], calibration_confidence=0.95,
-                                  calibration_max_pairs=5, verify_steps=0)
+    # every candidate decided at one look, no steady-state check
+    strategy = SparseLiftStrategy(start_method="fork", optimizations=["aggregation"], verify_steps=0, **ONE_LOOK)
     t = trainer(2, strategy, callbacks=[PlanAgain(tmp_path)], limit_val_batches=0)
     t.fit(tiny_model(dm), dm)
     for rank in range(2):

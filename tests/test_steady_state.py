@@ -15,7 +15,7 @@ import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from helpers import DumpLocalState, assert_same_dumps, tiny_data, tiny_model, trainer
+from helpers import ONE_LOOK, DumpLocalState, assert_same_dumps, tiny_data, tiny_model, trainer
 from lightning_sparselift import CriteoDataModule, SparseLiftStrategy
 from lightning_sparselift.data import RecBatch, ResumableLoader, _identity
 from lightning_sparselift.plan.verification import (
@@ -265,10 +265,9 @@ def test_drift_replans_once_and_stays_bit_identical_to_torchrec(tmp_path, data_c
                           drift_from=30)
         folder = tmp_path / executor
         folder.mkdir()
-        # a budget of 5 pairs (one look at 95%): each round ends within 12 steps
+        # each round ends within 12 steps
         strategy = SparseLiftStrategy(start_method="fork", executor=executor, optimizations=["aggregation"],
-                                      verify_steps=0, min_steps_between_replans=20, calibration_confidence=0.95,
-                                      calibration_max_pairs=5)
+                                      verify_steps=0, min_steps_between_replans=20, **ONE_LOOK)
         callbacks = [DumpLocalState(folder)] + ([SaveSession(folder)] if executor == "sparselift" else [])
         t = trainer(2, strategy, callbacks=callbacks, limit_val_batches=0)
         t.fit(tiny_model(dm), dm)
