@@ -66,23 +66,24 @@ DRIFT_CHECK_EVERY = 10  # steps between two drift checks (one small all-gather e
 
 def mark_generated(graph: SparseGraph, builds: list[KernelBuild]) -> None:
     """Record in ``graph`` which groups have a generated lookup kernel, and which modules a consumer
-    layout kernel, on every rank (``builds``: all ranks'), and why the others have none."""
-    from lightning_sparselift.ir.schedule import CONSUMER_KERNEL, GENERATED_KERNEL
+    layout kernel and an input kernel, on every rank (``builds``: all ranks'), and why the others
+    have none."""
+    from lightning_sparselift.ir.schedule import CONSUMER_KERNEL, GENERATED_KERNEL, INPUT_KERNEL_GROUP, \
+        OUTPUT_KERNEL_GROUP
+
+    def record(module_path: str, group: int, name: str, kernels: list[str], notes: dict[str, str]) -> None:
+        ranks = [b for b in builds if b.module == module_path and b.group == group]
+        failed = [f"rank {b.rank}: {b.note}" for b in ranks if b.note]
+        if failed:
+            notes[name] = "; ".join(failed)
+        elif ranks and name not in kernels:
+            kernels.append(name)
 
     for module in graph.modules:
-        layouts = [b for b in builds if b.module == module.path and b.group == -1]
-        notes = [f"rank {b.rank}: {b.note}" for b in layouts if b.note]
-        if notes:
-            module.output_notes[CONSUMER_KERNEL] = "; ".join(notes)
-        elif layouts and CONSUMER_KERNEL not in module.output_kernels:
-            module.output_kernels.append(CONSUMER_KERNEL)
+        record(module.path, OUTPUT_KERNEL_GROUP, CONSUMER_KERNEL, module.output_kernels, module.output_notes)
+        record(module.path, INPUT_KERNEL_GROUP, GENERATED_KERNEL, module.input_kernels, module.input_notes)
         for group in module.lifted_groups:
-            notes = [f"rank {b.rank}: {b.note}" for b in builds
-                     if b.module == module.path and b.group == group.index and b.note]
-            if notes:
-                group.lookup_notes[GENERATED_KERNEL] = "; ".join(notes)
-            elif GENERATED_KERNEL not in group.lookup_kernels:
-                group.lookup_kernels.append(GENERATED_KERNEL)
+            record(module.path, group.index, GENERATED_KERNEL, group.lookup_kernels, group.lookup_notes)
 
 
 class SparseLiftSession:
@@ -185,6 +186,7 @@ class SparseLiftSession:
             self.installed.use(self.loop.next_graph())
             self.installed.clock.take()
             self.installed.clock.take_lookup()
+            self.installed.clock.take_input()
             self._step_start, self._step_cpu_start = time.perf_counter(), time.thread_time()
         elif self.phase == "verify":
             self.installed.use(self.plan.graph if self._check.next_uses_candidate() else self.identity)
@@ -220,7 +222,8 @@ class SparseLiftSession:
             step_cpu_ms = (time.thread_time() - self._step_cpu_start) * 1e3 if self.device.type == "cpu" else step_ms
             sparse_ms, (lookup_ms, lookup_wall_ms) = self.installed.clock.take(), self.installed.clock.take_lookup()
             self.installed.use(self.loop.incumbent)
-            self.loop.feedback(step_ms, sparse_ms, lookup_ms, lookup_wall_ms, step_cpu_ms)
+            self.loop.feedback(step_ms, sparse_ms, lookup_ms, lookup_wall_ms, step_cpu_ms,
+                               self.installed.clock.take_input())
             if self.loop.done:
                 self._finish()
                 return True
@@ -392,7 +395,7 @@ class SparseLiftSession:
                         for m in graph.modules for g in m.groups if g.not_lifted]
 
     def _build_kernels(self, graph: SparseGraph) -> None:
-        """Build every group's generated lookup kernel and every consumer layout kernel on every rank
+        """Build every group's generated lookup kernel, every consumer layout and input kernel on every rank
         (compile time stays out of the timed steps) and record in ``graph`` which groups and modules
         have one on all ranks: the codegen pass proposes only those, so every rank plans alike."""
         builds = self.kernel_builds = [KernelBuild(rank=rank, **b) for rank, ranks in enumerate(self._all_gather(
@@ -400,7 +403,7 @@ class SparseLiftSession:
         mark_generated(graph, builds)
         built = [b for b in builds if not b.note]
         if built:
-            self.events.append(f"generated kernels (lookups, output layouts): {len(built)} built on {self.world} "
+            self.events.append(f"generated kernels (lookups, output layouts, input sides): {len(built)} built on {self.world} "
                                f"rank(s), {sum(b.cached for b in built)} from the cache, "
                                f"{max(b.seconds for b in built):.2f} s at most per kernel")
 

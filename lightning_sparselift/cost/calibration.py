@@ -32,13 +32,15 @@ class RegionClock:
     kernels' forward calls and their backward nodes, fused update included) since the last
     :meth:`take_lookup`: on CPU both the training thread's CPU time, which the other rank's work
     and the collectives' waits do not add noise to, and the wall time, which is what counts once a
-    lookup runs buckets on threads of their own."""
+    lookup runs buckets on threads of their own; and the input side's work (permute, splits,
+    issuing the payload, recat) on the same clock since the last :meth:`take_input`."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.ms = 0.0
         self.lookup_ms = 0.0
         self.lookup_wall_ms = 0.0
+        self.input_ms = 0.0
         self._node_start: dict[int, tuple[float, float]] = {}
 
     @contextmanager
@@ -105,6 +107,19 @@ class RegionClock:
         self.lookup_ms = self.lookup_wall_ms = 0.0
         return taken
 
+    @contextmanager
+    def input(self) -> Iterator[None]:
+        start = self._now()[0]
+        try:
+            yield
+        finally:
+            self.input_ms += self._now()[0] - start
+
+    def take_input(self) -> float:
+        """The input side's ms on the lookup clock since the last call."""
+        taken, self.input_ms = self.input_ms, 0.0
+        return taken
+
 
 @dataclass
 class CalibrationProtocol:
@@ -118,8 +133,10 @@ class CalibrationProtocol:
     # for candidates whose effect is compute on that thread anywhere in the step, e.g. copies the
     # model's own code makes; the clock leaves out the waits and preemptions that are most of a
     # CPU step's noise), "lookup" (the lookup regions' forward and backward on the training
-    # thread's clock, see RegionClock: for candidates that change only the lookups' compute) or
-    # "lookup_wall" (the same regions' wall time: for candidates that spread that compute over threads)
+    # thread's clock, see RegionClock: for candidates that change only the lookups' compute),
+    # "lookup_wall" (the same regions' wall time: for candidates that spread that compute over
+    # threads) or "input" (the input distribution's work on the lookup clock: for candidates that
+    # change only its compute)
     region: str = "sparse"
     settle_steps: int = 0  # unmeasured steps on the same plan before each observed one
     # every other pair runs T1 first (T0 T1, T1 T0, ...: the paper's ref -> gen -> gen -> ref), so a

@@ -50,8 +50,8 @@ MIN_RELATIVE_SPREAD = 0.05
 # 24 and 5 at 48, while a candidate without effect spends 115 pairs on average instead of 93
 NEGLIGIBLE_FROM_PAIRS = 48
 
-# the regions that time only the lookups' own compute (see CalibrationProtocol.region)
-LOOKUP_REGIONS = ("lookup", "lookup_wall")
+# the regions that time only one part's own compute (see CalibrationProtocol.region)
+KERNEL_REGIONS = ("lookup", "lookup_wall", "input")
 
 Verdict = Literal["faster", "slower", "undecided", "negligible"]
 
@@ -75,7 +75,7 @@ class DecisionRule:
     # early start (-3.4 to -14 ms) was accepted 10/10 and next batch (~1 ms) 0/10; at 0.002 next
     # batch came through in 2 of 10, its effect being below what the steps resolve
     min_gain: float = 0.005
-    # the same for candidates measured on the lookup regions: generated lookups on dlrm measured
+    # the same for candidates measured on one part's regions (lookups, input side): generated lookups on dlrm measured
     # -0.23 to -0.50 ms of 80-100 ms steps with intervals ~0.1 ms wide; at 0.005 they were
     # accepted in 3 of 10 calibrations, at 0.002 in 9 of 10 (the miss: [-0.293, -0.170])
     min_lookup_gain: float = 0.001
@@ -95,7 +95,7 @@ class DecisionRule:
     def min_gain_for(self, region: str) -> float:
         """The smallest gain accepted for a candidate measured on ``region`` (see
         :class:`~lightning_sparselift.cost.calibration.CalibrationProtocol`)."""
-        return self.min_lookup_gain if region in LOOKUP_REGIONS else self.min_gain
+        return self.min_lookup_gain if region in KERNEL_REGIONS else self.min_gain
 
 
 def robust_sigma(values: list[float]) -> float:

@@ -105,8 +105,8 @@ class SparseLiftStrategy(ParallelStrategy):
         calibration_min_gain: the smallest improvement a candidate measured on whole steps or the
             executor's sparse regions (latency hiding, aggregation) must show (beyond the noise),
             as a fraction of the incumbent's step time, to be accepted (default 0.005).
-        calibration_min_lookup_gain: the same for candidates measured on the lookup regions
-            (code generation, subgraph parallelism), whose clock resolves smaller effects
+        calibration_min_lookup_gain: the same for candidates measured on the lookup regions or
+            the input side (code generation, subgraph parallelism), whose clock resolves smaller effects
             (default 0.001). No candidate is accepted before 16 measured pairs.
         workspace_budget_mb: the memory (MiB per rank) a plan's schedule may hold beyond the
             identity plan's as workspace; a candidate that needs more is infeasible, with the

@@ -1,6 +1,7 @@
 """Code generation: a module's lookup regions run by kernels generated for the rank's tables
-instead of TorchRec's / fbgemm's reference kernels (role ``lookup``), and its output region by the
-layout the model's concatenation reads (role ``output``).
+instead of TorchRec's / fbgemm's reference kernels (role ``lookup``), its output region by the
+layout the model's concatenation reads (role ``output``), and its input side's permute and recat
+regions by a kernel generated for its keys (role ``input``).
 
 The runtime (:mod:`lightning_sparselift.runtime.codegen`) emits C++ with each table's rows, dim,
 offsets, pooling, id check and optimizer baked in, builds it before planning (cached by the hash
@@ -32,6 +33,15 @@ of the pooled output per step (per rank), copied twice fewer (forward and backwa
 one warmup pair, then whole steps (the copies saved are the model's, outside the executor's
 regions) on the training thread's CPU clock (what it saves is that thread's compute; the step's
 wall time adds ~10% noise of waits and preemption on CPU), ref -> gen -> gen -> ref.
+
+``input`` (:mod:`lightning_sparselift.runtime.input_layout`): the permute of the features into
+group order and each group's recat of what arrived, each one C++ pass that also sums every key's
+lengths and writes the offsets (TorchRec derives those in passes and Python of their own; the
+splits, the send counts and the lookups read them). Feasibility: the module has a permute or a
+recat region and the runtime built the input kernel on every rank (C++ over host memory: not on
+CUDA). Cost inputs: the ids per step on the busiest rank and their bytes (id and per-sample
+weight). Calibration: one warmup pair, then the input distribution's work (permute, splits,
+payload issue, recat) on the training thread's CPU clock, ref -> gen -> gen -> ref.
 """
 
 from __future__ import annotations
@@ -41,18 +51,19 @@ from dataclasses import replace
 from lightning_sparselift.cost.calibration import CalibrationProtocol
 from lightning_sparselift.cost.priors import Priors
 from lightning_sparselift.ir import LiftedModule, SparseGraph
-from lightning_sparselift.ir.schedule import CONSUMER_KERNEL, GENERATED_KERNEL
+from lightning_sparselift.ir.schedule import CONSUMER_KERNEL, GENERATED_KERNEL, INPUT_REGIONS, Region
+from lightning_sparselift.ir.vocab import DTYPE_BYTES
 from lightning_sparselift.passes.base import Candidate, OptimizationPass
 
 
 class CodeGeneration(OptimizationPass):
     name = "codegen"
-    roles = ("lookup", "output")
+    roles = ("lookup", "output", "input")
     protocol = CalibrationProtocol(warmup_pairs=1, measured_pairs=2, region="lookup", settle_steps=0, mirrored=True)
     uses_generated_kernels = True
 
     def protocol_for(self, role: str) -> CalibrationProtocol:
-        return replace(self.protocol, region="step_cpu") if role == "output" else self.protocol
+        return replace(self.protocol, region={"lookup": "lookup", "output": "step_cpu", "input": "input"}[role])
 
     @staticmethod
     def _groups(module: LiftedModule) -> list[int]:
@@ -63,6 +74,8 @@ class CodeGeneration(OptimizationPass):
     def check(self, graph: SparseGraph, module: LiftedModule, role: str) -> tuple[list[str], dict[str, float]]:
         if role == "output":
             return self._check_output(module)
+        if role == "input":
+            return self._check_input(module)
         groups = self._groups(module)
         reasons = []
         if not groups:
@@ -95,14 +108,43 @@ class CodeGeneration(OptimizationPass):
         batch = max(module.batch_size_per_rank, default=0)
         return reasons, {"pooled_bytes": float(batch * sum(module.embedding_dims) * 4)}
 
+    @staticmethod
+    def _input_regions(module: LiftedModule) -> list[Region]:
+        """The module's permute and recat regions that do not run the generated input kernel yet."""
+        return [r for r in module.schedule.regions if r.name in INPUT_REGIONS and r.kernel != GENERATED_KERNEL]
+
+    def _check_input(self, module: LiftedModule) -> tuple[list[str], dict[str, float]]:
+        reasons = []
+        if not any(r.name in INPUT_REGIONS for r in module.schedule.regions):
+            reasons.append("no permute and no recat region: the features are neither reordered nor exchanged")
+        elif not self._input_regions(module):
+            reasons.append("already scheduled")
+        elif GENERATED_KERNEL not in module.input_kernels:
+            reasons.append(module.input_notes.get(GENERATED_KERNEL, "no input kernel was built (the session builds "
+                                                                    "them before planning)"))
+        ids = max((sum(stats.values()) for stats in module.ids_per_step), default=0.0)
+        id_bytes = DTYPE_BYTES[module.values_dtype] + (4 if module.weighted else 0)
+        return reasons, {"ids": ids, "id_bytes": float(id_bytes)}
+
     def predict_ms(self, candidate: Candidate, priors: Priors) -> float:
         if candidate.role == "output":  # the concatenation's copy, forward and backward
             return -priors.lookup.copy_ms(2 * candidate.cost_inputs["pooled_bytes"])
+        if candidate.role == "input":
+            # the per-key sums and offsets TorchRec derives in passes of their own over the lengths
+            # and ids, folded into the passes that move them (the copies themselves remain)
+            return -priors.lookup.copy_ms(candidate.cost_inputs["ids"] * candidate.cost_inputs["id_bytes"])
         # fbgemm's serial CPU backward reads each touched row's gradient and weights about twice
         # over (sort, then accumulate and update); the generated one about once
         return -priors.lookup.copy_ms(candidate.cost_inputs["touched_bytes"])
 
     def rewrite(self, graph: SparseGraph, module: LiftedModule, candidate: Candidate) -> str:
+        if candidate.role == "input":
+            regions = self._input_regions(module)
+            for region in regions:
+                region.kernel = GENERATED_KERNEL
+            names = ", ".join(sorted({r.name for r in regions}))
+            return f"{module.path}: the input side runs its generated kernel ({names}: ids moved, per-key sums and " \
+                   f"offsets in one pass)"
         if candidate.role == "output":
             module.schedule.region("output").kernel = CONSUMER_KERNEL
             consumer = module.consumer

@@ -217,15 +217,17 @@ class PlanningLoop:
         return self.trial if self._calibrator.next_uses_candidate() else self.incumbent
 
     def feedback(self, step_ms: float, sparse_ms: float, lookup_ms: Optional[float] = None,
-                 lookup_wall_ms: Optional[float] = None, step_cpu_ms: Optional[float] = None) -> None:
+                 lookup_wall_ms: Optional[float] = None, step_cpu_ms: Optional[float] = None,
+                 input_ms: Optional[float] = None) -> None:
         """The measurement of the step that ran :meth:`next_graph`: its whole wall time, the
-        executor's measured regions, its lookup regions (on the lookup clock, and in wall time) and
-        the whole step on the training thread's clock (the candidate's protocol says which one
-        counts). Decides the candidate once its protocol is done (a collective over ``group``)."""
+        executor's measured regions, its lookup regions (on the lookup clock, and in wall time),
+        the whole step on the training thread's clock and the input side on the lookup clock (the
+        candidate's protocol says which one counts). Decides the candidate once its protocol is
+        done (a collective over ``group``)."""
         calibrator = self._calibrator
         self._ran.append((self.trial if calibrator.next_uses_candidate() else self.incumbent, step_ms))
-        measured = {"step": step_ms, "sparse": sparse_ms, "lookup": lookup_ms,
-                    "lookup_wall": lookup_wall_ms, "step_cpu": step_cpu_ms}[calibrator.protocol.region]
+        measured = {"step": step_ms, "sparse": sparse_ms, "lookup": lookup_ms, "lookup_wall": lookup_wall_ms,
+                    "step_cpu": step_cpu_ms, "input": input_ms}[calibrator.protocol.region]
         if measured is None:
             raise ValueError(f"{calibrator.protocol.region!r} calibration needs that region's time, which this step "
                              f"did not report")

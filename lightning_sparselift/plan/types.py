@@ -65,11 +65,11 @@ class Decision:
 @dataclass
 class KernelBuild:
     """One rank's generated lookup kernel for one sharding group (or a module's consumer layout
-    kernel): built before planning, or (its tables in buckets) when the planner first ran a trial
+    or input kernel): built before planning, or (its tables in buckets) when the planner first ran a trial
     with those buckets, between steps."""
 
     module: str
-    group: int  # -1: the module's consumer layout kernel (its output region)
+    group: int  # or a module-wide kernel's: ir.schedule.OUTPUT_KERNEL_GROUP, INPUT_KERNEL_GROUP
     rank: int
     note: str  # "" when built, else why there is none
     seconds: float  # compile time (a cache hit: the load)

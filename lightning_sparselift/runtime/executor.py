@@ -24,6 +24,7 @@ from lightning_sparselift.runtime.buffers import Buffers
 from lightning_sparselift.runtime.codegen import GeneratedLookup, Unsupported
 from lightning_sparselift.runtime.consumer_layout import ConsumerOutput, LayoutKernel
 from lightning_sparselift.runtime.input_dist import Distributed, GroupRuntime, InputDistribution
+from lightning_sparselift.runtime.input_layout import InputKernel
 from lightning_sparselift.runtime.kernels import kernel
 from lightning_sparselift.runtime.mean_pooling import MeanAfterReduce
 from lightning_sparselift.runtime.output_dist import KeptPending, OutputDistribution, Pending
@@ -88,6 +89,7 @@ class ModuleExecutor:
         self.generated: dict[tuple[int, tuple[tuple[str, ...], ...]], GeneratedLookup] = {}
         self.bucket_builds: list[dict[str, Any]] = []  # the kernels in buckets built since the last take
         self.layout: Optional[LayoutKernel] = None  # the consumer layout's kernel, once built
+        self._input_kernel: Optional[InputKernel] = None  # the input side's kernel, once built
         self.use(spec.schedule)
 
     def use(self, schedule: ModuleSchedule) -> None:
@@ -103,7 +105,7 @@ class ModuleExecutor:
             lookups = [self.lookup_kernel(i, schedule.region("lookup", i)) for i in range(len(self.groups))]
             output = self.output_kernel(schedule)
             inputs = InputDistribution(self.spec, schedule, self.groups, self.kept, self.process_groups, self.world,
-                                       self.device, self.buffers)
+                                       self.device, self.buffers, self.clock, self.input_kernel)
         except (KeyError, LookupError, Unsupported) as error:
             problems.append(str(error))
         if problems:
@@ -131,6 +133,14 @@ class ModuleExecutor:
         if self.layout is None:
             self.layout = LayoutKernel(self.spec, self.world, self.device)
         return self.layout
+
+    def input_kernel(self) -> InputKernel:
+        """The module's generated input kernel (permute and recat), built (or loaded from the
+        cache) on first use; :class:`Unsupported` when it cannot be built."""
+        if self._input_kernel is None:
+            self._input_kernel = InputKernel(self.spec.feature_order, len(self.spec.keys),
+                                             [len(g.local_keys) for g in self.groups], self.world, self.device)
+        return self._input_kernel
 
     def lookup_kernel(self, group: int, region: Region) -> Callable[[nn.Module, Any], Tensor]:
         """The kernel of group ``group``'s lookup ``region``; a generated one (for the region's

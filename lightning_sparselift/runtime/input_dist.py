@@ -8,15 +8,19 @@ KJT for its lookup (with what an EmbeddingCollection's output distribution needs
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_sparselift.cost.calibration import RegionClock
 from lightning_sparselift.ir import LiftedModule, ModuleSchedule, ShardingGroup
+from lightning_sparselift.ir.schedule import GENERATED_KERNEL
 from lightning_sparselift.ir.vocab import ROW_SHARDED
 from lightning_sparselift.runtime.buffers import Buffers
+from lightning_sparselift.runtime.input_layout import InputKernel
 from lightning_sparselift.runtime.kernels import kernel
 from lightning_sparselift.runtime.packing import pack_by_destination, packed_sizes, unpack_by_source
 from lightning_sparselift.runtime.torchrec_group import TorchRecGroup
@@ -152,14 +156,26 @@ class _Bucket:
 class InputDistribution:
     def __init__(self, spec: LiftedModule, schedule: ModuleSchedule, groups: list[GroupRuntime],
                  kept: dict[int, TorchRecGroup], process_groups: dict[str, Any], world: int,
-                 device: torch.device, buffers: Buffers) -> None:
-        self.spec, self.groups, self.kept, self.world = spec, groups, kept, world
+                 device: torch.device, buffers: Buffers, clock: RegionClock,
+                 generated: Optional[Callable[[], InputKernel]] = None) -> None:
+        """``clock``: times the input side's work on the training thread (its ``input`` region);
+        ``generated``: the module's input kernel, for permute and recat regions that run it."""
+        self.spec, self.groups, self.kept, self.world, self.clock = spec, groups, kept, world, clock
+
+        def region_kernel(name: str, group: Optional[int] = None) -> Callable[..., Any]:
+            chosen = schedule.region(name, group).kernel
+            if chosen != GENERATED_KERNEL:
+                return kernel(name, chosen)
+            if generated is None:
+                raise LookupError(f"the {name} region runs the generated input kernel, which the runtime was not given")
+            return generated().permute if group is None else partial(generated().recat, group)
+
         self.order = torch.tensor(spec.feature_order, dtype=torch.int32, device=device) if spec.feature_order else None
         self.splits = [len(g.features) for g in spec.groups]
-        self.permute = kernel("permute", schedule.region("permute").kernel) if spec.feature_order else None
+        self.permute = region_kernel("permute") if spec.feature_order else None
         self.bucketize = {i: kernel("bucketize", schedule.region("bucketize", i).kernel)
                           for i, g in enumerate(spec.groups) if g.kind in ROW_SHARDED}
-        self.recat = {i: kernel("recat", schedule.region("recat", i).kernel) for e in schedule.inputs for i in e.groups}
+        self.recat = {i: region_kernel("recat", i) for e in schedule.inputs for i in e.groups}
         self.buckets = [_Bucket(e.groups, e.packing == "bytes", process_groups[e.process_group], world, buffers)
                         for e in schedule.inputs]
 
@@ -169,6 +185,10 @@ class InputDistribution:
         input dists of the groups that keep TorchRec's path). Returns what waits for them and
         builds the KJT each group's lookup reads; None when ranks passed different batch sizes
         (every rank knows every rank's batch size from the splits, so all return None together)."""
+        with self.clock.input():
+            return self._start(features)
+
+    def _start(self, features: Any) -> Optional[Callable[[], list[Any]]]:
         permuted = self.permute(features, self.spec.feature_order, self.order) if self.permute else features
         before = list(permuted.split(self.splits))
         parts = list(before)
@@ -187,7 +207,7 @@ class InputDistribution:
         kept = {i: group.start(before[i]) for i, group in self.kept.items()}
 
         def complete() -> list[Distributed]:
-            with torch.no_grad():
+            with torch.no_grad(), self.clock.input():
                 out = list(local)
                 for bucket, bucket_kjts, sent, got, wait in zip(self.buckets, kjts, counts, recv, waits):
                     for i, kjt, (_, ids_out), (_, ids_in), (lengths, values, weights) in zip(

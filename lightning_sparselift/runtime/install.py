@@ -18,6 +18,17 @@ from lightning_sparselift.ir import SparseGraph
 from lightning_sparselift.runtime.executor import ModuleExecutor
 
 
+def _built(make: Callable[[], Any]) -> dict[str, Any]:
+    """``{"note", "seconds", "cached"}`` of the kernel ``make`` builds (a note: why it could not)."""
+    from lightning_sparselift.runtime.codegen import Unsupported
+
+    try:
+        built = make()
+    except (LookupError, Unsupported) as error:
+        return {"note": str(error), "seconds": 0.0, "cached": False}
+    return {"note": "", "seconds": built.build_s, "cached": built.cached}
+
+
 @dataclass
 class InstalledExecutor:
     """What :func:`install` changed; :meth:`use` switches plans, :meth:`uninstall` restores
@@ -38,29 +49,21 @@ class InstalledExecutor:
         self.graph = graph
 
     def build_generated(self) -> list[dict[str, Any]]:
-        """Build (or load from the cache) every group's generated lookup kernel on this rank, and
-        the consumer layout's kernel of every module whose concatenation capture saw (``group``
-        -1), before any plan uses one: per kernel, ``{"module", "group", "note"}`` ("" when built,
-        else why not), ``"seconds"`` and ``"cached"``."""
-        from lightning_sparselift.ir.schedule import GENERATED_KERNEL, Region
-        from lightning_sparselift.runtime.codegen import Unsupported
+        """Build (or load from the cache) every group's generated lookup kernel on this rank, the
+        consumer layout's kernel of every module whose concatenation capture saw and every
+        module's input kernel, before any plan uses one: per kernel, ``{"module", "group",
+        "note"}`` ("" when built, else why not; ``group``: the sharding group, or
+        ``OUTPUT_KERNEL_GROUP`` / ``INPUT_KERNEL_GROUP``), ``"seconds"`` and ``"cached"``."""
+        from lightning_sparselift.ir.schedule import GENERATED_KERNEL, INPUT_KERNEL_GROUP, OUTPUT_KERNEL_GROUP, Region
 
         out = []
         for path, executor in self.executors.items():
-            for group in (g.index for g in executor.spec.lifted_groups):
-                try:
-                    built = executor.lookup_kernel(group, Region("lookup", [group], GENERATED_KERNEL))
-                    out.append({"module": path, "group": group, "note": "", "seconds": built.build_s,
-                                "cached": built.cached})
-                except Unsupported as error:
-                    out.append({"module": path, "group": group, "note": str(error), "seconds": 0.0, "cached": False})
-            if executor.spec.consumer is not None:  # (group -1: the module's output region)
-                try:
-                    layout = executor.layout_kernel().built
-                    out.append({"module": path, "group": -1, "note": "", "seconds": layout.build_s,
-                                "cached": layout.cached})
-                except (LookupError, Unsupported) as error:
-                    out.append({"module": path, "group": -1, "note": str(error), "seconds": 0.0, "cached": False})
+            builds = [(g.index, lambda i=g.index: executor.lookup_kernel(i, Region("lookup", [i], GENERATED_KERNEL)))
+                      for g in executor.spec.lifted_groups]
+            if executor.spec.consumer is not None:
+                builds.append((OUTPUT_KERNEL_GROUP, lambda: executor.layout_kernel().built))
+            builds.append((INPUT_KERNEL_GROUP, lambda: executor.input_kernel().built))
+            out += [dict(module=path, group=group, **_built(make)) for group, make in builds]
         return out
 
     def take_bucket_builds(self) -> list[dict[str, Any]]:
