@@ -75,9 +75,10 @@ class DecisionRule:
     # early start (-3.4 to -14 ms) was accepted 10/10 and next batch (~1 ms) 0/10; at 0.002 next
     # batch came through in 2 of 10, its effect being below what the steps resolve
     min_gain: float = 0.005
-    # the same for candidates measured on one part's regions (lookups, input side): generated lookups on dlrm measured
-    # -0.23 to -0.50 ms of 80-100 ms steps with intervals ~0.1 ms wide; at 0.005 they were
-    # accepted in 3 of 10 calibrations, at 0.002 in 9 of 10 (the miss: [-0.293, -0.170])
+    # the same for candidates measured on one part's regions (lookups, input side): generated
+    # lookups on dlrm measured -0.23 to -0.50 ms of 80-100 ms steps with intervals ~0.1 ms wide;
+    # at 0.005 they were accepted in 3 of 10 calibrations, at 0.002 in 9 of 10 (the miss:
+    # [-0.293, -0.170])
     min_lookup_gain: float = 0.001
     # no candidate is accepted at fewer measured pairs (its first look then only rejects)
     accept_from_pairs: int = 16

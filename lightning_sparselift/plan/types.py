@@ -65,8 +65,8 @@ class Decision:
 @dataclass
 class KernelBuild:
     """One rank's generated lookup kernel for one sharding group (or a module's consumer layout
-    or input kernel): built before planning, or (its tables in buckets) when the planner first ran a trial
-    with those buckets, between steps."""
+    or input kernel): built before planning, or (its tables in buckets) when the planner first
+    ran a trial with those buckets, between steps."""
 
     module: str
     group: int  # or a module-wide kernel's: ir.schedule.OUTPUT_KERNEL_GROUP, INPUT_KERNEL_GROUP
