@@ -25,11 +25,11 @@ def test_own_model_example_finishes_calibration(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "examples/own_model.py"), "--result-dir", str(tmp_path / "res")],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "executor: sparselift on 2 process(es), 3200 steps" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "executor: sparselift on 2 process(es), 3700 steps" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
     assert "latency_hiding:early_start@embeddings" in out.stdout  # the plan explained
     results = [json.loads((tmp_path / "res" / f"rank{r}.json").read_text()) for r in range(2)]
     for result in results:
-        assert result["executor"] == "sparselift" and result["steps"] == 3200 and result["world_size"] == 2
+        assert result["executor"] == "sparselift" and result["steps"] == 3700 and result["world_size"] == 2
         assert any(d["feasible"] for d in result["decisions"])
         assert all(d["measured"] for d in result["decisions"] if d["feasible"]), "calibration did not finish"
     assert results[0]["decisions"] == results[1]["decisions"]
