@@ -1,5 +1,5 @@
-"""The generated input kernel (code generation's ``input`` role): its permute and recat against
-TorchRec's / fbgemm's reference kernels on one process, and the pass's feasibility (the parity
+"""The generated input kernel (code generation's ``input`` role): its permute, bucketize and recat
+against TorchRec's / fbgemm's reference kernels on one process, and the pass's feasibility (the parity
 harness runs it on 1-3 ranks against TorchRec)."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from graph_fixtures import EBC, load
-from lightning_sparselift.ir.schedule import GENERATED_KERNEL, INPUT_KERNEL_GROUP
+from lightning_sparselift.ir.schedule import GENERATED_KERNEL, INPUT_KERNEL_GROUP, INPUT_REGIONS
 from lightning_sparselift.passes.codegen import CodeGeneration
 from lightning_sparselift.plan.types import KernelBuild
 from lightning_sparselift.runtime.input_layout import InputKernel
-from lightning_sparselift.runtime.kernels import permute_torchrec, recat_fbgemm
+from lightning_sparselift.runtime.kernels import bucketize_fbgemm, permute_torchrec, recat_fbgemm
 from lightning_sparselift.session import mark_generated
 
 
@@ -74,6 +74,24 @@ def test_the_generated_recat_is_fbgemms(lengths_dtype, values_dtype, weighted, w
     _same_kjt(kernel.recat(1, *args), recat_fbgemm(*args))
 
 
+@pytest.mark.parametrize("lengths_dtype, values_dtype", DTYPES + [(torch.int64, torch.int32)])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("sequence", [False, True])
+@pytest.mark.parametrize("world, blocks", [(2, [3, 500]), (3, [1, 334]), (1, [1000, 1000])])
+def test_the_generated_bucketize_is_fbgemms(lengths_dtype, values_dtype, weighted, sequence, world, blocks):
+    features = _kjt(2, 6, lengths_dtype, values_dtype, weighted, seed=world)
+    # ids past the last block (TorchRec's blocks cover every row; fbgemm sends the rest round-robin)
+    features.values()[-2:] = torch.tensor([5000, 3 * world * max(blocks)], dtype=values_dtype)
+    sizes = torch.tensor(blocks, dtype=torch.int64)
+    kernel = InputKernel([], 2, [4, 2], world, torch.device("cpu"), [None, blocks])
+    got, got_positions = kernel.bucketize(1, features, sizes, world, sequence)
+    want, want_positions = bucketize_fbgemm(features, sizes, world, sequence)
+    _same_kjt(got, want)
+    assert (got_positions is None) == (want_positions is None) == (not sequence)
+    if sequence:
+        assert got_positions.dtype == want_positions.dtype and torch.equal(got_positions, want_positions)
+
+
 def test_the_generated_input_kernel_refuses_what_it_was_not_built_for():
     kernel = InputKernel([1, 0], 2, [2], 2, torch.device("cpu"))
     with pytest.raises(ValueError, match="built for 2 keys, the features have 3"):
@@ -83,6 +101,10 @@ def test_the_generated_input_kernel_refuses_what_it_was_not_built_for():
     lengths = torch.zeros(4, dtype=torch.int16)
     with pytest.raises(TypeError, match="lengths of dtype torch.int16"):
         kernel.recat(0, ["a", "b"], None, lengths, torch.zeros(0, dtype=torch.int64), None, 1, 2)
+    with pytest.raises(ValueError, match="group 0 was built with row blocks None"):
+        kernel.bucketize(0, _kjt(2, 2, torch.int64, torch.int64, False, 0), torch.tensor([1, 1]), 2, False)
+    with pytest.raises(ValueError, match="a block of at least one row"):
+        InputKernel([1, 0], 2, [2], 2, torch.device("cpu"), [[4, 0]])
     with pytest.raises(Exception, match="C\\+\\+ over host memory"):
         InputKernel([0], 1, [1], 1, torch.device("meta"))
 
@@ -108,18 +130,31 @@ def test_the_pass_proposes_the_input_kernel_only_where_every_rank_built_it():
     assert candidate.cost_inputs["ids"] == max(sum(s.values()) for s in module.ids_per_step)
     assert CodeGeneration().protocol_for("input").region == "input"
     applied = CodeGeneration().apply(graph, candidate)
-    regions = [r for r in applied.module(module.path).schedule.regions if r.name in ("permute", "recat")]
+    regions = [r for r in applied.module(module.path).schedule.regions if r.name in INPUT_REGIONS]
     assert regions and all(r.kernel == GENERATED_KERNEL for r in regions)
     assert "the input side runs its generated kernel" in applied.provenance[-1]
     assert inputs(applied)[module.path].reasons == ["already scheduled"]
     # the other module's regions are untouched
     other = applied.modules[1]
-    assert all(r.kernel != GENERATED_KERNEL for r in other.schedule.regions if r.name in ("permute", "recat"))
+    assert all(r.kernel != GENERATED_KERNEL for r in other.schedule.regions if r.name in INPUT_REGIONS)
+
+
+def test_a_row_wise_groups_bucketize_runs_the_input_kernel_too():
+    graph = load("row_wise_and_data_parallel_3ranks")
+    module = graph.module(EBC)
+    mark_generated(graph, [KernelBuild(EBC, INPUT_KERNEL_GROUP, r, "", 0.1, True) for r in range(3)])
+    (candidate,) = [c for c in CodeGeneration().candidates(graph) if c.role == "input"]
+    applied = CodeGeneration().apply(graph, candidate)
+    assert [(r.name, r.kernel) for r in applied.module(EBC).schedule.regions if r.name in INPUT_REGIONS] == [
+        ("permute", GENERATED_KERNEL), ("bucketize", GENERATED_KERNEL), ("recat", GENERATED_KERNEL)]
+    assert "(bucketize, permute, recat:" in applied.provenance[-1]
+    assert module.schedule.region("bucketize", 0).kernel == "fbgemm"  # (the pass rewrote a copy)
 
 
 def test_a_module_that_neither_permutes_nor_exchanges_has_no_input_candidate():
     graph = load("table_wise_1rank")
     module = graph.module(EBC)
-    module.schedule.regions = [r for r in module.schedule.regions if r.name not in ("permute", "recat")]
+    module.schedule.regions = [r for r in module.schedule.regions if r.name not in INPUT_REGIONS]
     (candidate,) = [c for c in CodeGeneration().candidates(graph) if c.role == "input"]
-    assert candidate.reasons == ["no permute and no recat region: the features are neither reordered nor exchanged"]
+    assert candidate.reasons == ["no permute, bucketize or recat region: the features are neither reordered nor "
+                                 "exchanged"]

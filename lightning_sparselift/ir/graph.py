@@ -116,7 +116,7 @@ class LiftedModule:
     # the layout kernel everywhere), and why another one is not available; probed on the machine
     output_kernels: list[str] = field(default_factory=lambda: ["torchrec"])
     output_notes: dict[str, str] = field(default_factory=dict)
-    # the generated input kernel (its permute and recat regions) when the runtime built it on
+    # the generated input kernel (its permute, bucketize and recat regions) when the runtime built it on
     # every rank (["generated"]; the reference kernels are always there), else why not
     input_kernels: list[str] = field(default_factory=list)
     input_notes: dict[str, str] = field(default_factory=dict)

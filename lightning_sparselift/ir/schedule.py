@@ -37,12 +37,12 @@ REFERENCE_KERNELS: dict[str, str] = {"permute": "torchrec", "bucketize": "fbgemm
 # a kernel generated for the rank's tables (lookups, runtime/codegen) or the module's keys (the
 # input regions, runtime/input_layout)
 GENERATED_KERNEL = "generated"
-INPUT_REGIONS = ("permute", "recat")
+INPUT_REGIONS = ("permute", "bucketize", "recat")
 # the output written straight into the model's concatenation of it (runtime/consumer_layout)
 CONSUMER_KERNEL = "consumer"
 # the group a module-wide generated kernel's build is recorded under (plan.types.KernelBuild)
 OUTPUT_KERNEL_GROUP = -1  # the consumer layout (the output region)
-INPUT_KERNEL_GROUP = -2  # the input kernel (the permute and recat regions, runtime/input_layout)
+INPUT_KERNEL_GROUP = -2  # the input kernel (its regions: INPUT_REGIONS, runtime/input_layout)
 
 
 class ScheduleError(ValueError):

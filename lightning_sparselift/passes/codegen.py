@@ -1,7 +1,7 @@
 """Code generation: a module's lookup regions run by kernels generated for the rank's tables
 instead of TorchRec's / fbgemm's reference kernels (role ``lookup``), its output region by the
-layout the model's concatenation reads (role ``output``), and its input side's permute and recat
-regions by a kernel generated for its keys (role ``input``).
+layout the model's concatenation reads (role ``output``), and its input side's permute, bucketize
+and recat regions by a kernel generated for its keys (role ``input``).
 
 The runtime (:mod:`lightning_sparselift.runtime.codegen`) emits C++ with each table's rows, dim,
 offsets, pooling, id check and optimizer baked in, builds it before planning (cached by the hash
@@ -35,11 +35,11 @@ regions) on the training thread's CPU clock (what it saves is that thread's comp
 wall time adds ~10% noise of waits and preemption on CPU), ref -> gen -> gen -> ref.
 
 ``input`` (:mod:`lightning_sparselift.runtime.input_layout`): the permute of the features into
-group order and each group's recat of what arrived, each one C++ pass that also sums every key's
-lengths and writes the offsets (TorchRec derives those in passes and Python of their own; the
-splits, the send counts and the lookups read them). Feasibility: the module has a permute or a
-recat region and the runtime built the input kernel on every rank (C++ over host memory: not on
-CUDA). Cost inputs: the ids per step on the busiest rank and their bytes (id and per-sample
+group order, a row-wise group's bucketize and each group's recat of what arrived, each C++ that
+also sums every key's lengths (and, in the recat, writes the offsets) as it moves the ids (TorchRec
+derives those in passes and Python of their own; the splits, the send counts and the lookups read
+them). Feasibility: the module has one of those regions and the runtime built the input kernel on
+every rank (C++ over host memory: not on CUDA). Cost inputs: the ids per step on the busiest rank and their bytes (id and per-sample
 weight). Calibration: one warmup pair, then the input distribution's work (permute, splits,
 payload issue, recat) on the training thread's CPU clock, ref -> gen -> gen -> ref.
 """
@@ -110,13 +110,13 @@ class CodeGeneration(OptimizationPass):
 
     @staticmethod
     def _input_regions(module: LiftedModule) -> list[Region]:
-        """The module's permute and recat regions that do not run the generated input kernel yet."""
+        """The module's input regions that do not run the generated input kernel yet."""
         return [r for r in module.schedule.regions if r.name in INPUT_REGIONS and r.kernel != GENERATED_KERNEL]
 
     def _check_input(self, module: LiftedModule) -> tuple[list[str], dict[str, float]]:
         reasons = []
         if not any(r.name in INPUT_REGIONS for r in module.schedule.regions):
-            reasons.append("no permute and no recat region: the features are neither reordered nor exchanged")
+            reasons.append("no permute, bucketize or recat region: the features are neither reordered nor exchanged")
         elif not self._input_regions(module):
             reasons.append("already scheduled")
         elif GENERATED_KERNEL not in module.input_kernels:

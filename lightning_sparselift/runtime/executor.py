@@ -20,6 +20,7 @@ from lightning_sparselift.frontend.capture import copy_features, same_features
 from lightning_sparselift.cost.calibration import RegionClock
 from lightning_sparselift.ir import LiftedModule, ModuleSchedule, ScheduleError, check_schedule
 from lightning_sparselift.ir.schedule import CONSUMER_KERNEL, GENERATED_KERNEL, Region
+from lightning_sparselift.ir.vocab import ROW_SHARDED
 from lightning_sparselift.runtime.buffers import Buffers
 from lightning_sparselift.runtime.codegen import GeneratedLookup, Unsupported
 from lightning_sparselift.runtime.consumer_layout import ConsumerOutput, LayoutKernel
@@ -135,11 +136,13 @@ class ModuleExecutor:
         return self.layout
 
     def input_kernel(self) -> InputKernel:
-        """The module's generated input kernel (permute and recat), built (or loaded from the
-        cache) on first use; :class:`Unsupported` when it cannot be built."""
+        """The module's generated input kernel (permute, bucketize and recat), built (or loaded
+        from the cache) on first use; :class:`Unsupported` when it cannot be built."""
         if self._input_kernel is None:
+            blocks = [g.block_sizes if g.kind in ROW_SHARDED else None for g in self.spec.groups]
             self._input_kernel = InputKernel(self.spec.feature_order, len(self.spec.keys),
-                                             [len(g.local_keys) for g in self.groups], self.world, self.device)
+                                             [len(g.local_keys) for g in self.groups], self.world, self.device,
+                                             blocks)
         return self._input_kernel
 
     def lookup_kernel(self, group: int, region: Region) -> Callable[[nn.Module, Any], Tensor]:

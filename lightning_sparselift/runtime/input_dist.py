@@ -159,7 +159,7 @@ class InputDistribution:
                  device: torch.device, buffers: Buffers, clock: RegionClock,
                  generated: Optional[Callable[[], InputKernel]] = None) -> None:
         """``clock``: times the input side's work on the training thread (its ``input`` region);
-        ``generated``: the module's input kernel, for permute and recat regions that run it."""
+        ``generated``: the module's input kernel, for permute, bucketize and recat regions that run it."""
         self.spec, self.groups, self.kept, self.world, self.clock = spec, groups, kept, world, clock
 
         def region_kernel(name: str, group: Optional[int] = None) -> Callable[..., Any]:
@@ -168,13 +168,12 @@ class InputDistribution:
                 return kernel(name, chosen)
             if generated is None:
                 raise LookupError(f"the {name} region runs the generated input kernel, which the runtime was not given")
-            return generated().permute if group is None else partial(generated().recat, group)
+            return generated().permute if group is None else partial(getattr(generated(), name), group)
 
         self.order = torch.tensor(spec.feature_order, dtype=torch.int32, device=device) if spec.feature_order else None
         self.splits = [len(g.features) for g in spec.groups]
         self.permute = region_kernel("permute") if spec.feature_order else None
-        self.bucketize = {i: kernel("bucketize", schedule.region("bucketize", i).kernel)
-                          for i, g in enumerate(spec.groups) if g.kind in ROW_SHARDED}
+        self.bucketize = {i: region_kernel("bucketize", i) for i, g in enumerate(spec.groups) if g.kind in ROW_SHARDED}
         self.recat = {i: region_kernel("recat", i) for e in schedule.inputs for i in e.groups}
         self.buckets = [_Bucket(e.groups, e.packing == "bytes", process_groups[e.process_group], world, buffers)
                         for e in schedule.inputs]
