@@ -78,12 +78,16 @@ def test_the_generated_recat_is_fbgemms(lengths_dtype, values_dtype, weighted, w
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("sequence", [False, True])
 @pytest.mark.parametrize("world, blocks", [(2, [3, 500]), (3, [1, 334]), (1, [1000, 1000])])
-def test_the_generated_bucketize_is_fbgemms(lengths_dtype, values_dtype, weighted, sequence, world, blocks):
+@pytest.mark.parametrize("captured", [True, False])
+def test_the_generated_bucketize_is_fbgemms(lengths_dtype, values_dtype, weighted, sequence, world, blocks, captured):
     features = _kjt(2, 6, lengths_dtype, values_dtype, weighted, seed=world)
     # ids past the last block (TorchRec's blocks cover every row; fbgemm sends the rest round-robin)
     features.values()[-2:] = torch.tensor([5000, 3 * world * max(blocks)], dtype=values_dtype)
     sizes = torch.tensor(blocks, dtype=torch.int64)
-    kernel = InputKernel([], 2, [4, 2], world, torch.device("cpu"), [None, blocks])
+    # with the captured dtypes the block sizes are compiled in; with others they are read at run time
+    types = (str(lengths_dtype)[6:], str(values_dtype)[6:]) if captured else \
+        ("int32" if lengths_dtype == torch.int64 else "int64", str(values_dtype)[6:])
+    kernel = InputKernel([], 2, [4, 2], world, torch.device("cpu"), [None, blocks], types)
     got, got_positions = kernel.bucketize(1, features, sizes, world, sequence)
     want, want_positions = bucketize_fbgemm(features, sizes, world, sequence)
     _same_kjt(got, want)
@@ -105,6 +109,8 @@ def test_the_generated_input_kernel_refuses_what_it_was_not_built_for():
         kernel.bucketize(0, _kjt(2, 2, torch.int64, torch.int64, False, 0), torch.tensor([1, 1]), 2, False)
     with pytest.raises(ValueError, match="a block of at least one row"):
         InputKernel([1, 0], 2, [2], 2, torch.device("cpu"), [[4, 0]])
+    with pytest.raises(Exception, match="dtypes \\('int16', 'int64'\\)"):
+        InputKernel([0], 1, [1], 1, torch.device("cpu"), None, ("int16", "int64"))
     with pytest.raises(Exception, match="C\\+\\+ over host memory"):
         InputKernel([0], 1, [1], 1, torch.device("meta"))
 

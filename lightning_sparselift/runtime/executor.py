@@ -142,7 +142,7 @@ class ModuleExecutor:
             blocks = [g.block_sizes if g.kind in ROW_SHARDED else None for g in self.spec.groups]
             self._input_kernel = InputKernel(self.spec.feature_order, len(self.spec.keys),
                                              [len(g.local_keys) for g in self.groups], self.world, self.device,
-                                             blocks)
+                                             blocks, (self.spec.lengths_dtype, self.spec.values_dtype))
         return self._input_kernel
 
     def lookup_kernel(self, group: int, region: Region) -> Callable[[nn.Module, Any], Tensor]:
