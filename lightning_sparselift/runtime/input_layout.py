@@ -281,6 +281,25 @@ def _ptr(t: Optional[Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
+def _element(t: Optional[Tensor]) -> int:
+    return 0 if t is None else t.element_size()
+
+
+def _parts(kjt: Any) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """A KJT's lengths, ids and per-sample weights (or None), contiguous."""
+    weights = kjt.weights_or_none()
+    return kjt.lengths().contiguous(), kjt.values().contiguous(), weights.contiguous() if weights is not None else None
+
+
+def _kjt(keys: list[str], lengths: Tensor, values: Tensor, weights: Optional[Tensor], stride: int,
+         per_key: list[int], offsets: Optional[Tensor] = None) -> Any:
+    """A KJT given what the kernel wrote: its per-key sums too, so nothing derives them again."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    return KeyedJaggedTensor(keys=keys, values=values, weights=weights, lengths=lengths, offsets=offsets,
+                             stride=stride, length_per_key=per_key, offset_per_key=list(accumulate(per_key, initial=0)))
+
+
 class InputKernel:
     """A module's generated input kernel (built once per module, whatever its schedule); its
     :meth:`permute`, :meth:`bucketize` and :meth:`recat` take the reference kernels' arguments
@@ -304,14 +323,10 @@ class InputKernel:
         self.built = build(input_source(keys, order, group_keys, world, block_sizes, types), _ENTRY_POINTS, "input")
 
     def permute(self, features: Any, order: list[int], _order: Tensor) -> Any:
-        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
         keys = features.keys()
         if len(keys) != self.keys:
             raise ValueError(f"generated input kernel: built for {self.keys} keys, the features have {len(keys)}")
-        lengths, values = features.lengths().contiguous(), features.values().contiguous()
-        weights = features.weights_or_none()
-        weights = weights.contiguous() if weights is not None else None
+        lengths, values, weights = _parts(features)
         batch, bits, library = features.stride(), _bits(lengths), self.built.library
         sums = torch.empty(self.keys, dtype=torch.int64)
         library.sl_key_sums(batch, bits, lengths.data_ptr(), sums.data_ptr())
@@ -321,44 +336,32 @@ class InputKernel:
         out_lengths = torch.empty(len(order) * batch, dtype=lengths.dtype)
         out_values = torch.empty(total, dtype=values.dtype)
         out_weights = torch.empty(total, dtype=weights.dtype) if weights is not None else None
-        library.sl_permute(batch, bits, values.element_size(), weights.element_size() if weights is not None else 0,
-                           lengths.data_ptr(), values.data_ptr(), _ptr(weights), sums.data_ptr(),
-                           out_lengths.data_ptr(), out_values.data_ptr(), _ptr(out_weights))
-        return KeyedJaggedTensor(keys=[keys[o] for o in order], values=out_values, weights=out_weights,
-                                 lengths=out_lengths, stride=batch, length_per_key=per_key,
-                                 offset_per_key=list(accumulate(per_key, initial=0)))
+        library.sl_permute(batch, bits, values.element_size(), _element(weights), lengths.data_ptr(),
+                           values.data_ptr(), _ptr(weights), sums.data_ptr(), out_lengths.data_ptr(),
+                           out_values.data_ptr(), _ptr(out_weights))
+        return _kjt([keys[o] for o in order], out_lengths, out_values, out_weights, batch, per_key)
 
     def bucketize(self, group: int, kjt: Any, _block_sizes: Tensor, world: int, sequence: bool
                   ) -> tuple[Any, Optional[Tensor]]:
-        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
         keys = list(kjt.keys())
         if self.block_sizes[group] is None or len(keys) != self.group_keys[group] or world != self.world:
             raise ValueError(f"generated input kernel: group {group} was built with row blocks "
                              f"{self.block_sizes[group]} for {self.world} ranks, called with {len(keys)} keys on "
                              f"{world}")
-        lengths, values = kjt.lengths().contiguous(), kjt.values().contiguous()
-        weights = kjt.weights_or_none()
-        weights = weights.contiguous() if weights is not None else None
+        lengths, values, weights = _parts(kjt)
         batch = kjt.stride()
         out_lengths = torch.empty(world * len(keys) * batch, dtype=lengths.dtype)
         out_values = torch.empty_like(values)
         out_weights = torch.empty_like(weights) if weights is not None else None
         positions = torch.empty_like(values) if sequence else None
         per_key = torch.empty(world * len(keys), dtype=torch.int64)
-        self.built.library.sl_bucketize(group, batch, _bits(lengths), _bits(values, "ids"),
-                                        weights.element_size() if weights is not None else 0, lengths.data_ptr(),
-                                        values.data_ptr(), _ptr(weights), out_lengths.data_ptr(),
+        self.built.library.sl_bucketize(group, batch, _bits(lengths), _bits(values, "ids"), _element(weights),
+                                        lengths.data_ptr(), values.data_ptr(), _ptr(weights), out_lengths.data_ptr(),
                                         out_values.data_ptr(), _ptr(out_weights), _ptr(positions), per_key.data_ptr())
-        counts = per_key.tolist()
-        return KeyedJaggedTensor(keys=keys * world, values=out_values, weights=out_weights, lengths=out_lengths,
-                                 stride=batch, length_per_key=counts,
-                                 offset_per_key=list(accumulate(counts, initial=0))), positions
+        return _kjt(keys * world, out_lengths, out_values, out_weights, batch, per_key.tolist()), positions
 
     def recat(self, group: int, keys: list[str], recat: Optional[Tensor], lengths: Tensor, values: Tensor,
               weights: Optional[Tensor], batch: int, world: int) -> Any:
-        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
         if world != self.world:
             raise ValueError(f"generated input kernel: built for {self.world} ranks, called for {world}")
         moves = recat is not None
@@ -367,11 +370,7 @@ class InputKernel:
         out_weights = (torch.empty_like(weights) if moves else weights) if weights is not None else None
         offsets = torch.empty(lengths.numel() + 1, dtype=lengths.dtype)
         per_key = torch.empty(len(keys), dtype=torch.int64)
-        self.built.library.sl_recat(group, batch, _bits(lengths), values.element_size(),
-                                    weights.element_size() if weights is not None else 0, lengths.data_ptr(),
-                                    values.data_ptr(), _ptr(weights), out_lengths.data_ptr(), offsets.data_ptr(),
-                                    out_values.data_ptr(), _ptr(out_weights), per_key.data_ptr())
-        counts = per_key.tolist()
-        return KeyedJaggedTensor(keys=keys, values=out_values, weights=out_weights, lengths=out_lengths,
-                                 offsets=offsets, stride=batch * world, length_per_key=counts,
-                                 offset_per_key=list(accumulate(counts, initial=0)))
+        self.built.library.sl_recat(group, batch, _bits(lengths), values.element_size(), _element(weights),
+                                    lengths.data_ptr(), values.data_ptr(), _ptr(weights), out_lengths.data_ptr(),
+                                    offsets.data_ptr(), out_values.data_ptr(), _ptr(out_weights), per_key.data_ptr())
+        return _kjt(keys, out_lengths, out_values, out_weights, batch * world, per_key.tolist(), offsets)
