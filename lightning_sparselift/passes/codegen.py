@@ -39,9 +39,10 @@ group order, a row-wise group's bucketize and each group's recat of what arrived
 also sums every key's lengths (and, in the recat, writes the offsets) as it moves the ids (TorchRec
 derives those in passes and Python of their own; the splits, the send counts and the lookups read
 them). Feasibility: the module has one of those regions and the runtime built the input kernel on
-every rank (C++ over host memory: not on CUDA). Cost inputs: the ids per step on the busiest rank and their bytes (id and per-sample
-weight). Calibration: one warmup pair, then the input distribution's work (permute, splits,
-payload issue, recat) on the training thread's CPU clock, ref -> gen -> gen -> ref.
+every rank (C++ over host memory: not on CUDA). Cost inputs: the ids per step on the busiest rank
+and their bytes (id and per-sample weight). Calibration: one warmup pair, then the input
+distribution's work (permute, splits, payload issue, recat) on the training thread's CPU clock,
+ref -> gen -> gen -> ref.
 """
 
 from __future__ import annotations
