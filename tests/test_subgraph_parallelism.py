@@ -267,3 +267,12 @@ def test_the_buckets_scratch_held_at_once_must_fit_the_workspace_budget():
     assert "workspace budget" in graph.explain() and SparseGraph.from_dict(graph.to_dict()) == graph
     # the budget is the run's, not the graph's structure: a plan made under another one still matches it
     assert graph.fingerprint() == _eight_tables().fingerprint()
+
+
+def test_on_gpus_the_buckets_run_on_streams_whatever_the_threads_and_hold_no_more_workspace():
+    graph = _eight_tables()
+    graph.backend, graph.threads_per_rank = "nccl", [1]
+    graph.workspace_budget_bytes = 0
+    two, four, eight = SubgraphParallelism().candidates(graph)
+    assert two.feasible and four.feasible and eight.feasible
+    assert [c.cost_inputs["workspace_bytes"] for c in (two, four, eight)] == [0.0, 0.0, 0.0]

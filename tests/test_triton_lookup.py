@@ -6,6 +6,7 @@ source, interpreted); with a GPU the ``gpu`` tests run them compiled."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -225,6 +226,49 @@ def test_device_tables_run_generated_kernels_only_under_fast_numerics(monkeypatc
     assert build_kernel(spec, "fast").library.TOTAL_D == spec.total_dim
     with pytest.raises(ValueError, match="numerics must be one of"):
         build_kernel(spec, "approximate")
+
+
+# three tables for buckets: t0 (10 x 4, features 0-1), t1 (7 x 3, feature 2), t2 (5 x 4, feature 3)
+THREE = SHAPES + [(5, 4, 1)]
+THREE_BAGS = BAGS + [[[4, 4], [0], [3, 1, 4]]]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("pooling,weighted", [("sum", False), ("sum", True), ("mean", False)])
+def test_buckets_give_the_one_bucket_results_bit_for_bit(device, optimizer, pooling, weighted):
+    """Tables in 2 and 3 buckets (on a GPU: each on its own side stream) over three steps: the
+    outputs, tables and optimizer state equal one bucket's exactly."""
+    base = make_spec(optimizer, pooling, weighted, shapes=THREE)
+    torch.manual_seed(5)
+    size = sum(t.rows * t.dim for t in base.tables)
+    state_size = sum(t.rows for t in base.tables) if optimizer == "rowwise_adagrad" else size
+    start = (torch.randn(size), torch.rand(state_size), torch.rand(size))
+    ids, offsets = batch(torch.int64, device, THREE_BAGS)
+    steps = [(torch.rand(ids.numel(), device=device) if weighted else None,
+              torch.randn(BATCH, base.total_dim, device=device)) for _ in range(3)]
+    results = {}
+    for buckets in [((0, 1, 2),), ((0, 2), (1,)), ((2,), (0,), (1,))]:
+        spec = replace(base, buckets=buckets)
+        flat, state1, state2 = (t.clone().to(device) for t in start)
+        outs = [run(spec, device, flat, ids, offsets, psw, grad, state1 if optimizer != "sgd" else None,
+                    state2 if optimizer == "adam" else None, iteration=i + 1) for i, (psw, grad) in enumerate(steps)]
+        results[buckets] = [t.cpu() for t in (*outs, flat, state1, state2)]
+        if device.type == "cuda":
+            library = build_triton(triton_source(spec), "lookup").library
+            assert len(library._streams.get(ids.device, [])) == (0 if len(buckets) == 1 else len(buckets))
+    reference = results.pop(((0, 1, 2),))
+    for buckets, tensors in results.items():
+        assert all(torch.equal(a, b) for a, b in zip(reference, tensors)), buckets
+
+
+def test_bucket_launches_are_grouped_in_the_source():
+    spec = replace(make_spec(shapes=THREE), buckets=((0, 2), (1,)))
+    source = triton_source(spec)
+    forward0 = source[source.index("def forward0"):source.index("def backward0")]
+    assert "FIRST=0," in forward0 and "FIRST=3," in forward0 and "FIRST=2," not in forward0
+    assert "FORWARD = [forward0, forward1]" in source and "STREAMS = 2" in source
+    many = replace(make_spec(shapes=THREE * 2), buckets=tuple((t,) for t in range(6)))
+    assert "STREAMS = 4" in triton_source(many)  # a small pool, shared in turn
 
 
 def test_the_source_bakes_the_tables_in():

@@ -7,13 +7,17 @@ kernel runs its buckets on the OpenMP threads torch uses, each with the arithmet
 one-bucket kernel, so results stay bit-identical. (fbgemm's reference kernel is one call over all of a module's tables; it cannot be
 split, so the buckets' lookups run the generated kernel.)
 
-Feasibility: some rank runs more than one intra-op thread (``torch.get_num_threads()`` when
-captured: the buckets run on torch's OpenMP team, so with one thread they would run one after the
-other), a group has a generated kernel on every rank (see the codegen pass), some rank holds
-at least two of its tables, and the workspace the buckets hold at once fits the graph's
-``workspace_budget_bytes``: each thread running a bucket keeps its own backward scratch (the
-generated kernel's, grown to the largest table it accumulated: up to 56 B + 4 B x dim per id), so
-G buckets on T threads hold min(G, T) of them where G = 1 holds one.
+Feasibility: the device offers the buckets concurrency: on CPU (gloo) some rank runs more than
+one intra-op thread (``torch.get_num_threads()`` when captured: the buckets run on torch's OpenMP
+team, so with one thread they would run one after the other); on GPUs (nccl) each bucket's Triton
+launches go to a CUDA stream of a small pool (see the Triton source). A group has a generated kernel
+on every rank (see the codegen pass), some rank holds at least two of its tables, and the workspace
+the buckets hold at once fits the graph's ``workspace_budget_bytes``: on CPU each thread running a
+bucket keeps its own backward scratch (the generated kernel's, grown to the largest table it
+accumulated: up to 56 B + 4 B x dim per id), so G buckets on T threads hold min(G, T) of them where
+G = 1 holds one; on a GPU the buckets' streams allocate nothing (the backward's sort runs before
+them on the caller's stream, and what they use is recorded on their streams until they are done),
+so they hold nothing more than one bucket.
 
 Partitioning: each table weighs the ids its features bring per
 step times its dim (what its pooling and update touch, from capture); tables, heaviest first,
@@ -105,8 +109,10 @@ SCRATCH_BYTES_PER_ID_AND_COLUMN = 4
 
 def workspace_bytes(graph: SparseGraph, module: LiftedModule, groups: list[int], count: int) -> list[float]:
     """Per rank: the backward scratch ``count`` buckets of ``groups`` hold beyond one bucket's
-    (the threads that run buckets at once, less the calling thread's, each with the scratch of the
-    largest table of the rank)."""
+    (on CPU the threads that run buckets at once, less the calling thread's, each with the scratch
+    of the largest table of the rank; on GPUs none)."""
+    if graph.backend == "nccl":  # streams allocate nothing of their own (see the module docstring)
+        return [0.0] * graph.world_size
     out = []
     for rank in range(graph.world_size):
         threads = graph.threads_per_rank[rank] if graph.threads_per_rank else count
@@ -170,7 +176,7 @@ class SubgraphParallelism(OptimizationPass):
         count = _count(role)
         buckets = self._buckets(module, count)
         reasons = []
-        if graph.threads_per_rank and max(graph.threads_per_rank) < 2:
+        if graph.backend != "nccl" and graph.threads_per_rank and max(graph.threads_per_rank) < 2:
             reasons = [f"every rank runs {max(graph.threads_per_rank)} intra-op thread (torch.get_num_threads()): "
                        f"buckets would run one after the other"]
         elif not buckets:

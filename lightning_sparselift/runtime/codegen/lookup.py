@@ -51,8 +51,6 @@ def build_kernel(spec: KernelSpec, numerics: str) -> BuiltKernel:
     if numerics == "exact":
         raise Unsupported("device tables: the generated Triton kernels are not shown bit-identical to fbgemm's CUDA "
                           "kernels (numerics='fast' runs them)")
-    if len(spec.buckets) > 1:
-        raise Unsupported("buckets on device tables (they need a CUDA stream each, not built)")
     return build_triton(triton_source(spec), "lookup")
 
 

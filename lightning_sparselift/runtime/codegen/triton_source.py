@@ -17,6 +17,14 @@ one binary per table shape:
 These are fbgemm's CUDA formulas; whether every rounding matches its kernels (a warp reduces a
 row's sum of squares in its own order, and a long run of one id is split over warps) is not
 established without a GPU, so the runtime runs them only under ``numerics="fast"``.
+With several buckets (subgraph parallelism) each bucket's launches are one function; on a GPU
+bucket b runs on side stream b of a small fixed pool (made once per device, reused every step),
+after the work queued so far on the caller's stream, which then waits for all of them. The
+buckets share no table, feature or output column, and each runs the one-bucket launches of its
+tables, so the results are the one-bucket kernel's bit for bit. The buckets allocate nothing on
+their streams (the backward's sort runs before them, on the caller's stream), and every tensor they
+read or write is recorded on their streams, so the caching allocator reuses none of it before they
+are done.
 Triton compiles each specialisation on its first launch (the calibration's warmup pair) into its
 own cache; ``TRITON_INTERPRET=1`` runs the same source on CPU tensors (how the tests check it).
 """
@@ -28,6 +36,8 @@ from string import Template
 from lightning_sparselift.runtime.codegen.spec import KernelSpec
 
 _OPTIMIZER_CODES = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2, "adam": 3}
+# the side streams a kernel's buckets run on, at most (a small pool: each stream is reused every step)
+MAX_STREAMS = 4
 
 _MODULE = r'''
 import numpy as np
@@ -131,7 +141,38 @@ def update(order, starts, keys, grad_at, scale, grad, weights, state1, state2, l
     tl.store(at, w, mask=lane)
 
 
+# side streams per device (at most a handful: buckets beyond it share them, in turn)
+STREAMS = $streams
+_streams = {}
 _constants = {}
+
+
+def _side_streams(device):
+    if device not in _streams:
+        _streams[device] = [torch.cuda.Stream(device) for _ in range(STREAMS)]
+    return _streams[device]
+
+
+def _in_buckets(buckets, *args):
+    """Each bucket's launches with ``args``: with several buckets on a GPU, each on its side stream
+    (see the module's docstring); else one after the other."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if len(buckets) == 1 or not tensors[0].is_cuda:
+        for launch in buckets:
+            launch(*args)
+        return
+    device = tensors[0].device
+    caller = torch.cuda.current_stream(device)
+    streams = _side_streams(device)[:len(buckets)]
+    for stream in streams:
+        stream.wait_stream(caller)
+    for b, launch in enumerate(buckets):
+        with torch.cuda.stream(streams[b % len(streams)]):
+            launch(*args)
+    for stream in streams:
+        for tensor in tensors:
+            tensor.record_stream(stream)
+        caller.wait_stream(stream)
 
 
 def _on(device):
@@ -152,7 +193,7 @@ def forward(B, ids, offsets, psw, weights, out):
     # (unused arguments get any tensor)
     bad = torch.full((1,), NO_BAD_ID, dtype=torch.int64, device=ids.device) if CHECK else ids
     psw = psw if psw is not None else weights
-$forward_launches
+    _in_buckets(FORWARD, B, ids, offsets, psw, weights, out, bad)
     if CHECK:
         position = int(bad.item())
         return -1 if position == NO_BAD_ID else position
@@ -191,8 +232,12 @@ def backward(B, ids, offsets, psw, grad, weights, state1, state2, lr, iteration)
     corrections = torch.tensor([1.0 - float(np.float32(beta) ** np.float32(iteration)) for beta in (BETA1, BETA2)],
                                dtype=torch.float64, device=ids.device) if ADAM else weights
     grad = grad.contiguous()
-$backward_launches
+    _in_buckets(BACKWARD, order, starts, keys, grad_at, scale, grad, weights, state1, state2, lr, corrections,
+                table_first)
     return -1
+
+
+$buckets
 '''
 
 
@@ -205,13 +250,11 @@ def _block(dim: int) -> int:
 
 
 def triton_source(spec: KernelSpec) -> str:
-    """The kernel's Python module (Triton kernels and their host launches)."""
-    if len(spec.buckets) > 1:
-        raise ValueError("generated Triton lookups run their tables in one bucket (buckets on CUDA need streams)")
+    """The kernel's Python module (Triton kernels, each bucket's launches, the host functions)."""
     pooled = spec.pooling != "none"
     features = spec.features
     scaled = spec.weighted or (spec.pooling == "mean")
-    forward, backward = [], []
+    forward, backward = {}, {}
     row_base, rows = [], 0
     for t, table in enumerate(spec.tables):
         row_base.append(rows)
@@ -219,12 +262,11 @@ def triton_source(spec: KernelSpec) -> str:
         count = table.end_feature - table.first_feature
         column = features[table.first_feature][2]
         constants = f"D={table.dim}, BLOCK={_block(table.dim)}, WEIGHTS_AT={table.weights_offset}"
-        if count:
-            forward.append(
-                f"    pool[(B, {count})](ids, offsets, psw, weights, out, bad, B, FIRST={table.first_feature}, "
-                f"ROWS={table.rows}, {constants}, COLUMN={column}, TOTAL_D=TOTAL_D, POOLED=POOLED, "
-                f"WEIGHTED=WEIGHTED, MEAN=MEAN, CHECK=CHECK)")
-        backward.append(
+        forward[t] = (
+            f"    pool[(B, {count})](ids, offsets, psw, weights, out, bad, B, FIRST={table.first_feature}, "
+            f"ROWS={table.rows}, {constants}, COLUMN={column}, TOTAL_D=TOTAL_D, POOLED=POOLED, "
+            f"WEIGHTED=WEIGHTED, MEAN=MEAN, CHECK=CHECK)" if count else "")
+        backward[t] = (
             f"    if table_first[{t + 1}] > table_first[{t}]:\n"
             f"        update[(table_first[{t + 1}] - table_first[{t}],)](order, starts, keys, grad_at, scale, grad, "
             f"weights, state1, state2, lr, corrections, table_first[{t}], BASE={row_base[t]}, "
@@ -232,8 +274,17 @@ def triton_source(spec: KernelSpec) -> str:
             f"SCALED={scaled}, OPTIMIZER={_OPTIMIZER_CODES[spec.optimizer]}, "
             f"EPS={spec.eps!r}, BETA1={spec.beta1!r}, BETA2={spec.beta2!r})")
     row_base.append(rows)
+    functions = []
+    for b, tables in enumerate(spec.buckets):
+        launches = [forward[t] for t in tables if forward[t]] or ["    pass"]
+        functions.append(f"def forward{b}(B, ids, offsets, psw, weights, out, bad):\n" + "\n".join(launches))
+        functions.append(f"def backward{b}(order, starts, keys, grad_at, scale, grad, weights, state1, state2, lr, "
+                         f"corrections, table_first):\n" + "\n".join(backward[t] for t in tables))
+    count = len(spec.buckets)
+    functions.append(f"FORWARD = [{', '.join(f'forward{b}' for b in range(count))}]\n"
+                     f"BACKWARD = [{', '.join(f'backward{b}' for b in range(count))}]")
     return Template(_MODULE).substitute(
         total_dim=spec.total_dim, pooled=pooled, weighted=spec.weighted, mean=spec.pooling == "mean",
         check=spec.check_ids, feature_table=[f[0] for f in features], feature_column=[f[2] for f in features],
-        row_base=row_base, forward_launches="\n".join(forward), backward_launches="\n".join(backward),
+        row_base=row_base, buckets="\n\n\n".join(functions), streams=min(count, MAX_STREAMS),
         adam=spec.optimizer == "adam", beta1=repr(spec.beta1), beta2=repr(spec.beta2))
