@@ -4,7 +4,7 @@ import lightning.pytorch as L
 import pytest
 import torch
 
-from helpers import tiny_data, tiny_model
+from helpers import DumpLocalState, assert_same_dumps, tiny_data, tiny_model
 from lightning_sparselift import SparseLiftStrategy
 
 
@@ -29,3 +29,26 @@ def test_one_gpu_trains_with_fused_adam(data_cache):
 def test_two_gpus_over_nccl(kind, data_cache):
     metrics = _fit(2, data_cache, sharding_types={"t_cat_4": kind})
     assert torch.isfinite(metrics["train/loss"])
+
+
+@pytest.mark.gpu
+def test_one_gpu_runs_the_triton_lookups_in_buckets_on_streams_bit_identical_to_one_bucket(tmp_path, data_cache):
+    """Under numerics="fast" (the generated Triton lookups), without calibration: the lookups in
+    one bucket and in two (subgraph parallelism forced: each bucket on a CUDA stream of its own)
+    train to the same tables, optimizer state and dense weights."""
+    dm = tiny_data(data_cache)
+    plans = {}
+    for name, optimizations in (("one", ["codegen:lookup"]),
+                                ("buckets", ["codegen:lookup", "subgraph_parallelism:buckets2"])):
+        L.seed_everything(0)
+        strategy = SparseLiftStrategy(start_method="spawn", calibrate=False, numerics="fast",
+                                      optimizations=optimizations, embedding_optimizer={"name": "adagrad", "lr": 0.05},
+                                      sharding_types={f"t_{f}": "table_wise" for f in dm.feature_names})
+        L.Trainer(strategy=strategy, accelerator="gpu", devices=1, max_epochs=1, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0,
+                  callbacks=[DumpLocalState(tmp_path / name)]).fit(tiny_model(dm), dm)
+        plans[name] = strategy.execution_plan
+    assert_same_dumps(tmp_path / "one", tmp_path / "buckets", world_size=1)
+    lookups = [r for m in plans["buckets"].graph.modules for r in m.schedule.regions if r.name == "lookup"]
+    assert [len(r.buckets) for r in lookups if r.kernel == "generated"] == [2]
+    assert plans["buckets"].graph.device == "cuda"

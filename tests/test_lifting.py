@@ -61,7 +61,10 @@ def test_lifted_executor_is_bit_identical_to_torchrec(runs, world, case, variant
     _assert_identical(runs(world)[(case, variant)], case, variant, world)
 
 
-def _assert_identical(results: list[dict], case: str, variant: str, world: int) -> None:
+def _assert_identical(results: list[dict], case: str, variant: str, world: int, cuda: bool = False) -> None:
+    """``cuda``: the ranks ran on GPUs, where under the default ``numerics="exact"`` no generated
+    kernel runs (the Triton lookups are not shown bit-identical to fbgemm's CUDA kernels, and the
+    consumer layout and input kernel are C++ over host memory), so none of their rewrites apply."""
     for rank, result in enumerate(results):
         assert "error" not in result, result.get("error")
         for executor in ("lifted", *lp.optimized(variant)):  # the identity plan, and the passes forced on
@@ -89,7 +92,7 @@ def _assert_identical(results: list[dict], case: str, variant: str, world: int) 
                 # writes its output into it, every lifted step; every fused pooled group's lookup ran a
                 # generated kernel; subgraph
                 # parallelism: in buckets wherever a rank holds two of the group's tables
-                consumer = ("codegen" in passes and m.consumer is not None and not m.mean_after_reduce
+                consumer = ("codegen" in passes and not cuda and m.consumer is not None and not m.mean_after_reduce
                             and not any(g.not_lifted for g in m.groups))
                 assert (m.schedule.region("output").kernel == "consumer") == consumer, m.consumer_note
                 assert result[executor]["concatenated_steps"][m.path] == (lp.LIFTED_STEPS - int(short) if consumer
@@ -98,23 +101,24 @@ def _assert_identical(results: list[dict], case: str, variant: str, world: int) 
                 for g in m.groups:
                     region = m.schedule.region("lookup", g.index)
                     fused = g.kind not in ("data_parallel", None)  # (None: TorchRec's modules run it)
-                    assert (region.kernel == "generated") == (fused and ("codegen" in passes or bool(region.buckets))), \
-                        f"{executor} g{g.index}: {g.lookup_notes}"
+                    assert (region.kernel == "generated") == (fused and not cuda and (
+                        "codegen" in passes or bool(region.buckets))), f"{executor} g{g.index}: {g.lookup_notes}"
                     tables_per_rank = Counter(t.rank for t in g.tables)
-                    assert bool(region.buckets) == (bucketed and fused and max(tables_per_rank.values()) > 1), \
+                    assert bool(region.buckets) == (bucketed and fused and not cuda
+                                                    and max(tables_per_rank.values()) > 1), \
                         f"{executor} g{g.index}: {region}"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case, variant", ALL)
 def test_lifted_executor_on_one_gpu(runs, case, variant):
-    _assert_identical(runs(1, cuda=True)[(case, variant)], case, variant, 1)
+    _assert_identical(runs(1, cuda=True)[(case, variant)], case, variant, 1, cuda=True)
 
 
 @pytest.mark.multigpu
 @pytest.mark.parametrize("case, variant", ALL)
 def test_lifted_executor_on_two_gpus_over_nccl(runs, case, variant):
-    _assert_identical(runs(2, cuda=True)[(case, variant)], case, variant, 2)
+    _assert_identical(runs(2, cuda=True)[(case, variant)], case, variant, 2, cuda=True)
 
 
 @pytest.mark.parametrize("world", [2, 3])
