@@ -271,7 +271,7 @@ def test_the_buckets_scratch_held_at_once_must_fit_the_workspace_budget():
 
 def test_on_gpus_the_buckets_run_on_streams_whatever_the_threads_and_hold_no_more_workspace():
     graph = _eight_tables()
-    graph.backend, graph.threads_per_rank = "nccl", [1]
+    graph.device, graph.threads_per_rank = "cuda", [1]
     graph.workspace_budget_bytes = 0
     two, four, eight = SubgraphParallelism().candidates(graph)
     assert two.feasible and four.feasible and eight.feasible

@@ -258,7 +258,8 @@ def lift(model: nn.Module, sharding_plan: Any, module_paths: list[str], captures
                 "fbgemm_gpu": getattr(fbgemm_gpu, "__version__", "?")}
     return SparseGraph(world, str(torch.distributed.get_backend(process_group)) if world > 1 else "none",
                        modules, dense_param_bytes, versions, not_lifted=not_lifted,
-                       threads_per_rank=[c.threads for c in sorted(captures, key=lambda c: c.rank)])
+                       threads_per_rank=[c.threads for c in sorted(captures, key=lambda c: c.rank)],
+                       device=device.type)
 
 
 def _lift_module(model: nn.Module, path: str, sharding_plan: Any, captures: list[RankCapture], env: Any,

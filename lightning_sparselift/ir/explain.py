@@ -42,6 +42,8 @@ def human_bytes(n: float) -> str:
 def explain(graph: "SparseGraph") -> str:
     threads = (f" ({'/'.join(map(str, graph.threads_per_rank))} intra-op thread(s) per rank)"
                if graph.threads_per_rank else "")
+    if graph.device != "cpu":
+        threads += f", tables on {graph.device}"
     if graph.workspace_budget_bytes is not None:
         threads += f", workspace budget {human_bytes(graph.workspace_budget_bytes)} per rank"
     if graph.incumbent_buckets:

@@ -172,6 +172,9 @@ class SparseGraph:
     not_lifted: dict[str, str] = field(default_factory=dict)
     # each rank's intra-op threads when captured (a property of the run, not of the graph's structure)
     threads_per_rank: list[int] = field(default_factory=list)
+    # where the tables and the step run ("cpu" or "cuda"; the run's, like the threads: one GPU runs
+    # without a process group, so the backend does not say it)
+    device: str = "cpu"
     # the workspace a schedule may hold beyond the identity plan's, per rank (the user's
     # ``workspace_budget_mb``; None: no limit); like the threads, the run's, not the structure's
     workspace_budget_bytes: Optional[int] = None

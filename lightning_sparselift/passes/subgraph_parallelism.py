@@ -7,9 +7,9 @@ kernel runs its buckets on the OpenMP threads torch uses, each with the arithmet
 one-bucket kernel, so results stay bit-identical. (fbgemm's reference kernel is one call over all of a module's tables; it cannot be
 split, so the buckets' lookups run the generated kernel.)
 
-Feasibility: the device offers the buckets concurrency: on CPU (gloo) some rank runs more than
+Feasibility: the device offers the buckets concurrency: on CPU some rank runs more than
 one intra-op thread (``torch.get_num_threads()`` when captured: the buckets run on torch's OpenMP
-team, so with one thread they would run one after the other); on GPUs (nccl) each bucket's Triton
+team, so with one thread they would run one after the other); on GPUs each bucket's Triton
 launches go to a CUDA stream of a small pool (see the Triton source). A group has a generated kernel
 on every rank (see the codegen pass), some rank holds at least two of its tables, and the workspace
 the buckets hold at once fits the graph's ``workspace_budget_bytes``: on CPU each thread running a
@@ -111,7 +111,7 @@ def workspace_bytes(graph: SparseGraph, module: LiftedModule, groups: list[int],
     """Per rank: the backward scratch ``count`` buckets of ``groups`` hold beyond one bucket's
     (on CPU the threads that run buckets at once, less the calling thread's, each with the scratch
     of the largest table of the rank; on GPUs none)."""
-    if graph.backend == "nccl":  # streams allocate nothing of their own (see the module docstring)
+    if graph.device == "cuda":  # streams allocate nothing of their own (see the module docstring)
         return [0.0] * graph.world_size
     out = []
     for rank in range(graph.world_size):
@@ -176,7 +176,7 @@ class SubgraphParallelism(OptimizationPass):
         count = _count(role)
         buckets = self._buckets(module, count)
         reasons = []
-        if graph.backend != "nccl" and graph.threads_per_rank and max(graph.threads_per_rank) < 2:
+        if graph.device != "cuda" and graph.threads_per_rank and max(graph.threads_per_rank) < 2:
             reasons = [f"every rank runs {max(graph.threads_per_rank)} intra-op thread (torch.get_num_threads()): "
                        f"buckets would run one after the other"]
         elif not buckets:
