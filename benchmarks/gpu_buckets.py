@@ -98,7 +98,7 @@ def check_shape(name: str, tables: int, rows: int, dim: int, batch: int, per_bag
           f"{optimizer}; {int(batches[0][1][-1])} ids per step")
     for g in BUCKETS:
         spec = base if g == 1 else replace(base, buckets=balanced(tables, g))
-        model = Model(spec, start, _copy(top))
+        model = Model(spec, start, copy_linear(top))
         outs = [model.step(ids, offsets, batch, labels) for ids, offsets, labels in batches]
         torch.cuda.synchronize(device)
         models[g] = model
@@ -142,8 +142,9 @@ def check_shape(name: str, tables: int, rows: int, dim: int, batch: int, per_bag
     return ok
 
 
-def _copy(module: torch.nn.Module) -> torch.nn.Module:
-    out = type(module)(module.in_features, module.out_features).to(module.weight.device)
+def copy_linear(module: torch.nn.Linear) -> torch.nn.Linear:
+    """A linear layer with ``module``'s weights (each system trains its own copy)."""
+    out = torch.nn.Linear(module.in_features, module.out_features).to(module.weight.device)
     out.load_state_dict(module.state_dict())
     return out
 
@@ -152,17 +153,25 @@ def _quantile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q * 100) - 1]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def setup(description: str) -> tuple[argparse.Namespace, torch.device | None]:
+    """The scripts' arguments and the GPU they run on (None, said, without one)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
-        return 2
+        return args, None
     os.environ.setdefault("SPARSELIFT_KERNEL_CACHE", tempfile.mkdtemp())
     device = torch.device("cuda", 0)
     print(f"{torch.cuda.get_device_name(device)}; torch {torch.__version__}")
+    return args, device
+
+
+def main() -> int:
+    args, device = setup(__doc__.splitlines()[0])
+    if device is None:
+        return 2
     ok = all([check_shape(*shape, args.steps, args.rounds, device) for shape in SHAPES])
     print("\nresult:", "every G bit-identical to G = 1" if ok else "MISMATCH")
     return 0 if ok else 1

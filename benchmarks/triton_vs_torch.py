@@ -15,16 +15,13 @@ two systems interleaved round by round; printed per shape: each median step and 
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import sys
-import tempfile
 
 import torch
 import torch.nn.functional as F
 
-from gpu_buckets import Model, make_batches, spec_of_shape
+from gpu_buckets import Model, copy_linear, make_batches, setup, spec_of_shape
 
 # (name, tables, rows per table, dim, batch, ids per bag)
 SHAPES = [("dlrm-like, ~1 id per bag", 26, 100_000, 128, 2048, 1),
@@ -61,8 +58,8 @@ def compare(name: str, tables: int, rows: int, dim: int, batch: int, per_bag: in
     top = torch.nn.Linear(tables * dim, 1).to(device)
     batches = make_batches(tables, rows, batch, per_bag, steps, device)
     spec = spec_of_shape(tables, rows, dim, "adagrad")
-    generated = Model(spec, {"weights_dev": start, "momentum1_dev": torch.zeros_like(start)}, _copy(top))
-    reference = TorchModel(tables, rows, dim, start, _copy(top))
+    generated = Model(spec, {"weights_dev": start, "momentum1_dev": torch.zeros_like(start)}, copy_linear(top))
+    reference = TorchModel(tables, rows, dim, start, copy_linear(top))
     print(f"\n## {name}: {tables} tables x {rows} rows x dim {dim}, batch {batch}, ~{per_bag} ids per bag; "
           f"{int(batches[0][1][-1])} ids per step")
     times: dict[str, list[float]] = {"generated": [], "torch": []}
@@ -83,23 +80,10 @@ def compare(name: str, tables: int, rows: int, dim: int, batch: int, per_bag: in
     print(f"generated / torch: x{medians['generated'] / medians['torch']:.3f}")
 
 
-def _copy(module: torch.nn.Linear) -> torch.nn.Linear:
-    out = torch.nn.Linear(module.in_features, module.out_features).to(module.weight.device)
-    out.load_state_dict(module.state_dict())
-    return out
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU")
+    args, device = setup(__doc__.splitlines()[0])
+    if device is None:
         return 2
-    os.environ.setdefault("SPARSELIFT_KERNEL_CACHE", tempfile.mkdtemp())
-    device = torch.device("cuda", 0)
-    print(f"{torch.cuda.get_device_name(device)}; torch {torch.__version__}")
     for shape in SHAPES:
         compare(*shape, args.steps, args.rounds, device)
     return 0
