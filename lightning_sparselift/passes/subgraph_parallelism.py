@@ -3,9 +3,10 @@ concurrently, forward (pooling) and backward (the fused update) alike.
 
 Each table's lookups, gradient accumulation and update touch only that table's rows and write
 only its features' output columns, so buckets of whole tables are independent: a generated
-kernel runs its buckets on the OpenMP threads torch uses, each with the arithmetic of the
-one-bucket kernel, so results stay bit-identical. (fbgemm's reference kernel is one call over all of a module's tables; it cannot be
-split, so the buckets' lookups run the generated kernel.)
+kernel runs its buckets on the OpenMP threads torch uses (host tables) or on CUDA streams (device
+tables), each with the arithmetic of the one-bucket kernel, so results stay bit-identical.
+(fbgemm's reference kernel is one call over all of a module's tables; it cannot be split, so the
+buckets' lookups run the generated kernel.)
 
 Feasibility: the device offers the buckets concurrency: on CPU some rank runs more than
 one intra-op thread (``torch.get_num_threads()`` when captured: the buckets run on torch's OpenMP
