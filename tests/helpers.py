@@ -113,7 +113,8 @@ class ExecutorReport(L.Callback):
                   "buffers_reused": sum(f.buffers.reused for f in executor.executors.values()) if executor else 0,
                   "decisions": [[d.candidate, d.accepted, d.measured_ms is not None or not d.feasible]
                                 for d in plan.decisions]
-                  if plan else None}
+                  if plan else None,
+                  "measured": [d.candidate for d in plan.decisions if d.measured_ms is not None] if plan else None}
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / f"report{trainer.global_rank}.json").write_text(json.dumps(report))
 
