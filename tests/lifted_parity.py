@@ -79,6 +79,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 OPTIMIZED = {"aggregated": ("aggregation",), "latency_hidden": ("latency_hiding",),
              "next_batch_only": ("latency_hiding:next_batch",), "generated": ("codegen",),
              "buckets2": ("subgraph_parallelism:buckets2",), "buckets4": ("subgraph_parallelism:buckets4",),
+             "pipelined2": ("subgraph_parallelism:pipelined2",), "pipelined4": ("subgraph_parallelism:pipelined4",),
              "all_passes": ("aggregation", "latency_hiding", "codegen", "subgraph_parallelism")}
 # the variants whose cases also run each pass forced on alone (multi-hot with empty bags, weights, two
 # modules, sequences: the most layouts); the others run all of them together

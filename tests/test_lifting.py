@@ -90,23 +90,30 @@ def _assert_identical(results: list[dict], case: str, variant: str, world: int, 
                 assert result[executor]["prefetched_steps"][m.path] == (lp.LIFTED_STEPS - 1 if ahead else 0)
                 # code generation: a pooled module whose concatenation capture saw (the first one in it)
                 # writes its output into it, every lifted step; every fused pooled group's lookup ran a
-                # generated kernel; subgraph
-                # parallelism: in buckets wherever a rank holds two of the group's tables
+                # generated kernel
                 consumer = ("codegen" in passes and not cuda and m.consumer is not None and not m.mean_after_reduce
                             and not any(g.not_lifted for g in m.groups))
                 assert (m.schedule.region("output").kernel == "consumer") == consumer, m.consumer_note
                 assert result[executor]["concatenated_steps"][m.path] == (lp.LIFTED_STEPS - int(short) if consumer
                                                                           else 0), m.consumer
+                # subgraph parallelism: in buckets wherever a rank holds two of the group's tables (pipelined:
+                # a pooled all-to-all group on several ranks, each holding some of its tables)
                 bucketed = any(p.startswith("subgraph_parallelism") for p in passes)
+                pipelined = any(":pipelined" in p for p in passes)
                 for g in m.groups:
                     region = m.schedule.region("lookup", g.index)
                     fused = g.kind not in ("data_parallel", None)  # (None: TorchRec's modules run it)
                     assert (region.kernel == "generated") == (fused and not cuda and (
                         "codegen" in passes or bool(region.buckets))), f"{executor} g{g.index}: {g.lookup_notes}"
                     tables_per_rank = Counter(t.rank for t in g.tables)
-                    assert bool(region.buckets) == (bucketed and fused and not cuda
+                    splits = pipelined and world > 1 and m.pooled and output_collective(g.kind, True) == \
+                        "all_to_all_single" and len(tables_per_rank) == world
+                    assert bool(region.buckets) == (bucketed and fused and not cuda and (splits or not pipelined)
                                                     and max(tables_per_rank.values()) > 1), \
                         f"{executor} g{g.index}: {region}"
+                    split = [e.split for e in m.schedule.outputs if e.groups == [g.index] and e.split]
+                    assert split == ([[f"bucket{b}" for b in range(len(region.buckets))]] if pipelined and region.buckets
+                                     else []), f"{executor} g{g.index}: {m.schedule.outputs}"
 
 
 @pytest.mark.gpu

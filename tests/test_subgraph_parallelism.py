@@ -58,7 +58,7 @@ def test_buckets_apply_to_groups_with_a_generated_kernel_where_a_rank_holds_two_
     with pytest.raises(InfeasibleCandidate):
         sweep.apply(graph, first)
     graph = _generated(graph)
-    two, four, eight = sweep.candidates(graph)
+    two, four, eight = sweep.candidates(graph)[:3]  # (then the pipelined rungs)
     assert [c.role for c in (two, four, eight)] == ["buckets2", "buckets4", "buckets8"]
     assert (two.follows, four.follows, eight.follows) == (None, two.id, four.id)
     applied = sweep.apply(graph, two)
@@ -143,13 +143,13 @@ def test_the_sweep_starts_at_the_incumbents_g_and_goes_both_ways():
     sweep = SubgraphParallelism()
     graph = _eight_tables()
     graph.incumbent_buckets = {EBC: 4}
-    two, four, eight = sweep.candidates(graph)
+    two, four, eight = sweep.candidates(graph)[:3]  # (then the pipelined rungs)
     assert (four.follows, eight.follows, eight.when) == (None, four.id, "accepted")
     assert (two.follows, two.when, two.unless) == (four.id, "decided", eight.id)  # the turn
     ordered, _ = Planner([sweep], None, calibrate=True).propose(graph)
     assert [c.role for c in ordered] == ["buckets4", "buckets8", "buckets2"]
     graph.incumbent_buckets = {EBC: 8}  # the top of the ladder: it turns down at once
-    two, four, eight = sweep.candidates(graph)
+    two, four, eight = sweep.candidates(graph)[:3]  # (then the pipelined rungs)
     assert (eight.follows, four.follows, four.when, two.follows) == (None, eight.id, "decided", four.id)
     # 8 improves on 4: the sweep does not turn, 2 is not tried
     decisions, planned = _sweep(4, {0: 12.0, 2: 7.0, 4: 6.0, 8: 5.0})
@@ -195,7 +195,7 @@ def test_a_rung_selected_alone_stands_alone_and_one_after_an_infeasible_rung_is_
     two_tables = _generated(load("table_and_column_wise_2ranks"))
     feasible, rejected = Planner(select_passes(["subgraph_parallelism"]), None, calibrate=True).propose(two_tables)
     assert not feasible and [d.candidate.split("@")[0] for d in rejected] == [
-        "subgraph_parallelism:buckets2", "subgraph_parallelism:buckets4", "subgraph_parallelism:buckets8"]
+        f"subgraph_parallelism:{family}{g}" for family in ("buckets", "pipelined") for g in (2, 4, 8)]
 
 
 def _fit_one_rank_two_threads(folder: str, data_cache: str) -> None:
@@ -254,12 +254,12 @@ def test_the_buckets_scratch_held_at_once_must_fit_the_workspace_budget():
     dim = graph.module(EBC).groups[0].tables[0].dim
     scratch = 80 * (56 + 4 * dim)  # t7's 80 ids per step: the largest table's backward scratch
     sweep = SubgraphParallelism()
-    two, four, eight = sweep.candidates(graph)
+    two, four, eight = sweep.candidates(graph)[:3]  # (then the pipelined rungs)
     # beyond the calling thread's: one more thread's scratch with 2 buckets, 3 more with 4 (and with 8, on 4 threads)
     assert [c.cost_inputs["workspace_bytes"] for c in (two, four, eight)] == [scratch, 3 * scratch, 3 * scratch]
     assert two.feasible and four.feasible  # no budget: no limit
     graph.workspace_budget_bytes = 2 * scratch
-    two, four, eight = sweep.candidates(graph)
+    two, four, eight = sweep.candidates(graph)[:3]  # (then the pipelined rungs)
     assert two.feasible and not four.feasible and not eight.feasible
     assert four.reasons == [f"the buckets hold {3 * scratch / 1024:.2f}KB more backward scratch at once on rank 0 (a "
                             f"scratch per thread running one) than the workspace budget of {2 * scratch / 1024:.2f}KB "
@@ -273,6 +273,6 @@ def test_on_gpus_the_buckets_run_on_streams_whatever_the_threads_and_hold_no_mor
     graph = _eight_tables()
     graph.device, graph.threads_per_rank = "cuda", [1]
     graph.workspace_budget_bytes = 0
-    two, four, eight = SubgraphParallelism().candidates(graph)
+    two, four, eight = SubgraphParallelism().candidates(graph)[:3]
     assert two.feasible and four.feasible and eight.feasible
     assert [c.cost_inputs["workspace_bytes"] for c in (two, four, eight)] == [0.0, 0.0, 0.0]

@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from lightning_sparselift.frontend.capture import RankCapture, common_path
-from lightning_sparselift.ir.graph import LiftedModule, OutputConsumer, ShardingGroup, SparseGraph, TableShard
+from lightning_sparselift.ir.graph import (
+    LiftedModule, OutputBlock, OutputConsumer, ShardingGroup, SparseGraph, TableShard,
+)
 from lightning_sparselift.ir.schedule import identity_schedule
 from lightning_sparselift.ir.vocab import (
     COLUMN_SHARDED, DTYPE_BYTES, INPUT_ALL_TO_ALL, LIFTED_SHARDING_TYPES, POOLED_ALL_TO_ALL, ROW_SHARDED,
@@ -153,6 +155,7 @@ def _lift_groups(path: str, sharded: nn.Module, module_plan: Any, env: Any, devi
         features_per_rank: list[int] = []
         block_sizes: list[int] = []
         dim_sum_per_rank: list[int] = []
+        output_blocks: list[list[OutputBlock]] = []
         column_order: list[int] = []
         if sharding_type in POOLED_ALL_TO_ALL:
             features_per_rank = list(sharding.features_per_rank())
@@ -161,9 +164,11 @@ def _lift_groups(path: str, sharded: nn.Module, module_plan: Any, env: Any, devi
         elif sharding_type in POOLED_ALL_TO_ALL:
             names_per_rank = sharding.embedding_names_per_rank()
             dims = sharding.uncombined_embedding_dims() if sharding_type in COLUMN_SHARDED else sharding.embedding_dims()
+            table_of = {f: t.table for t in tables for f in t.features}
             start = 0
             for names in names_per_rank:
                 dim_sum_per_rank.append(sum(dims[start:start + len(names)]))
+                output_blocks.append([OutputBlock(table_of[n], int(d)) for n, d in zip(names, dims[start:start + len(names)])])
                 start += len(names)
             if sharding_type in COLUMN_SHARDED:
                 column_order = _column_order(sharding)
@@ -175,7 +180,7 @@ def _lift_groups(path: str, sharded: nn.Module, module_plan: Any, env: Any, devi
             block_sizes = [(rows[f] + world - 1) // world for f in features]
         groups.append(ShardingGroup(index, sharding_type, features, features_per_rank, block_sizes, dim_sum_per_rank,
                                     column_order, list(sharding.embedding_names()), list(sharding.embedding_dims()),
-                                    tables))
+                                    tables, output_blocks=output_blocks))
     if all(g.not_lifted for g in groups):
         raise LiftError(f"{path}: {'; '.join(g.not_lifted for g in groups)}, so this module keeps TorchRec's path")
     return groups

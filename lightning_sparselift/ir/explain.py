@@ -119,14 +119,17 @@ def _module(m: "LiftedModule") -> list[str]:
     for e in s.inputs:
         lines.append(f"    input  {e.label:<10s} {e.packing:<10s} issued {e.issue} on {e.process_group}"
                      + (f", stream {e.stream}" if e.stream else ""))
+    split = {g: e for e in s.outputs if e.split for g in e.groups}
     for e in s.outputs:
-        lines.append(f"    output {e.label:<10s} {e.op:<17s} waited {e.wait} on {e.process_group}"
+        on = f"one per bucket on {', '.join(e.split)}" if e.split else f"on {e.process_group}"
+        lines.append(f"    output {e.label:<10s} {e.op:<17s} waited {e.wait} {on}"
                      + (f", stream {e.stream}" if e.stream else ""))
     kernels = sorted({f"{r.name}={r.kernel}" for r in s.regions})
     lines.append(f"    kernels: {', '.join(kernels)}")
     for r in s.regions:
         if r.buckets:
-            lines.append(f"    {r.name} {bucket_label(r.groups)} in {len(r.buckets)} concurrent buckets: "
+            how = "pipelined" if any(g in split for g in r.groups) else "concurrent"
+            lines.append(f"    {r.name} {bucket_label(r.groups)} in {len(r.buckets)} {how} buckets: "
                          + " | ".join(",".join(b) for b in r.buckets))
     for g in m.groups:
         for name, note in sorted(g.lookup_notes.items()):

@@ -27,6 +27,14 @@ class TableShard:
 
 
 @dataclass
+class OutputBlock:
+    """Columns of a rank's pooled output: one feature's pooled rows of one table (shard)."""
+
+    table: str
+    width: int
+
+
+@dataclass
 class ShardingGroup:
     """One sharding type of one module: what the executor needs to move its data exactly as
     TorchRec does."""
@@ -43,6 +51,9 @@ class ShardingGroup:
     embedding_names: list[str]
     embedding_dims: list[int]
     tables: list[TableShard]
+    # pooled all-to-all groups: per rank, its output's column blocks in order (one per feature a
+    # shard on the rank serves); what a bucket of tables sends is read from them
+    output_blocks: list[list[OutputBlock]] = field(default_factory=list, kw_only=True)
     # the lookup kernels every rank can run for this group (the reference, and "generated" when the
     # runtime built one everywhere), and why another one is not available; probed on the machine
     lookup_kernels: list[str] = field(default_factory=lambda: ["torchrec"])
@@ -57,6 +68,23 @@ class ShardingGroup:
         """The sharding type the schedule runs, None when the group keeps TorchRec's path (no
         exchange or kernel of the schedule is its)."""
         return None if self.not_lifted else self.sharding_type
+
+    def bucket_columns(self, buckets: list[list[str]]) -> list[list[list[int]]]:
+        """Per bucket of table names, per rank: the columns of the rank's output (its
+        :attr:`output_blocks` in order) that hold the bucket's tables."""
+        out = []
+        for bucket in buckets:
+            names = set(bucket)
+            per_rank = []
+            for blocks in self.output_blocks:
+                columns, at = [], 0
+                for block in blocks:
+                    if block.table in names:
+                        columns.extend(range(at, at + block.width))
+                    at += block.width
+                per_rank.append(columns)
+            out.append(per_rank)
+        return out
 
     def keys_on_rank(self, rank: int) -> list[str]:
         if self.sharding_type in ROW_SHARDED:

@@ -12,7 +12,9 @@ executes it (it builds its exchanges and kernels from it once, when a plan is in
   module's call waits for them; their
   gradients run the same points in reverse (issued where the forward waited, waited where it was
   issued, i.e. before the fused update);
-- regions: the kernel that runs each compute region.
+- regions: the kernel that runs each compute region (a generated lookup's tables in buckets: run
+  concurrently, or pipelined: bucket after bucket, each bucket's output all-to-all on a process
+  group of its own, issued as soon as its lookups are done).
 
 Example (one table-wise group, aggregation and latency hiding applied)::
 
@@ -73,6 +75,9 @@ class InputExchange(Exchange):
 class OutputExchange(Exchange):
     op: Literal["all_to_all_single", "reduce_scatter"]
     wait: Point  # lookup_at (synchronous) or module_call (left in flight from an early start)
+    # pipelined buckets: one all-to-all per bucket of the group's lookup region, on these process
+    # groups (one each, in bucket order), each issued when its bucket's lookups are done; [] = one
+    split: list[str] = field(default_factory=list, kw_only=True)
 
 
 @dataclass
@@ -101,6 +106,12 @@ class ModuleSchedule:
     def input_issue(self) -> Point:
         """Where the input distribution starts (one point per module: the executor starts it once)."""
         return self.inputs[0].issue if self.inputs else self.lookup_at
+
+
+def bucket_process_group(bucket: int) -> str:
+    """The name of the process group a pipelined bucket's all-to-alls run on (the runtime
+    creates it over the training's ranks when a schedule first names it)."""
+    return f"bucket{bucket}"
 
 
 def bucket_label(groups: list[int]) -> str:
@@ -159,6 +170,20 @@ def check_schedule(schedule: ModuleSchedule, kinds: list[Optional[str]], world: 
             problems.append(f"output {e.label}: a row-wise reduce-scatter is one group's, waited where it is issued")
         if e.wait not in (schedule.lookup_at, "module_call"):
             problems.append(f"output {e.label} waited at {e.wait}: at the lookups or the module call")
+    for e in schedule.outputs:
+        if not e.split:
+            continue
+        region = next((r for r in schedule.regions if r.name == "lookup" and e.groups[0] in r.groups), None)
+        if e.op != "all_to_all_single" or len(e.groups) != 1 or not pooled:
+            problems.append(f"output {e.label} split per bucket: only one pooled group's all-to-all splits")
+        elif region is None or len(region.buckets) != len(e.split):
+            problems.append(f"output {e.label} split over {len(e.split)} process groups: its lookup region has "
+                            f"{len(region.buckets) if region else 0} buckets")
+        if len(set(e.split)) != len(e.split):
+            problems.append(f"output {e.label}: buckets share a process group {e.split}")
+        if e.wait != schedule.lookup_at:
+            problems.append(f"output {e.label} split per bucket is waited at {e.wait}: its buckets' all-to-alls are "
+                            f"waited with the lookups ({schedule.lookup_at})")
     for r in schedule.regions:
         if not r.buckets:
             continue

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Union
 
-from lightning_sparselift.ir.schedule import InputExchange
+from lightning_sparselift.ir.schedule import InputExchange, OutputExchange
 from lightning_sparselift.ir.vocab import BACKWARD_OF, DTYPE_BYTES, POINTS, ROW_SHARDED, Point, aligned
 
 if TYPE_CHECKING:
@@ -94,6 +94,24 @@ def step_nodes(graph: "SparseGraph") -> list[Node]:
 
 def _pg(world: int, exchange_pg: str) -> str:
     return f"{exchange_pg}[{world}]"
+
+
+def _per_bucket(m: "LiftedModule", e: OutputExchange, nbytes: list[int], forward: bool
+                ) -> list[tuple[str, str, list[int]]]:
+    """(id suffix, process group, bytes per member) of each all-to-all ``e`` runs: one, or (split
+    per bucket of a pooled group's lookups) one per bucket, its columns' share of the bytes: of
+    the member's own columns forward, of every rank's (the member's samples' gradients) backward."""
+    if not e.split:
+        return [("", e.process_group, nbytes)]
+    (i,) = e.groups
+    g = m.groups[i]
+    out = []
+    for k, (pg, per_rank) in enumerate(zip(e.split, g.bucket_columns(m.schedule.region("lookup", i).buckets))):
+        widths = [len(c) for c in per_rank]
+        share = [w / max(d, 1) for w, d in zip(widths, g.dim_sum_per_rank)] if forward else \
+            [sum(widths) / max(sum(g.dim_sum_per_rank), 1)] * len(widths)
+        out.append((f"/b{k}", pg, [round(n * f) for n, f in zip(nbytes, share)]))
+    return out
 
 
 def _forward(step: _Step, m: "LiftedModule") -> None:
@@ -187,12 +205,13 @@ def _forward(step: _Step, m: "LiftedModule") -> None:
         else:
             nbytes = [sum(B) * sum(groups[0].embedding_dims) * 4] * world
             role = "output_partial_sums"
-        node = step.collective(id=f"{m.path}/{e.label}/{role}", module=m.path, groups=list(e.groups),
-                               phase="forward", op=e.op, role=role, dtype="float32",
-                               process_group=_pg(world, e.process_group), bytes_per_member=nbytes,
-                               data_dependent=not m.pooled, issue=s.lookup_at, wait=e.wait, after=after)
+        nodes = [step.collective(id=f"{m.path}/{e.label}/{role}{suffix}", module=m.path, groups=list(e.groups),
+                                 phase="forward", op=e.op, role=role, dtype="float32",
+                                 process_group=_pg(world, pg), bytes_per_member=share, data_dependent=not m.pooled,
+                                 issue=s.lookup_at, wait=e.wait, after=after)
+                 for suffix, pg, share in _per_bucket(m, e, nbytes, forward=True)]
         for i in e.groups:
-            ready[i] = [node.id]
+            ready[i] = [n.id for n in nodes]
     outputs = sorted({d for g in m.groups for d in ready[g.index]})
     # pooled: a [batch, columns] KeyedTensor; sequence: a row per id of each feature
     rows = B[0] if m.pooled else max(sum(stats.values()) for stats in m.ids_per_step)
@@ -220,13 +239,13 @@ def _backward(step: _Step, m: "LiftedModule") -> None:
             op, role = "all_gather", "grad_all_gather"
             nbytes = [B[r] * sum(groups[0].embedding_dims) * 4 for r in range(world)]
         # autograd runs forward's points in reverse: issued where the forward waited, waited where it was issued
-        node = step.collective(id=f"{m.path}/{e.label}/{role}", module=m.path, groups=list(e.groups),
-                               phase="backward", op=op, role=role, dtype="float32",
-                               process_group=_pg(world, e.process_group), bytes_per_member=nbytes,
-                               data_dependent=not m.pooled, issue=BACKWARD_OF[e.wait], wait=BACKWARD_OF[s.lookup_at],
-                               after=[f"{m.path}/output"])
+        nodes = [step.collective(id=f"{m.path}/{e.label}/{role}{suffix}", module=m.path, groups=list(e.groups),
+                                 phase="backward", op=op, role=role, dtype="float32",
+                                 process_group=_pg(world, pg), bytes_per_member=share, data_dependent=not m.pooled,
+                                 issue=BACKWARD_OF[e.wait], wait=BACKWARD_OF[s.lookup_at], after=[f"{m.path}/output"])
+                 for suffix, pg, share in _per_bucket(m, e, nbytes, forward=False)]
         for i in e.groups:
-            start[i] = [node.id]
+            start[i] = [n.id for n in nodes]
     for g in reversed(m.groups):
         if g.not_lifted:
             _kept(step, m, g, "backward", start[g.index])

@@ -64,6 +64,10 @@ class CommunicationAggregation(OptimizationPass):
             reasons.append("already aggregated" if buckets and len(buckets[0].groups) > 1 else
                            f"{len(buckets)} output all-to-all bucket(s): nothing to merge (row-wise reduce-scatters "
                            f"and data-parallel groups have no all-to-all)")
+        split = [e.label for e in s.outputs if e.split] if role == "output" else []
+        if split:
+            reasons.append(f"output {', '.join(split)} runs one all-to-all per bucket of its lookups, pipelined "
+                           f"(subgraph parallelism): merging would undo it")
         if len({(e.process_group, e.stream) for e in buckets}) > 1:
             reasons.append(f"different process groups/streams {sorted({(e.process_group, e.stream or '') for e in buckets})}")
         points = {e.issue for e in buckets} if role == "input" else {e.wait for e in buckets}

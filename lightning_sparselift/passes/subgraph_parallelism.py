@@ -46,19 +46,25 @@ from lightning_sparselift.cost.priors import Priors
 from lightning_sparselift.ir import LiftedModule, SparseGraph
 from lightning_sparselift.ir.explain import human_bytes
 from lightning_sparselift.ir.graph import ShardingGroup, TableShard
-from lightning_sparselift.ir.schedule import GENERATED_KERNEL
+from lightning_sparselift.ir.schedule import GENERATED_KERNEL, bucket_process_group
 from lightning_sparselift.ir.vocab import ROW_SHARDED
 from lightning_sparselift.passes.base import Candidate, OptimizationPass
 
 BUCKET_COUNTS = (2, 4, 8)
+# the two ladders: buckets run concurrently (threads, streams) or pipelined with their all-to-alls
+CONCURRENT, PIPELINED = "buckets", "pipelined"
 
 
-def _role(count: int) -> str:
-    return f"buckets{count}"
+def _role(family: str, count: int) -> str:
+    return f"{family}{count}"
+
+
+def _family(role: str) -> str:
+    return PIPELINED if role.startswith(PIPELINED) else CONCURRENT
 
 
 def _count(role: str) -> int:
-    return int(role.removeprefix("buckets"))
+    return int(role.removeprefix(_family(role)))
 
 
 def _start(incumbent: int, feasible: list[int]) -> int:
@@ -139,18 +145,33 @@ def _runs_in_buckets(group: ShardingGroup, buckets: list[list[str]]) -> bool:
     return any(len(b) > 1 for b in per_rank.values())
 
 
+def _exchange_bytes(graph: SparseGraph, module: LiftedModule, group: ShardingGroup) -> list[float]:
+    """Per rank: the bytes its pipelined buckets hold besides the one all-to-all's (the buckets'
+    send and receive pieces: its output sent once, the module's output columns received once)."""
+    b = module.batch_size_per_rank
+    return [4.0 * (graph.world_size * b[r] * group.dim_sum_per_rank[r] + b[r] * sum(group.dim_sum_per_rank))
+            for r in range(graph.world_size)]
+
+
 class SubgraphParallelism(OptimizationPass):
     name = "subgraph_parallelism"
-    roles = tuple(_role(g) for g in BUCKET_COUNTS)
+    roles = tuple(_role(f, g) for f in (CONCURRENT, PIPELINED) for g in BUCKET_COUNTS)
     protocol = CalibrationProtocol(warmup_pairs=1, measured_pairs=2, region="lookup_wall", settle_steps=0,
                                    mirrored=True)
     uses_generated_kernels = True
     runs_after = ("codegen",)
 
+    def protocol_for(self, role: str) -> CalibrationProtocol:
+        # pipelining hides exchanges behind compute: only the whole step's wall time sees it (its
+        # waits are idle time), within the step
+        if _family(role) == PIPELINED:
+            return CalibrationProtocol(warmup_pairs=1, measured_pairs=2, region="step", settle_steps=0)
+        return self.protocol
+
     def candidates(self, graph: SparseGraph) -> list[Candidate]:
         out = super().candidates(graph)
-        for module in graph.modules:
-            rungs = {_count(c.role): c for c in out if c.module == module.path}
+        for module, family in [(m, f) for m in graph.modules for f in (CONCURRENT, PIPELINED)]:
+            rungs = {_count(c.role): c for c in out if c.module == module.path and _family(c.role) == family}
             start = _start(graph.incumbent_buckets.get(module.path, 1), [g for g, c in rungs.items() if c.feasible])
             for count, c in rungs.items():
                 if count > start:  # up: after the rung below improved
@@ -173,7 +194,39 @@ class SubgraphParallelism(OptimizationPass):
                 out[g.index] = buckets
         return out
 
+    def _pipelined(self, graph: SparseGraph, module: LiftedModule, count: int
+                   ) -> tuple[dict[int, list[list[str]]], list[str]]:
+        """Per group that can pipeline ``count`` buckets: its buckets; and why the others cannot."""
+        out, reasons = {}, []
+        exchanges = {g: e for e in module.schedule.outputs for g in e.groups}
+        for g in module.lifted_groups:
+            e = exchanges.get(g.index)
+            why = ""
+            if e is None or e.op != "all_to_all_single" or not module.pooled:
+                why = "no pooled output all-to-all of its own to split"
+            elif len(e.groups) > 1:
+                why = f"its output all-to-all carries {e.label} together (aggregation)"
+            elif e.wait != module.schedule.lookup_at:
+                why = "its output all-to-all is left in flight to the module's call (early start)"
+            elif GENERATED_KERNEL not in g.lookup_kernels:
+                why = "no generated lookup kernel (pipelined buckets run one bucket per call): " + g.lookup_notes.get(
+                    GENERATED_KERNEL, "none was built (the session builds them before planning)")
+            elif {t.rank for t in g.tables} != set(range(graph.world_size)):
+                why = "some rank holds none of its tables"
+            elif len(g.output_blocks) != graph.world_size:
+                why = "the graph records no output blocks per rank (lifted by an older version)"
+            else:
+                buckets = partition(module, g, count)
+                if len(buckets) > 1 and _runs_in_buckets(g, buckets):
+                    out[g.index] = buckets
+                    continue
+                why = "no rank holds tables of two buckets"
+            reasons.append(f"g{g.index} ({g.sharding_type}): {why}")
+        return out, reasons
+
     def check(self, graph: SparseGraph, module: LiftedModule, role: str) -> tuple[list[str], dict[str, float]]:
+        if _family(role) == PIPELINED:
+            return self._check_pipelined(graph, module, _count(role))
         count = _count(role)
         buckets = self._buckets(module, count)
         reasons = []
@@ -186,7 +239,7 @@ class SubgraphParallelism(OptimizationPass):
                 "no generated lookup kernel (buckets run one): " + g.lookup_notes.get(
                     GENERATED_KERNEL, "none was built (the session builds them before planning)"))
                 for g in module.lifted_groups]
-        elif all(module.schedule.region("lookup", i).buckets == b for i, b in buckets.items()):
+        elif all(module.schedule.region("lookup", i).buckets == b and not _split(module, i) for i, b in buckets.items()):
             reasons = ["already scheduled"]
         workspace = workspace_bytes(graph, module, list(buckets), count)
         budget = graph.workspace_budget_bytes
@@ -198,19 +251,59 @@ class SubgraphParallelism(OptimizationPass):
         return reasons, {"buckets": float(count), "groups": float(len(buckets)),
                          "touched_bytes": module.touched_bytes(list(buckets)), "workspace_bytes": max(workspace)}
 
+    def _check_pipelined(self, graph: SparseGraph, module: LiftedModule, count: int
+                         ) -> tuple[list[str], dict[str, float]]:
+        buckets, reasons = self._pipelined(graph, module, count)
+        if graph.world_size == 1:
+            reasons = ["one rank: no all-to-all to pipeline"]
+        elif graph.device == "cuda":
+            reasons = ["device tables: their buckets run on CUDA streams (the buckets rungs); a Triton lookup "
+                       "runs all its buckets per call, so they are not pipelined with their all-to-alls"]
+        elif buckets:
+            reasons = []
+            if all(module.schedule.region("lookup", i).buckets == b and _split(module, i) for i, b in buckets.items()):
+                reasons = ["already scheduled"]
+        workspace = [sum(w) for w in zip(*[_exchange_bytes(graph, module, module.groups[i]) for i in buckets])] \
+            if buckets else [0.0]
+        budget = graph.workspace_budget_bytes
+        if not reasons and budget is not None and max(workspace) > budget:
+            rank = max(range(len(workspace)), key=lambda r: workspace[r])
+            reasons = [f"the buckets' all-to-all pieces hold {human_bytes(workspace[rank])} more on rank {rank} than "
+                       f"the workspace budget of {human_bytes(budget)} (workspace_budget_mb)"]
+        exchanged = sum(max(_exchange_bytes(graph, module, module.groups[i])) / 2 for i in buckets)
+        return reasons, {"buckets": float(count), "groups": float(len(buckets)),
+                         "touched_bytes": module.touched_bytes(list(buckets)), "exchanged_bytes": exchanged,
+                         "workspace_bytes": max(workspace)}
+
     def predict_ms(self, candidate: Candidate, priors: Priors) -> float:
         # the lookups' compute C (forward reads, backward reads and writes the touched rows) over
         # G buckets, as if each had a core of its own (the measurement says whether it has): C/G
         # after C/(G/2) at the rung before
-        compute = 2 * priors.lookup.copy_ms(candidate.cost_inputs["touched_bytes"])
-        return -compute / candidate.cost_inputs["buckets"]
+        inputs = candidate.cost_inputs
+        compute = 2 * priors.lookup.copy_ms(inputs["touched_bytes"])
+        count = inputs["buckets"]
+        if _family(candidate.role) == CONCURRENT:
+            return -compute / count
+        # pipelined: all but one bucket's exchange (forward and backward) hidden behind the
+        # compute of the others, for G - 1 more all-to-alls each way
+        a2a = priors.all_to_all
+        exchange = 2 * a2a.predict_ms(inputs["exchanged_bytes"])
+        return -(count - 1) / count * min(compute, exchange) + 2 * (count - 1) * inputs["groups"] * a2a.alpha_ms
 
     def rewrite(self, graph: SparseGraph, module: LiftedModule, candidate: Candidate) -> str:
-        count = _count(candidate.role)
-        buckets = self._buckets(module, count)
+        count, family = _count(candidate.role), _family(candidate.role)
+        buckets = self._buckets(module, count) if family == CONCURRENT else self._pipelined(graph, module, count)[0]
         for index, groups in buckets.items():
             region = module.schedule.region("lookup", index)
             region.kernel = GENERATED_KERNEL
             region.buckets = groups
-        return (f"{module.path}: lookups of " + ", ".join(f"g{i} in {len(b)} concurrent buckets"
-                                                          for i, b in buckets.items()))
+            for e in module.schedule.outputs:
+                if e.groups == [index]:
+                    e.split = [bucket_process_group(b) for b in range(len(groups))] if family == PIPELINED else []
+        how = "concurrent buckets" if family == CONCURRENT else "pipelined buckets, each all-to-all on its own process group"
+        return f"{module.path}: lookups of " + ", ".join(f"g{i} in {len(b)} {how}" for i, b in buckets.items())
+
+
+def _split(module: LiftedModule, group: int) -> bool:
+    """Whether ``group``'s output all-to-all is split per bucket."""
+    return any(e.split for e in module.schedule.outputs if group in e.groups)

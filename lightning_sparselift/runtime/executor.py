@@ -29,6 +29,7 @@ from lightning_sparselift.runtime.input_layout import InputKernel
 from lightning_sparselift.runtime.kernels import kernel
 from lightning_sparselift.runtime.mean_pooling import MeanAfterReduce
 from lightning_sparselift.runtime.output_dist import KeptPending, OutputDistribution, Pending
+from lightning_sparselift.runtime.pipeline import Pipeline
 from lightning_sparselift.runtime.torchrec_group import TorchRecGroup
 from lightning_sparselift.validation import InputCheck
 
@@ -96,7 +97,9 @@ class ModuleExecutor:
     def use(self, schedule: ModuleSchedule) -> None:
         """Run ``schedule`` from the next step on: its exchanges and kernels are built here."""
         problems = check_schedule(schedule, self.spec.kinds, self.world, self.spec.pooled)
-        unknown = sorted({e.process_group for e in [*schedule.inputs, *schedule.outputs]} - set(self.process_groups))
+        named = {e.process_group for e in [*schedule.inputs, *schedule.outputs]} | {n for e in schedule.outputs
+                                                                                   for n in e.split}
+        unknown = sorted(named - set(self.process_groups))
         if unknown:
             problems.append(f"process group(s) {unknown} not created by the runtime (it has {sorted(self.process_groups)})")
         streams = sorted({e.stream for e in [*schedule.inputs, *schedule.outputs] if e.stream is not None})
@@ -104,6 +107,8 @@ class ModuleExecutor:
             problems.append(f"streams {streams}: the runtime issues every exchange on the current stream")
         try:
             lookups = [self.lookup_kernel(i, schedule.region("lookup", i)) for i in range(len(self.groups))]
+            pipelines = {e.groups[0]: self.pipeline(e.groups[0], schedule.region("lookup", e.groups[0]), e.split)
+                         for e in schedule.outputs if e.split and not unknown}
             output = self.output_kernel(schedule)
             inputs = InputDistribution(self.spec, schedule, self.groups, self.kept, self.process_groups, self.world,
                                        self.device, self.buffers, self.clock, self.input_kernel)
@@ -116,7 +121,7 @@ class ModuleExecutor:
         self.schedule = schedule
         self.inputs, self.lookups, self.output = inputs, lookups, output
         self.outputs = OutputDistribution(schedule, self.groups, self.kept, self.process_groups, self.rank, self.clock,
-                                          self.buffers)
+                                          self.buffers, pipelines)
         self.starts_early = schedule.lookup_at == "root_forward"
         self.distributes_ahead = schedule.input_issue == "previous_step"
 
@@ -163,6 +168,15 @@ class ModuleExecutor:
                 self.bucket_builds.append({"module": self.spec.path, "group": group, "buckets": len(region.buckets),
                                            "note": "", "seconds": built.build_s, "cached": built.cached})
         return self.generated[key]
+
+    def pipeline(self, group: int, region: Region, process_groups: list[str]) -> Pipeline:
+        """Group ``group``'s lookup (its generated kernel for ``region``'s buckets) and output
+        all-to-all pipelined bucket by bucket on ``process_groups``; :class:`Unsupported` when not."""
+        lookup = self.lookup_kernel(group, region)
+        if not isinstance(lookup, GeneratedLookup):
+            raise Unsupported(f"g{group}: pipelined buckets run a generated lookup, not {region.kernel}")
+        return Pipeline(lookup, self.spec.groups[group], region.buckets, [self.process_groups[n] for n in process_groups],
+                        self.rank, self.device)
 
     def _check(self, features: Any) -> None:
         if features.variable_stride_per_key():
@@ -266,7 +280,9 @@ class ModuleExecutor:
             if complete is None:
                 return None
             inputs = complete()
-            locals_ = [self._look_up(lookup, g, d.kjt) for lookup, g, d in zip(self.lookups, self.groups, inputs)]
+            # (a pipelined group's lookups run with its exchanges)
+            locals_ = [None if i in self.outputs.pipelined else self._look_up(lookup, g, d.kjt)
+                       for i, (lookup, g, d) in enumerate(zip(self.lookups, self.groups, inputs))]
             return (*self.outputs.issue(locals_, inputs, features.stride(), early), inputs)
 
     def _look_up(self, lookup: Callable[[nn.Module, Any], Tensor], group: GroupRuntime, kjt: Any) -> Tensor:

@@ -38,12 +38,20 @@ class InstalledExecutor:
     executors: dict[str, ModuleExecutor]
     clock: RegionClock
     _restore: list[Callable[[], None]]
+    # by name, the process groups the executors' schedules may name ("world": the training's)
+    process_groups: dict[str, Any]
 
     def use(self, graph: SparseGraph) -> None:
-        """Run ``graph`` (the installed graph after passes: same modules, other schedules)."""
+        """Run ``graph`` (the installed graph after passes: same modules, other schedules). Every
+        rank calls it with the same graph at the same step: the process groups its schedules name
+        that do not exist yet (pipelined buckets') are created here, over the training's ranks."""
         if sorted(m.path for m in graph.modules) != sorted(self.executors):
             raise ValueError(f"graph modules {[m.path for m in graph.modules]} are not the installed "
                              f"{sorted(self.executors)}")
+        named = {n for m in graph.modules for e in m.schedule.outputs for n in e.split}
+        for name in sorted(named - set(self.process_groups)):  # (new_group is collective: one order everywhere)
+            self.process_groups[name] = dist.new_group(dist.get_process_group_ranks(self.process_groups["world"]))
+            self._restore.append(lambda pg=self.process_groups[name]: dist.destroy_process_group(pg))
         for spec in graph.modules:
             self.executors[spec.path].use(spec.schedule)
         self.graph = graph
@@ -140,4 +148,4 @@ def install(graph: SparseGraph, model: nn.Module, group: Any, device: torch.devi
                     executor.start(features)
 
     restore.append(model.register_forward_pre_hook(start_early, with_kwargs=True).remove)
-    return InstalledExecutor(graph, executors, clock, restore)
+    return InstalledExecutor(graph, executors, clock, restore, process_groups)

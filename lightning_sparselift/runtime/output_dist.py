@@ -2,7 +2,9 @@
 the samples' ranks in one all-to-all (pooled blocks, or an EmbeddingCollection's rows), left in
 flight when the lookups started early and the bucket is waited for at the module's call; row-wise
 partial sums are reduce-scattered; an EmbeddingCollection's row-wise rows are put back in the
-order of the ids before bucketization. The autograd Functions carry the gradients' collectives."""
+order of the ids before bucketization; a group's pipelined buckets (``runtime.pipeline``) run their
+lookups here, each bucket's all-to-all on its own process group. The autograd Functions carry the
+gradients' collectives."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from lightning_sparselift.runtime.collectives import (
 )
 from lightning_sparselift.runtime.input_dist import Distributed, GroupRuntime
 from lightning_sparselift.runtime.layout import ExchangeBuffers, PooledLayout, SequenceLayout
+from lightning_sparselift.runtime.pipeline import Pipeline
 from lightning_sparselift.runtime.torchrec_group import TorchRecGroup
 
 
@@ -31,6 +34,7 @@ class _OutputBucket:
     in_flight: bool  # issued with an early start, waited for at the module's call
     process_group: Any
     buffers: ExchangeBuffers
+    pipeline: Optional[Pipeline] = None  # its group's lookup and all-to-all, pipelined bucket by bucket
 
 
 @dataclass
@@ -54,20 +58,25 @@ class KeptPending:
 
 class OutputDistribution:
     def __init__(self, schedule: ModuleSchedule, groups: list[GroupRuntime], kept: dict[int, TorchRecGroup],
-                 process_groups: dict[str, Any], rank: int, clock: RegionClock, buffers: Buffers) -> None:
+                 process_groups: dict[str, Any], rank: int, clock: RegionClock, buffers: Buffers,
+                 pipelines: dict[int, Pipeline]) -> None:
+        """``pipelines``: by group, the pipelines of the groups whose exchange the schedule splits."""
         self.groups, self.kept, self.rank, self.clock = groups, kept, rank, clock
         # the consumer layout reads what the all-to-alls received as it arrived (and gives their
         # gradients back laid out as the send buffers)
         self.raw = schedule.region("output").kernel == CONSUMER_KERNEL
         self.buckets = [_OutputBucket(e.groups, e.op == "all_to_all_single", e.wait != schedule.lookup_at,
-                                      process_groups[e.process_group], ExchangeBuffers.of(buffers, e.groups))
+                                      process_groups[e.process_group], ExchangeBuffers.of(buffers, e.groups),
+                                      pipelines.get(e.groups[0]) if e.split else None)
                         for e in schedule.outputs]
+        self.pipelined = set(pipelines)
 
-    def issue(self, locals_: list[Tensor], inputs: list[Distributed], batch_size: int, early: bool
+    def issue(self, locals_: list[Optional[Tensor]], inputs: list[Distributed], batch_size: int, early: bool
               ) -> tuple[list[Tensor], list[Pending | KeptPending]]:
         """Every group's output (data-parallel and one-rank groups as they are), and the
         all-to-alls left in flight when the lookups ran ``early`` (with those of the groups that
-        keep TorchRec's path: their awaitables are waited for where the module's call waits)."""
+        keep TorchRec's path: their awaitables are waited for where the module's call waits).
+        The lookups of pipelined groups (``locals_`` None) run here, with their exchanges."""
         exchanged = {i for b in self.buckets for i in b.groups}
         out = [t if i in exchanged else _unbucketize(t, d.unbucketize) for i, (t, d) in enumerate(zip(locals_, inputs))]
         pending: list[Pending | KeptPending] = []
@@ -83,6 +92,14 @@ class OutputDistribution:
                 out[i] = PooledReduceScatter.apply(locals_[i], b.process_group, self.clock)
                 continue
             layout = self._layout(b, inputs, batch_size)
+            if b.pipeline is not None:
+                (i,) = b.groups
+                with self.clock.lookup():
+                    received = b.pipeline(inputs[i].kjt, layout)
+                if received[0].requires_grad:
+                    self.clock.lookup_backward(received[0])
+                self._place(out, b.groups, received, [inputs[i].unbucketize])
+                continue
             tensors = [locals_[i] for i in b.groups]
             unbucketize = [inputs[i].unbucketize for i in b.groups]
             if early and b.in_flight:

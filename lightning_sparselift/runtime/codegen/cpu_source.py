@@ -22,7 +22,8 @@ kernel on this project's AVX-512 machine; with the vectors ``benchmarks/generate
 measures 0.89-0.90x, the kernel call alone 0.70-0.76x).
 Rows are prefetched 16 ahead, as fbgemm's kernels do (table rows are random reads).
 Each bucket of tables (:attr:`KernelSpec.buckets`) is its own forward and backward; a kernel of
-several buckets runs them on the OpenMP threads torch uses (built with ``openmp``). Functions are
+several buckets runs them on the OpenMP threads torch uses (built with ``openmp``), or one bucket
+per call (pipelined buckets: ``runtime/pipeline``). Functions are
 ``extern "C"`` over raw pointers (called through ctypes): the source includes no torch header, so
 a cold build takes about a second.
 """
@@ -310,10 +311,12 @@ $backward_body
   return -1;
 }
 
-// every bucket; several run on the threads of the OpenMP team the process's torch already uses
-// (the kernel links the same libgomp), so they add no threads of their own
+// bucket ``only`` (0 <= only < BUCKETS), or (-1) every bucket; several run on the threads of the
+// OpenMP team the process's torch already uses (the kernel links the same libgomp), so they add
+// no threads of their own
 template <typename Run>
-int64_t each_bucket(Run run) {
+int64_t each_bucket(int64_t only, Run run) {
+  if (only >= 0) return only < BUCKETS ? run(only) : -3;
   int64_t bad[BUCKETS];
 #pragma omp parallel for schedule(dynamic, 1) if (BUCKETS > 1)
   for (int64_t b = 0; b < BUCKETS; ++b) bad[b] = run(b);
@@ -323,17 +326,18 @@ int64_t each_bucket(Run run) {
 }
 
 template <typename I, typename O>
-int64_t forward(int64_t B, const I* ids, const O* offsets, const float* psw, const float* weights, float* out) {
-  return each_bucket([&](int64_t b) { return forward_bucket<I, O>(b, B, ids, offsets, psw, weights, out); });
+int64_t forward(int64_t only, int64_t B, const I* ids, const O* offsets, const float* psw, const float* weights,
+                float* out) {
+  return each_bucket(only, [&](int64_t b) { return forward_bucket<I, O>(b, B, ids, offsets, psw, weights, out); });
 }
 
 template <typename I, typename O>
-int64_t backward(int64_t B, const I* ids, const O* offsets, const float* psw, const float* grad, float* weights,
-                 float* state, float* state2, float lr, int64_t iter) {
+int64_t backward(int64_t only, int64_t B, const I* ids, const O* offsets, const float* psw, const float* grad,
+                 float* weights, float* state, float* state2, float lr, int64_t iter) {
   // (powf in float, 1 - it in double, as fbgemm's template)
   const double correction1 = 1.0 - static_cast<double>(powf(BETA1, static_cast<float>(iter)));
   const double correction2 = 1.0 - static_cast<double>(powf(BETA2, static_cast<float>(iter)));
-  return each_bucket([&](int64_t b) {
+  return each_bucket(only, [&](int64_t b) {
     return backward_bucket<I, O>(b, B, ids, offsets, psw, grad, weights, state, state2, lr, correction1, correction2);
   });
 }
@@ -346,17 +350,19 @@ int64_t backward(int64_t B, const I* ids, const O* offsets, const float* psw, co
   if (id_bits == 32 && off_bits == 32) return call(int32_t, int32_t);                       \
   return -2;
 
-// return -1: done; -2: unsupported id/offset width; else the position of an out-of-range id
-extern "C" int64_t sl_forward(int64_t B, int id_bits, int off_bits, const void* ids, const void* offsets,
-                              const float* psw, const float* weights, float* out) {
-#define SL_FORWARD(I, O) forward<I, O>(B, static_cast<const I*>(ids), static_cast<const O*>(offsets), psw, weights, out)
+// ``bucket``: one bucket's tables, or -1 every bucket's
+// return -1: done; -2: unsupported id/offset width; -3: no such bucket; else the position of an
+// out-of-range id
+extern "C" int64_t sl_forward(int64_t bucket, int64_t B, int id_bits, int off_bits, const void* ids,
+                              const void* offsets, const float* psw, const float* weights, float* out) {
+#define SL_FORWARD(I, O) forward<I, O>(bucket, B, static_cast<const I*>(ids), static_cast<const O*>(offsets), psw, weights, out)
   SL_DISPATCH(SL_FORWARD)
 }
 
-extern "C" int64_t sl_backward(int64_t B, int id_bits, int off_bits, const void* ids, const void* offsets,
-                               const float* psw, const float* grad, float* weights, float* state, float* state2,
-                               float lr, int64_t iter) {
-#define SL_BACKWARD(I, O) backward<I, O>(B, static_cast<const I*>(ids), static_cast<const O*>(offsets), psw, grad, weights, state, state2, lr, iter)
+extern "C" int64_t sl_backward(int64_t bucket, int64_t B, int id_bits, int off_bits, const void* ids,
+                               const void* offsets, const float* psw, const float* grad, float* weights, float* state,
+                               float* state2, float lr, int64_t iter) {
+#define SL_BACKWARD(I, O) backward<I, O>(bucket, B, static_cast<const I*>(ids), static_cast<const O*>(offsets), psw, grad, weights, state, state2, lr, iter)
   SL_DISPATCH(SL_BACKWARD)
 }
 """

@@ -21,9 +21,10 @@ from lightning_sparselift.runtime.codegen.triton_source import triton_source
 
 _BITS = {torch.int32: 32, torch.int64: 64}
 # the generated source's functions (cpu_source): their ctypes result and argument types
-_ENTRY_POINTS = {"sl_forward": (ctypes.c_int64, [ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 5),
-                 "sl_backward": (ctypes.c_int64, [ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 7
+_ENTRY_POINTS = {"sl_forward": (ctypes.c_int64, [ctypes.c_int64] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 5),
+                 "sl_backward": (ctypes.c_int64, [ctypes.c_int64] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 7
                                  + [ctypes.c_float, ctypes.c_int64])}
+ALL_BUCKETS = -1  # the entry points' bucket argument: every bucket (concurrently when several)
 
 
 # what each ``numerics`` setting of the strategy lets generated kernels do
@@ -65,9 +66,12 @@ def _bits(t: Tensor, what: str) -> int:
         raise TypeError(f"generated lookup: {what} of dtype {t.dtype}; int32 or int64 expected") from None
 
 
-def _raise_bad_id(module: "TableBatchKernel", ids: Tensor, position: int) -> None:
+def raise_bad_id(module: "TableBatchKernel", ids: Tensor, position: int) -> None:
+    """What a kernel's return ``position`` (not -1) means, raised."""
     if position == -2:
         raise TypeError("generated lookup: unsupported id/offset widths")
+    if position == -3:
+        raise IndexError(f"generated lookup: no such bucket (the kernel has {len(module.spec.buckets)})")
     raise IndexError(f"generated lookup: id {int(ids[position])} at position {position} is outside its table "
                      f"(tables {[t.rows for t in module.spec.tables]} rows)")
 
@@ -80,7 +84,7 @@ class _Lookup(torch.autograd.Function):
                                   torch.float32, ids.device)
         bad = kernel.forward(batch, ids, offsets, weights, out)
         if bad != -1:
-            _raise_bad_id(kernel, ids, bad)
+            raise_bad_id(kernel, ids, bad)
         ctx.kernel, ctx.batch = kernel, batch
         ctx.save_for_backward(ids, offsets, weights)
         return out
@@ -91,7 +95,7 @@ class _Lookup(torch.autograd.Function):
         ids, offsets, weights = ctx.saved_tensors
         bad = kernel.backward(ctx.batch, ids, offsets, weights, grad.contiguous())
         if bad != -1:
-            _raise_bad_id(kernel, ids, bad)
+            raise_bad_id(kernel, ids, bad)
         return None, None, None, None, None, None
 
 
@@ -105,27 +109,38 @@ class TableBatchKernel:
     built: BuiltKernel
     output: Buffer = field(default_factory=lambda: Buffer(reuse=False))  # where its forward writes
 
-    def forward(self, batch: int, ids: Tensor, offsets: Tensor, weights: Optional[Tensor], out: Tensor) -> int:
-        """Pool ``batch`` bags per feature into ``out``; -1, or the position of an out-of-range id."""
+    def forward(self, batch: int, ids: Tensor, offsets: Tensor, weights: Optional[Tensor], out: Tensor,
+                bucket: int = ALL_BUCKETS) -> int:
+        """Pool ``batch`` bags per feature (of ``bucket``'s tables, else all) into ``out``; -1, or
+        the position of an out-of-range id."""
         tbe, library = self.tbe, self.built.library
         if self.spec.device == "cuda":
+            self._every_bucket_on_cuda(bucket)
             return library.forward(batch, ids, offsets, weights, tbe.weights_dev, out)
-        return library.sl_forward(batch, _bits(ids, "ids"), _bits(offsets, "offsets"), ids.data_ptr(),
+        return library.sl_forward(bucket, batch, _bits(ids, "ids"), _bits(offsets, "offsets"), ids.data_ptr(),
                                   offsets.data_ptr(), _ptr(weights), tbe.weights_host.data_ptr(), out.data_ptr())
 
-    def backward(self, batch: int, ids: Tensor, offsets: Tensor, weights: Optional[Tensor], grad: Tensor) -> int:
-        """Each touched row's summed gradient and the fused update of it and its optimizer state."""
+    def backward(self, batch: int, ids: Tensor, offsets: Tensor, weights: Optional[Tensor], grad: Tensor,
+                 bucket: int = ALL_BUCKETS) -> int:
+        """Each touched row's summed gradient and the fused update of it and its optimizer state
+        (of ``bucket``'s tables, else all)."""
         tbe, library, optimizer = self.tbe, self.built.library, self.spec.optimizer
         lr = float(tbe.learning_rate_tensor)
         if self.spec.device == "cuda":
+            self._every_bucket_on_cuda(bucket)
             return library.backward(batch, ids, offsets, weights, grad, tbe.weights_dev,
                                     tbe.momentum1_dev if optimizer != "sgd" else None,
                                     tbe.momentum2_dev if optimizer == "adam" else None, lr, int(tbe.iter_cpu.item()))
         state = tbe.momentum1_host.data_ptr() if optimizer != "sgd" else None
         state2 = tbe.momentum2_host.data_ptr() if optimizer == "adam" else None
-        return library.sl_backward(batch, _bits(ids, "ids"), _bits(offsets, "offsets"), ids.data_ptr(),
+        return library.sl_backward(bucket, batch, _bits(ids, "ids"), _bits(offsets, "offsets"), ids.data_ptr(),
                                    offsets.data_ptr(), _ptr(weights), grad.data_ptr(), tbe.weights_host.data_ptr(),
                                    state, state2, ctypes.c_float(lr), int(tbe.iter_cpu.item()))
+
+    @staticmethod
+    def _every_bucket_on_cuda(bucket: int) -> None:
+        if bucket != ALL_BUCKETS:  # (the subgraph pass pipelines buckets on host tables only)
+            raise Unsupported("a Triton lookup runs all its buckets per call (on CUDA streams), not one")
 
     def __call__(self, kjt: Any) -> Tensor:
         return self.lookup(kjt.values(), kjt.offsets(), kjt.weights_or_none() if self.spec.weighted else None,
@@ -134,16 +149,19 @@ class TableBatchKernel:
     def lookup(self, ids: Tensor, offsets: Tensor, weights: Optional[Tensor], batch: int) -> Tensor:
         """The lookup of ``batch`` bags per feature (fbgemm's layout: ``offsets`` feature-major),
         differentiable: its backward applies the fused update."""
+        self.check_inputs(weights)
+        tbe = self.tbe
+        if tbe.training and torch.is_grad_enabled():
+            self.count_step()
+        return _Lookup.apply(tbe.placeholder_autograd_tensor, self, ids, offsets, weights, batch)
+
+    def check_inputs(self, weights: Optional[Tensor]) -> None:
         if self.spec.weighted and weights is None:
             raise ValueError("generated lookup: the weighted module's features carry no per-sample weights")
         if weights is not None and weights.dtype != torch.float32:
             raise TypeError(f"generated lookup: per-sample weights of dtype {weights.dtype}; float32 expected")
-        tbe = self.tbe
-        if tbe.training and torch.is_grad_enabled():
-            self._count_step()
-        return _Lookup.apply(tbe.placeholder_autograd_tensor, self, ids, offsets, weights, batch)
 
-    def _count_step(self) -> None:
+    def count_step(self) -> None:
         """The counters fbgemm's forward keeps (its iteration counter is checkpointed)."""
         tbe = self.tbe
         tbe.step += 1
@@ -190,11 +208,19 @@ class GeneratedLookup:
         modules = list(lookup._emb_modules)
         self.lookup = lookup
         self.kernels = []
+        # per kernel: the index of each of ``buckets`` holding some of its tables, in the kernel
+        self.kernel_buckets: list[dict[int, int]] = []
+        # the output's column blocks in order: (table, width) per feature of each kernel
+        self.blocks: list[tuple[str, int]] = []
         for module in modules:
             tbe = module._emb_module
             spec = spec_of(tbe, weighted, check_ids)
+            names = table_names(module)
             if buckets:
-                spec = bucketed(spec, table_names(module), buckets)
+                spec = bucketed(spec, names, buckets)
+                held = [k for k, bucket in enumerate(buckets) if set(bucket) & set(names)]
+                self.kernel_buckets.append({k: i for i, k in enumerate(held)})
+            self.blocks += [(names[t], dim) for t, dim, _ in spec.features]
             # (one site per table-batched module: its output has one shape whatever the buckets)
             output = buffers.at(("lookup", id(tbe))) if buffers is not None else Buffer(reuse=False)
             self.kernels.append(TableBatchKernel(tbe, spec, build_kernel(spec, numerics), output))

@@ -1,0 +1,157 @@
+"""Pipelined buckets: a pooled group's lookups run bucket after bucket, and each bucket's output
+all-to-all goes out on a process group of its own as soon as its lookups are done, so it is in
+flight while the next bucket computes (collectives on one process group run one after the other;
+on separate ones they run side by side). Backward issues every bucket's gradient all-to-all, then
+runs each bucket's fused update as soon as its gradient has arrived, while the later buckets'
+are still in flight.
+
+What the buckets' all-to-alls receive is put together into the buffer the group's one all-to-all
+would have received (per source rank, its columns in its order), and the gradient each rank
+sends is taken apart from the buffer the one all-to-all would have sent: copies only, so the
+module's output (and the consumer layout reading it), the tables and the optimizer state are
+bit-identical to one all-to-all's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_sparselift.ir.graph import ShardingGroup
+from lightning_sparselift.runtime.codegen import GeneratedLookup, Unsupported
+from lightning_sparselift.runtime.codegen.lookup import raise_bad_id
+from lightning_sparselift.runtime.layout import PooledLayout
+
+
+@dataclass
+class _KernelPart:
+    """One table-batched kernel's share of a bucket: its own bucket index and the columns of its
+    output that hold the bucket's tables."""
+
+    kernel: int
+    bucket: int
+    columns: Tensor
+
+
+class Pipeline:
+    """Group ``group``'s lookup (``lookup``: its generated kernels, built for ``buckets``) and
+    output all-to-all, pipelined bucket by bucket on ``process_groups`` (one per bucket).
+    :class:`Unsupported` when this rank cannot run it."""
+
+    def __init__(self, lookup: GeneratedLookup, group: ShardingGroup, buckets: list[list[str]],
+                 process_groups: list[Any], rank: int, device: torch.device) -> None:
+        if not lookup.kernels:
+            raise Unsupported(f"g{group.index}: rank {rank} holds none of the group's tables (TorchRec's lookup makes "
+                              f"its empty output, which has no fused update to pipeline)")
+        if not group.output_blocks or [(b.table, b.width) for b in group.output_blocks[rank]] != lookup.blocks:
+            raise Unsupported(f"g{group.index}: the lookup's output columns {lookup.blocks} are not the ones the graph "
+                              f"recorded for rank {rank} ({group.output_blocks[rank] if group.output_blocks else []})")
+        self.lookup, self.process_groups, self.rank = lookup, process_groups, rank
+        columns = group.bucket_columns(buckets)
+        self.columns = [[torch.tensor(c, dtype=torch.long, device=device) for c in per_rank] for per_rank in columns]
+        self.widths = [[len(c) for c in per_rank] for per_rank in columns]
+        # each kernel's columns: where its output starts in the group's
+        starts, at = [], 0
+        for k in lookup.kernels:
+            starts.append(at)
+            at += k.spec.total_dim
+        self.parts: list[list[_KernelPart]] = []
+        for b, per_rank in enumerate(columns):
+            mine = per_rank[rank]
+            parts = []
+            for j, (k, start) in enumerate(zip(lookup.kernels, starts)):
+                own = [c - start for c in mine if start <= c < start + k.spec.total_dim]
+                if own:
+                    parts.append(_KernelPart(j, lookup.kernel_buckets[j][b], torch.tensor(own, dtype=torch.long,
+                                                                                         device=device)))
+            self.parts.append(parts)
+
+    def __call__(self, kjt: Any, layout: PooledLayout) -> tuple[Tensor, ...]:
+        """The group's output after its exchange, as ``layout``'s one all-to-all unpacks it."""
+        kernels = self.lookup.kernels
+        features = [kjt] if len(kernels) == 1 else kjt.split(self.lookup.splits)
+        inputs = []
+        for k, f in zip(kernels, features):
+            weights = f.weights_or_none() if k.spec.weighted else None
+            k.check_inputs(weights)
+            inputs.append((f.values(), f.offsets(), weights))
+        if torch.is_grad_enabled() and any(k.tbe.training for k in kernels):
+            for k in kernels:
+                k.count_step()
+        return _Pipelined.apply(self, layout, kjt.stride(), inputs, *[k.tbe.placeholder_autograd_tensor
+                                                                       for k in kernels])
+
+
+def _check(kernel: Any, ids: Tensor, bad: int) -> None:
+    if bad != -1:
+        raise_bad_id(kernel, ids, bad)
+
+
+class _Pipelined(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, pipeline: Pipeline, layout: PooledLayout, batch: int, inputs: list,
+                *_placeholders: Tensor) -> tuple[Tensor, ...]:
+        kernels, b, world, rank = pipeline.lookup.kernels, layout.batch_size, layout.world, pipeline.rank
+        outs = [k.output.empty((batch, k.spec.total_dim), torch.float32, inputs[0][0].device) for k in kernels]
+        received, works, sent = [], [], []
+        for bucket, parts in enumerate(pipeline.parts):
+            for p in parts:
+                ids, offsets, weights = inputs[p.kernel]
+                _check(kernels[p.kernel], ids, kernels[p.kernel].forward(batch, ids, offsets, weights, outs[p.kernel],
+                                                                       p.bucket))
+            widths = pipeline.widths[bucket]
+            pieces = [outs[p.kernel].index_select(1, p.columns) for p in parts]
+            send = (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)) if pieces else outs[0].new_empty(0)
+            into = outs[0].new_empty(b * sum(widths))
+            works.append(dist.all_to_all_single(into, send.reshape(-1), [b * w for w in widths],
+                                                [b * widths[rank]] * world, group=pipeline.process_groups[bucket],
+                                                async_op=True))
+            received.append(into)
+            sent.append(send)  # (held until its all-to-all is done)
+        for work in works:
+            work.wait()
+        dims = layout.dims[0]
+        full = layout.buffers.received.empty((b * sum(dims),), torch.float32, outs[0].device)
+        blocks = [block.view(b, d) for block, d in zip(full.split([b * d for d in dims]), dims)]
+        for bucket, into in enumerate(received):
+            widths = pipeline.widths[bucket]
+            for source, piece in enumerate(into.split([b * w for w in widths])):
+                if widths[source]:
+                    blocks[source].index_copy_(1, pipeline.columns[bucket][source], piece.view(b, widths[source]))
+        ctx.pipeline, ctx.layout, ctx.batch, ctx.inputs = pipeline, layout, batch, inputs
+        return layout.unpack_outputs(full)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Optional[Tensor], ...]:
+        pipeline, layout, batch = ctx.pipeline, ctx.layout, ctx.batch
+        kernels, b, world, rank = pipeline.lookup.kernels, layout.batch_size, layout.world, pipeline.rank
+        send, _, send_sizes = layout.send_grads(grads)  # per owning rank: its [b, D] block, as one all-to-all sends
+        dims = layout.dims[0]
+        blocks = [block.view(b, d) for block, d in zip(send.split(send_sizes), dims)]
+        works, received, sent = [], [], []
+        for bucket in range(len(pipeline.parts)):
+            widths = pipeline.widths[bucket]
+            pieces = [blocks[s].index_select(1, pipeline.columns[bucket][s]).view(-1) for s in range(world)]
+            out = torch.cat(pieces)
+            into = out.new_empty(world * b * widths[rank])
+            works.append(dist.all_to_all_single(into, out, [b * widths[rank]] * world, [b * w for w in widths],
+                                                group=pipeline.process_groups[bucket], async_op=True))
+            received.append(into)
+            sent.append(out)
+        grads_in = [torch.empty((batch, k.spec.total_dim), dtype=send.dtype, device=send.device) for k in kernels]
+        for bucket, (work, parts) in enumerate(zip(works, pipeline.parts)):
+            work.wait()  # the later buckets' gradients are still on their way
+            piece = received[bucket].view(world * b, pipeline.widths[bucket][rank]).div_(world)
+            at = 0
+            for p in parts:
+                n = p.columns.numel()
+                grads_in[p.kernel].index_copy_(1, p.columns, piece[:, at:at + n])
+                at += n
+                ids, offsets, weights = ctx.inputs[p.kernel]
+                _check(kernels[p.kernel], ids, kernels[p.kernel].backward(batch, ids, offsets, weights,
+                                                                        grads_in[p.kernel], p.bucket))
+        return (None, None, None, None, *[None] * len(kernels))
