@@ -96,23 +96,26 @@ def _assert_identical(results: list[dict], case: str, variant: str, world: int, 
                 assert (m.schedule.region("output").kernel == "consumer") == consumer, m.consumer_note
                 assert result[executor]["concatenated_steps"][m.path] == (lp.LIFTED_STEPS - int(short) if consumer
                                                                           else 0), m.consumer
-                # subgraph parallelism: in buckets wherever a rank holds two of the group's tables (pipelined:
-                # a pooled all-to-all group on several ranks, each holding some of its tables)
-                bucketed = any(p.startswith("subgraph_parallelism") for p in passes)
-                pipelined = any(":pipelined" in p for p in passes)
+                # subgraph parallelism: in buckets wherever a rank holds two of the group's tables;
+                # pipelined (the pass's last rungs, so they win where feasible) where the group is pooled,
+                # has an output all-to-all of its own and tables on every one of several ranks
+                pipelined = any(p in ("subgraph_parallelism", "subgraph_parallelism:pipelined2",
+                                      "subgraph_parallelism:pipelined4") for p in passes)
+                concurrent = any(p in ("subgraph_parallelism", "subgraph_parallelism:buckets2",
+                                       "subgraph_parallelism:buckets4") for p in passes)
                 for g in m.groups:
                     region = m.schedule.region("lookup", g.index)
                     fused = g.kind not in ("data_parallel", None)  # (None: TorchRec's modules run it)
                     assert (region.kernel == "generated") == (fused and not cuda and (
                         "codegen" in passes or bool(region.buckets))), f"{executor} g{g.index}: {g.lookup_notes}"
                     tables_per_rank = Counter(t.rank for t in g.tables)
-                    splits = pipelined and world > 1 and m.pooled and output_collective(g.kind, True) == \
-                        "all_to_all_single" and len(tables_per_rank) == world
-                    assert bool(region.buckets) == (bucketed and fused and not cuda and (splits or not pipelined)
+                    own = any(e.groups == [g.index] and e.op == "all_to_all_single" for e in m.schedule.outputs)
+                    splits = pipelined and world > 1 and m.pooled and own and len(tables_per_rank) == world
+                    assert bool(region.buckets) == ((splits or concurrent) and fused and not cuda
                                                     and max(tables_per_rank.values()) > 1), \
                         f"{executor} g{g.index}: {region}"
                     split = [e.split for e in m.schedule.outputs if e.groups == [g.index] and e.split]
-                    assert split == ([[f"bucket{b}" for b in range(len(region.buckets))]] if pipelined and region.buckets
+                    assert split == ([[f"bucket{b}" for b in range(len(region.buckets))]] if splits and region.buckets
                                      else []), f"{executor} g{g.index}: {m.schedule.outputs}"
 
 

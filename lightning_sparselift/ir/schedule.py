@@ -181,9 +181,6 @@ def check_schedule(schedule: ModuleSchedule, kinds: list[Optional[str]], world: 
                             f"{len(region.buckets) if region else 0} buckets")
         if len(set(e.split)) != len(e.split):
             problems.append(f"output {e.label}: buckets share a process group {e.split}")
-        if e.wait != schedule.lookup_at:
-            problems.append(f"output {e.label} split per bucket is waited at {e.wait}: its buckets' all-to-alls are "
-                            f"waited with the lookups ({schedule.lookup_at})")
     for r in schedule.regions:
         if not r.buckets:
             continue

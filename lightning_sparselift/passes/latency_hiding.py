@@ -75,10 +75,6 @@ class LatencyHiding(OptimizationPass):
                                "nothing asynchronous to overlap")
             if s.lookup_at == "root_forward":
                 reasons.append("already scheduled")
-            split = [e.label for e in s.outputs if e.split]
-            if split:
-                reasons.append(f"output {', '.join(split)} runs one all-to-all per bucket of its lookups, pipelined "
-                               f"and waited with them (subgraph parallelism): none is left in flight")
         else:
             if module.batch_input is None:
                 reasons.append(module.next_batch_note or "the module's input was not found in the announced next batch")

@@ -206,8 +206,6 @@ class SubgraphParallelism(OptimizationPass):
                 why = "no pooled output all-to-all of its own to split"
             elif len(e.groups) > 1:
                 why = f"its output all-to-all carries {e.label} together (aggregation)"
-            elif e.wait != module.schedule.lookup_at:
-                why = "its output all-to-all is left in flight to the module's call (early start)"
             elif GENERATED_KERNEL not in g.lookup_kernels:
                 why = "no generated lookup kernel (pipelined buckets run one bucket per call): " + g.lookup_notes.get(
                     GENERATED_KERNEL, "none was built (the session builds them before planning)")

@@ -46,6 +46,7 @@ class Pending:
     box: dict
     received: Tensor
     unbucketize: list[Optional[Tensor]]
+    pipeline: Optional[Pipeline] = None  # a pipelined group's buckets' all-to-alls (``received``: its token)
 
 
 @dataclass
@@ -94,11 +95,15 @@ class OutputDistribution:
             layout = self._layout(b, inputs, batch_size)
             if b.pipeline is not None:
                 (i,) = b.groups
+                box = {}
                 with self.clock.lookup():
-                    received = b.pipeline(inputs[i].kjt, layout)
-                if received[0].requires_grad:
-                    self.clock.lookup_backward(received[0])
-                self._place(out, b.groups, received, [inputs[i].unbucketize])
+                    token = b.pipeline.issue(inputs[i].kjt, layout, box)
+                if token.requires_grad:
+                    self.clock.lookup_backward(token)
+                if early and b.in_flight:
+                    pending.append(Pending(b.groups, layout, box, token, [inputs[i].unbucketize], b.pipeline))
+                else:
+                    self._place(out, b.groups, b.pipeline.wait(token, layout, box), [inputs[i].unbucketize])
                 continue
             tensors = [locals_[i] for i in b.groups]
             unbucketize = [inputs[i].unbucketize for i in b.groups]
@@ -136,8 +141,12 @@ class OutputDistribution:
             if isinstance(p, KeptPending):
                 out[p.group] = p.awaitable.wait()
                 continue
-            self._place(out, p.groups, WaitOutputAllToAll.apply(p.received, p.layout, p.box, self.clock),
-                        p.unbucketize)
+            if p.pipeline is not None:
+                with self.clock.region():
+                    received = p.pipeline.wait(p.received, p.layout, p.box)
+            else:
+                received = WaitOutputAllToAll.apply(p.received, p.layout, p.box, self.clock)
+            self._place(out, p.groups, received, p.unbucketize)
         return out
 
     @staticmethod
@@ -146,6 +155,8 @@ class OutputDistribution:
         for p in pending:
             if isinstance(p, KeptPending):
                 p.awaitable.wait()
+            elif p.pipeline is not None:
+                p.pipeline.drain(p.box)
             else:
                 p.box.pop("work").wait()
 

@@ -70,8 +70,9 @@ class Pipeline:
                                                                                          device=device)))
             self.parts.append(parts)
 
-    def __call__(self, kjt: Any, layout: PooledLayout) -> tuple[Tensor, ...]:
-        """The group's output after its exchange, as ``layout``'s one all-to-all unpacks it."""
+    def issue(self, kjt: Any, layout: PooledLayout, box: dict) -> Tensor:
+        """Run the lookups bucket by bucket, each bucket's all-to-all issued after its lookups
+        (left in flight in ``box``); the token :meth:`wait` takes."""
         kernels = self.lookup.kernels
         features = [kjt] if len(kernels) == 1 else kjt.split(self.lookup.splits)
         inputs = []
@@ -82,8 +83,20 @@ class Pipeline:
         if torch.is_grad_enabled() and any(k.tbe.training for k in kernels):
             for k in kernels:
                 k.count_step()
-        return _Pipelined.apply(self, layout, kjt.stride(), inputs, *[k.tbe.placeholder_autograd_tensor
-                                                                       for k in kernels])
+        return _IssueBuckets.apply(self, layout, box, kjt.stride(), inputs,
+                                   *[k.tbe.placeholder_autograd_tensor for k in kernels])
+
+    @staticmethod
+    def wait(token: Tensor, layout: PooledLayout, box: dict) -> tuple[Tensor, ...]:
+        """The group's output once every bucket's all-to-all arrived, as ``layout``'s one
+        all-to-all unpacks it."""
+        return _WaitBuckets.apply(token, layout, box)
+
+    @staticmethod
+    def drain(box: dict) -> None:
+        """Complete the buckets' all-to-alls in flight without using them."""
+        for work in box.pop("works"):
+            work.wait()
 
 
 def _check(kernel: Any, ids: Tensor, bad: int) -> None:
@@ -91,13 +104,16 @@ def _check(kernel: Any, ids: Tensor, bad: int) -> None:
         raise_bad_id(kernel, ids, bad)
 
 
-class _Pipelined(torch.autograd.Function):
+class _IssueBuckets(torch.autograd.Function):
+    """Forward: each bucket's lookups, then its all-to-all issued. Backward: each bucket's
+    gradient awaited (:class:`_WaitBuckets` issued them), then its fused update."""
+
     @staticmethod
-    def forward(ctx: Any, pipeline: Pipeline, layout: PooledLayout, batch: int, inputs: list,
-                *_placeholders: Tensor) -> tuple[Tensor, ...]:
+    def forward(ctx: Any, pipeline: Pipeline, layout: PooledLayout, box: dict, batch: int, inputs: list,
+                *_placeholders: Tensor) -> Tensor:
         kernels, b, world, rank = pipeline.lookup.kernels, layout.batch_size, layout.world, pipeline.rank
         outs = [k.output.empty((batch, k.spec.total_dim), torch.float32, inputs[0][0].device) for k in kernels]
-        received, works, sent = [], [], []
+        box["works"], box["received"], box["sent"] = [], [], []
         for bucket, parts in enumerate(pipeline.parts):
             for p in parts:
                 ids, offsets, weights = inputs[p.kernel]
@@ -107,51 +123,72 @@ class _Pipelined(torch.autograd.Function):
             pieces = [outs[p.kernel].index_select(1, p.columns) for p in parts]
             send = (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)) if pieces else outs[0].new_empty(0)
             into = outs[0].new_empty(b * sum(widths))
-            works.append(dist.all_to_all_single(into, send.reshape(-1), [b * w for w in widths],
-                                                [b * widths[rank]] * world, group=pipeline.process_groups[bucket],
-                                                async_op=True))
-            received.append(into)
-            sent.append(send)  # (held until its all-to-all is done)
-        for work in works:
-            work.wait()
-        dims = layout.dims[0]
-        full = layout.buffers.received.empty((b * sum(dims),), torch.float32, outs[0].device)
-        blocks = [block.view(b, d) for block, d in zip(full.split([b * d for d in dims]), dims)]
-        for bucket, into in enumerate(received):
-            widths = pipeline.widths[bucket]
-            for source, piece in enumerate(into.split([b * w for w in widths])):
-                if widths[source]:
-                    blocks[source].index_copy_(1, pipeline.columns[bucket][source], piece.view(b, widths[source]))
-        ctx.pipeline, ctx.layout, ctx.batch, ctx.inputs = pipeline, layout, batch, inputs
-        return layout.unpack_outputs(full)
+            box["works"].append(dist.all_to_all_single(into, send.reshape(-1), [b * w for w in widths],
+                                                       [b * widths[rank]] * world,
+                                                       group=pipeline.process_groups[bucket], async_op=True))
+            box["received"].append(into)
+            box["sent"].append(send)  # (held until its all-to-all is done)
+        ctx.pipeline, ctx.layout, ctx.box, ctx.batch, ctx.inputs = pipeline, layout, box, batch, inputs
+        box["pipeline"] = pipeline
+        return outs[0].new_empty(0)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Optional[Tensor], ...]:
-        pipeline, layout, batch = ctx.pipeline, ctx.layout, ctx.batch
+    def backward(ctx: Any, _token: Tensor) -> tuple[Optional[Tensor], ...]:
+        pipeline, layout, batch, box = ctx.pipeline, ctx.layout, ctx.batch, ctx.box
         kernels, b, world, rank = pipeline.lookup.kernels, layout.batch_size, layout.world, pipeline.rank
-        send, _, send_sizes = layout.send_grads(grads)  # per owning rank: its [b, D] block, as one all-to-all sends
-        dims = layout.dims[0]
-        blocks = [block.view(b, d) for block, d in zip(send.split(send_sizes), dims)]
-        works, received, sent = [], [], []
-        for bucket in range(len(pipeline.parts)):
-            widths = pipeline.widths[bucket]
-            pieces = [blocks[s].index_select(1, pipeline.columns[bucket][s]).view(-1) for s in range(world)]
-            out = torch.cat(pieces)
-            into = out.new_empty(world * b * widths[rank])
-            works.append(dist.all_to_all_single(into, out, [b * widths[rank]] * world, [b * w for w in widths],
-                                                group=pipeline.process_groups[bucket], async_op=True))
-            received.append(into)
-            sent.append(out)
-        grads_in = [torch.empty((batch, k.spec.total_dim), dtype=send.dtype, device=send.device) for k in kernels]
+        works, received = box.pop("grad_works"), box.pop("grad_received")
+        box.pop("grad_sent")
+        grads = [torch.empty((batch, k.spec.total_dim), dtype=torch.float32, device=received[0].device)
+                 for k in kernels]
         for bucket, (work, parts) in enumerate(zip(works, pipeline.parts)):
             work.wait()  # the later buckets' gradients are still on their way
             piece = received[bucket].view(world * b, pipeline.widths[bucket][rank]).div_(world)
             at = 0
             for p in parts:
                 n = p.columns.numel()
-                grads_in[p.kernel].index_copy_(1, p.columns, piece[:, at:at + n])
+                grads[p.kernel].index_copy_(1, p.columns, piece[:, at:at + n])
                 at += n
                 ids, offsets, weights = ctx.inputs[p.kernel]
                 _check(kernels[p.kernel], ids, kernels[p.kernel].backward(batch, ids, offsets, weights,
-                                                                        grads_in[p.kernel], p.bucket))
-        return (None, None, None, None, *[None] * len(kernels))
+                                                                        grads[p.kernel], p.bucket))
+        return (None, None, None, None, None, *[None] * len(kernels))
+
+
+class _WaitBuckets(torch.autograd.Function):
+    """Forward: every bucket's all-to-all awaited, what arrived put together. Backward: the
+    gradient taken apart per bucket and every bucket's all-to-all issued."""
+
+    @staticmethod
+    def forward(ctx: Any, token: Tensor, layout: PooledLayout, box: dict) -> tuple[Tensor, ...]:
+        pipeline = box.pop("pipeline")
+        for work in box.pop("works"):
+            work.wait()
+        box.pop("sent")
+        b, dims = layout.batch_size, layout.dims[0]
+        full = layout.buffers.received.empty((b * sum(dims),), torch.float32, token.device)
+        blocks = [block.view(b, d) for block, d in zip(full.split([b * d for d in dims]), dims)]
+        for bucket, into in enumerate(box.pop("received")):
+            widths = pipeline.widths[bucket]
+            for source, piece in enumerate(into.split([b * w for w in widths])):
+                if widths[source]:
+                    blocks[source].index_copy_(1, pipeline.columns[bucket][source], piece.view(b, widths[source]))
+        ctx.pipeline, ctx.layout, ctx.box = pipeline, layout, box
+        return layout.unpack_outputs(full)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Optional[Tensor], ...]:
+        pipeline, layout, box = ctx.pipeline, ctx.layout, ctx.box
+        b, world, rank = layout.batch_size, layout.world, pipeline.rank
+        send, _, send_sizes = layout.send_grads(grads)  # per owning rank its [b, D] block, as one all-to-all sends
+        blocks = [block.view(b, d) for block, d in zip(send.split(send_sizes), layout.dims[0])]
+        box["grad_works"], box["grad_received"], box["grad_sent"] = [], [], []
+        for bucket in range(len(pipeline.parts)):
+            widths = pipeline.widths[bucket]
+            out = torch.cat([blocks[s].index_select(1, pipeline.columns[bucket][s]).view(-1) for s in range(world)])
+            into = out.new_empty(world * b * widths[rank])
+            box["grad_works"].append(dist.all_to_all_single(into, out, [b * widths[rank]] * world,
+                                                            [b * w for w in widths],
+                                                            group=pipeline.process_groups[bucket], async_op=True))
+            box["grad_received"].append(into)
+            box["grad_sent"].append(out)
+        return send.new_empty(0), None, None
