@@ -330,8 +330,11 @@ def test_saved_plan_is_reused_and_a_mismatching_plan_is_rejected(tmp_path, data_
     assert {d.candidate.split("@")[0] for d in plan.decisions if d.feasible} == {
         "aggregation:input", "aggregation:output", "latency_hiding:early_start", "latency_hiding:next_batch",
         "codegen:lookup", "codegen:output", "codegen:input"}
-    # forked ranks run one thread each: no buckets
-    assert all("1 intra-op thread" in d.reason for d in plan.decisions if not d.feasible)
+    # forked ranks run one thread each: no concurrent buckets; no rank holds two tables of a group: nothing
+    # to pipeline
+    assert all("1 intra-op thread" in d.reason for d in plan.decisions if not d.feasible and ":buckets" in d.candidate)
+    assert all("g0 (table_wise): no rank holds tables of two buckets" in d.reason
+               for d in plan.decisions if ":pipelined" in d.candidate)
     assert all(d.measured_ms is not None and len(d.observations_ms) == 2 and d.pairs + d.outliers == 5
                for d in plan.decisions if d.feasible)
     # accepted only beyond noise and the minimum gain: the whole interval below zero

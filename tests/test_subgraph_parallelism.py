@@ -8,7 +8,7 @@ import pytest
 
 from graph_fixtures import EBC, load
 from lightning_sparselift.ir import SparseGraph
-from lightning_sparselift.ir.graph import TableShard
+from lightning_sparselift.ir.graph import OutputBlock, TableShard
 from lightning_sparselift.ir.schedule import GENERATED_KERNEL, check_schedule
 from lightning_sparselift.passes import InfeasibleCandidate, select_passes
 from lightning_sparselift.passes.subgraph_parallelism import SubgraphParallelism, partition
@@ -276,3 +276,134 @@ def test_on_gpus_the_buckets_run_on_streams_whatever_the_threads_and_hold_no_mor
     two, four, eight = SubgraphParallelism().candidates(graph)[:3]
     assert two.feasible and four.feasible and eight.feasible
     assert [c.cost_inputs["workspace_bytes"] for c in (two, four, eight)] == [0.0, 0.0, 0.0]
+
+
+# ------------------------------------------------------------------------------------ pipelined buckets
+
+def _four_tables_two_ranks() -> SparseGraph:
+    """Two ranks of one thread each; g0 (table-wise) holds t0, t1 on rank 0 and t2, t3 on rank 1
+    (t_k's feature brings 4 * (k + 1) ids per step on each rank); g1 stays the column-wise t_c."""
+    graph = load("table_and_column_wise_2ranks")
+    graph.threads_per_rank = [1, 1]
+    module = graph.module(EBC)
+    group = module.groups[0]
+    template = group.tables[0]
+    group.tables = [TableShard(f"t{k}", k // 2, 100, 4, 0, 0, template.kernel, template.pooling, [f"f{k}"])
+                    for k in range(4)]
+    group.features = [f"f{k}" for k in range(4)]
+    group.features_per_rank, group.dim_sum_per_rank = [2, 2], [8, 8]
+    group.embedding_names, group.embedding_dims = list(group.features), [4] * 4
+    group.output_blocks = [[OutputBlock(f"t{k}", 4) for k in (2 * r, 2 * r + 1)] for r in range(2)]
+    for stats in module.ids_per_step:
+        stats.update({f"f{k}": 4.0 * (k + 1) for k in range(4)})
+    return _generated(graph)
+
+
+def _rungs(graph: SparseGraph) -> dict[str, object]:
+    return {c.role: c for c in SubgraphParallelism().candidates(graph)}
+
+
+def test_pipelined_buckets_split_a_groups_all_to_all_over_process_groups_of_their_own():
+    graph = _four_tables_two_ranks()
+    rungs = _rungs(graph)
+    # one thread per rank: nothing runs side by side, but the buckets' exchanges can overlap the
+    # next bucket's lookups
+    assert not rungs["buckets2"].feasible and "buckets would run one after the other" in rungs["buckets2"].reasons[0]
+    two = rungs["pipelined2"]
+    assert two.feasible and (two.follows, rungs["pipelined4"].follows) == (None, two.id)
+    assert SubgraphParallelism().protocol_for("pipelined2").region == "step"
+    assert SubgraphParallelism().protocol_for("buckets2").region == "lookup_wall"
+    assert two.cost_inputs["groups"] == 1.0  # g1's one table is one bucket
+    applied = SubgraphParallelism().apply(graph, two)
+    module = applied.module(EBC)
+    # t3 (16 ids) and t2 (12) go to different buckets, t1 and t0 after them where each rank's load is least
+    assert module.schedule.region("lookup", 0).buckets == [["t1", "t3"], ["t0", "t2"]]
+    assert module.schedule.outputs[0].split == ["bucket0", "bucket1"] and module.schedule.outputs[1].split == []
+    assert check_schedule(module.schedule, module.kinds, 2) == []
+    assert "g0 in 2 pipelined buckets, each all-to-all on its own process group" in applied.provenance[-1]
+    text = applied.explain()
+    assert "one per bucket on bucket0, bucket1" in text and "lookup g0 in 2 pipelined buckets: t1,t3 | t0,t2" in text
+    # the step's collectives: one per bucket each way, on its process group, the bytes split by columns
+    before = [n for n in graph.collectives() if n.module == EBC and n.groups == [0] and n.role in
+              ("output_pooled", "grad_pooled")]
+    after = [n for n in applied.collectives() if n.module == EBC and n.groups == [0] and n.role in
+             ("output_pooled", "grad_pooled")]
+    assert [(n.role, n.process_group) for n in after] == [
+        ("output_pooled", "bucket0[2]"), ("output_pooled", "bucket1[2]"),
+        ("grad_pooled", "bucket0[2]"), ("grad_pooled", "bucket1[2]")]
+    for role in ("output_pooled", "grad_pooled"):
+        whole, = [n.bytes_per_member for n in before if n.role == role]
+        halves = [n.bytes_per_member for n in after if n.role == role]
+        assert [sum(b) for b in zip(*halves)] == whole and halves[0] == halves[1]
+    # what merges the exchanges would undo the split, and the split is already there
+    merge = {c.role: c for c in select_passes(["aggregation"])[0].candidates(applied)}["output"]
+    assert any("pipelined (subgraph parallelism): merging would undo it" in r for r in merge.reasons)
+    assert _rungs(applied)["pipelined2"].reasons == ["already scheduled"]
+    assert SparseGraph.from_dict(applied.to_dict()) == applied
+
+
+def test_pipelined_buckets_are_infeasible_with_their_reasons():
+    graph = _four_tables_two_ranks()
+    merged = select_passes(["aggregation"])[0]
+    merged = merged.apply(graph, {c.role: c for c in merged.candidates(graph)}["output"])
+    assert _rungs(merged)["pipelined2"].reasons == [
+        "g0 (table_wise): its output all-to-all carries g0+g1 together (aggregation)",
+        "g1 (column_wise): its output all-to-all carries g0+g1 together (aggregation)"]
+    # each table on its own rank (the fixture as it is): nothing to pipeline
+    assert _rungs(_generated(load("table_and_column_wise_2ranks")))["pipelined2"].reasons == [
+        "g0 (table_wise): no rank holds tables of two buckets", "g1 (column_wise): no rank holds tables of two buckets"]
+    one_rank_holds_all = _four_tables_two_ranks()
+    for t in one_rank_holds_all.module(EBC).groups[0].tables:
+        t.rank = 0
+    assert "g0 (table_wise): some rank holds none of its tables" in _rungs(one_rank_holds_all)["pipelined2"].reasons
+    no_kernel = load("table_and_column_wise_2ranks")
+    assert "no generated lookup kernel" in _rungs(no_kernel)["pipelined2"].reasons[0]
+    older = _four_tables_two_ranks()
+    older.module(EBC).groups[0].output_blocks = []
+    assert "g0 (table_wise): the graph records no output blocks per rank (lifted by an older version)" in \
+        _rungs(older)["pipelined2"].reasons
+    cuda = _four_tables_two_ranks()
+    cuda.device = "cuda"
+    assert "device tables" in _rungs(cuda)["pipelined2"].reasons[0]
+    assert _rungs(_eight_tables())["pipelined2"].reasons == ["one rank: no all-to-all to pipeline"]
+    budget = _four_tables_two_ranks()
+    pieces = 4 * (2 * 8 * 8 + 8 * 16)  # rank 0's output sent once more, the module's 16 columns received once more
+    assert _rungs(budget)["pipelined2"].cost_inputs["workspace_bytes"] == pieces
+    budget.workspace_budget_bytes = pieces - 1
+    assert "all-to-all pieces hold" in _rungs(budget)["pipelined2"].reasons[0]
+
+
+def test_the_schedule_refuses_a_split_the_runtime_cannot_run():
+    graph = _four_tables_two_ranks()
+    applied = SubgraphParallelism().apply(graph, _rungs(graph)["pipelined2"])
+    schedule = applied.module(EBC).schedule
+    schedule.outputs[0].split = ["bucket0", "bucket0"]
+    assert any("buckets share a process group" in p for p in check_schedule(schedule, ["table_wise", "column_wise"], 2))
+    schedule.outputs[0].split = ["bucket0", "bucket1", "bucket2"]
+    assert any("its lookup region has 2 buckets" in p for p in check_schedule(schedule, ["table_wise", "column_wise"],
+                                                                              2))
+    schedule.outputs[1].split = ["bucket0"]
+    assert any("output g1 split over 1 process groups" in p for p in
+               check_schedule(schedule, ["table_wise", "column_wise"], 2))
+
+
+def test_with_one_thread_per_rank_the_pipelined_rungs_are_measured_on_whole_steps_and_rejected_when_no_faster():
+    graph = _four_tables_two_ranks()
+    passes = ["codegen:lookup", "subgraph_parallelism"]
+    fingerprint = PlanFingerprint(graph.fingerprint(), "sharding", 2, "gloo", {}, passes)
+    loop = PlanningLoop(Planner(select_passes(passes), None, calibrate=True), fingerprint, graph, None)
+    loop.propose()
+    while not loop.done:
+        trial = loop.next_graph()
+        region = trial.module(EBC).schedule.region("lookup", 0)
+        generated = region.kernel == GENERATED_KERNEL
+        # pipelining changes nothing the step waits for here: the same step time with noise either way
+        step = 50.0 + (0.3 if loop.plan.calibration_steps % 2 else -0.3)
+        loop.feedback(step, 20.0, 10.0 if generated else 14.0, 10.0 if generated else 14.0)
+    decisions = {d.candidate.split("@")[0].removeprefix("subgraph_parallelism:"): d for d in loop.plan.decisions}
+    two = decisions["pipelined2"]
+    assert two.measured_ms is not None and not two.accepted, two.reason
+    assert "the sweep stopped" in decisions["pipelined4"].reason
+    assert "every rank runs 1 intra-op thread" in decisions["buckets2"].reason
+    assert not loop.plan.graph.module(EBC).schedule.outputs[0].split
+    assert "reject     subgraph_parallelism:pipelined2" in loop.plan.explain()
