@@ -316,13 +316,15 @@ def test_pipelined_buckets_split_a_groups_all_to_all_over_process_groups_of_thei
     assert two.cost_inputs["groups"] == 1.0  # g1's one table is one bucket
     applied = SubgraphParallelism().apply(graph, two)
     module = applied.module(EBC)
-    # t3 (16 ids) and t2 (12) go to different buckets, t1 and t0 after them where each rank's load is least
-    assert module.schedule.region("lookup", 0).buckets == [["t1", "t3"], ["t0", "t2"]]
+    # each rank's tables cut in output order at half their weight (t0 4 ids | t1 8, t2 12 | t3 16), so that
+    # every bucket's columns on a rank are one run
+    assert module.schedule.region("lookup", 0).buckets == [["t0", "t2"], ["t1", "t3"]]
+    assert module.groups[0].bucket_columns([["t0", "t2"], ["t1", "t3"]]) == [[[0, 1, 2, 3]] * 2, [[4, 5, 6, 7]] * 2]
     assert module.schedule.outputs[0].split == ["bucket0", "bucket1"] and module.schedule.outputs[1].split == []
     assert check_schedule(module.schedule, module.kinds, 2) == []
     assert "g0 in 2 pipelined buckets, each all-to-all on its own process group" in applied.provenance[-1]
     text = applied.explain()
-    assert "one per bucket on bucket0, bucket1" in text and "lookup g0 in 2 pipelined buckets: t1,t3 | t0,t2" in text
+    assert "one per bucket on bucket0, bucket1" in text and "lookup g0 in 2 pipelined buckets: t0,t2 | t1,t3" in text
     # the step's collectives: one per bucket each way, on its process group, the bytes split by columns
     before = [n for n in graph.collectives() if n.module == EBC and n.groups == [0] and n.role in
               ("output_pooled", "grad_pooled")]

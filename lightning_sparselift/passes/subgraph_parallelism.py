@@ -107,6 +107,30 @@ def partition(module: LiftedModule, group: ShardingGroup, count: int) -> list[li
     return [b for b in buckets if b]
 
 
+def contiguous_partition(module: LiftedModule, group: ShardingGroup, count: int) -> list[list[str]]:
+    """``group``'s tables in at most ``count`` buckets that are runs of consecutive column blocks
+    on every rank (each rank's tables cut into ``count`` segments of about equal weight, by
+    each table's midpoint), so that a bucket's columns move as a few strided copies; the
+    balanced :func:`partition` when a table has shards on several ranks."""
+    ranks: dict[str, set] = {}
+    for t in group.tables:
+        ranks.setdefault(t.table, set()).add(t.rank)
+    if any(len(r) > 1 for r in ranks.values()) or len(group.output_blocks) != len(module.batch_size_per_rank):
+        return partition(module, group, count)
+    weights = _table_weights(module, group)
+    bucket_of: dict[str, int] = {}
+    for blocks in group.output_blocks:
+        tables = list(dict.fromkeys(b.table for b in blocks))
+        total, at = sum(weights[n] for n in tables), 0.0
+        for name in tables:
+            middle = at + weights[name] / 2
+            bucket_of[name] = min(count - 1, int(middle / total * count)) if total else 0
+            at += weights[name]
+    order = list(dict.fromkeys(t.table for t in group.tables))
+    buckets = [[n for n in order if bucket_of[n] == b] for b in range(count)]
+    return [b for b in buckets if b]
+
+
 # the generated backward's scratch per id of a table: its hash keys and slots (up to 4 slots of
 # 8 + 4 B per id: the table is the next power of two above 2x the ids), the distinct rows (8 B)
 # and the accumulated gradient rows (4 B per column)
@@ -214,7 +238,7 @@ class SubgraphParallelism(OptimizationPass):
             elif len(g.output_blocks) != graph.world_size:
                 why = "the graph records no output blocks per rank (lifted by an older version)"
             else:
-                buckets = partition(module, g, count)
+                buckets = contiguous_partition(module, g, count)
                 if len(buckets) > 1 and _runs_in_buckets(g, buckets):
                     out[g.index] = buckets
                     continue

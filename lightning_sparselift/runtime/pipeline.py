@@ -27,6 +27,38 @@ from lightning_sparselift.runtime.codegen.lookup import raise_bad_id
 from lightning_sparselift.runtime.layout import PooledLayout
 
 
+Runs = list[tuple[int, int]]  # column ranges (first column, width), in order
+
+
+def column_runs(columns: list[int]) -> Runs:
+    """Ascending ``columns`` as ranges: each is copied as one strided block (a gather of single
+    columns costs several times the bandwidth of the columns it moves)."""
+    runs: Runs = []
+    for c in columns:
+        if runs and runs[-1][0] + runs[-1][1] == c:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((c, 1))
+    return runs
+
+
+def gather(source: Tensor, runs: Runs, into: Tensor) -> Tensor:
+    """``into`` ([rows, width of the runs]) filled with ``source``'s columns ``runs``, in order."""
+    at = 0
+    for first, width in runs:
+        into[:, at:at + width].copy_(source[:, first:first + width])
+        at += width
+    return into
+
+
+def scatter(piece: Tensor, runs: Runs, into: Tensor) -> None:
+    """``piece``'s columns, in order, into ``into``'s columns ``runs``."""
+    at = 0
+    for first, width in runs:
+        into[:, first:first + width].copy_(piece[:, at:at + width])
+        at += width
+
+
 @dataclass
 class _KernelPart:
     """One table-batched kernel's share of a bucket: its own bucket index and the columns of its
@@ -34,7 +66,11 @@ class _KernelPart:
 
     kernel: int
     bucket: int
-    columns: Tensor
+    runs: Runs
+
+    @property
+    def width(self) -> int:
+        return sum(w for _, w in self.runs)
 
 
 class Pipeline:
@@ -43,7 +79,7 @@ class Pipeline:
     :class:`Unsupported` when this rank cannot run it."""
 
     def __init__(self, lookup: GeneratedLookup, group: ShardingGroup, buckets: list[list[str]],
-                 process_groups: list[Any], rank: int, device: torch.device) -> None:
+                 process_groups: list[Any], rank: int) -> None:
         if not lookup.kernels:
             raise Unsupported(f"g{group.index}: rank {rank} holds none of the group's tables (TorchRec's lookup makes "
                               f"its empty output, which has no fused update to pipeline)")
@@ -52,7 +88,7 @@ class Pipeline:
                               f"recorded for rank {rank} ({group.output_blocks[rank] if group.output_blocks else []})")
         self.lookup, self.process_groups, self.rank = lookup, process_groups, rank
         columns = group.bucket_columns(buckets)
-        self.columns = [[torch.tensor(c, dtype=torch.long, device=device) for c in per_rank] for per_rank in columns]
+        self.runs = [[column_runs(c) for c in per_rank] for per_rank in columns]  # [bucket][rank]
         self.widths = [[len(c) for c in per_rank] for per_rank in columns]
         # each kernel's columns: where its output starts in the group's
         starts, at = [], 0
@@ -66,8 +102,7 @@ class Pipeline:
             for j, (k, start) in enumerate(zip(lookup.kernels, starts)):
                 own = [c - start for c in mine if start <= c < start + k.spec.total_dim]
                 if own:
-                    parts.append(_KernelPart(j, lookup.kernel_buckets[j][b], torch.tensor(own, dtype=torch.long,
-                                                                                         device=device)))
+                    parts.append(_KernelPart(j, lookup.kernel_buckets[j][b], column_runs(own)))
             self.parts.append(parts)
 
     def issue(self, kjt: Any, layout: PooledLayout, box: dict) -> Tensor:
@@ -120,8 +155,11 @@ class _IssueBuckets(torch.autograd.Function):
                 _check(kernels[p.kernel], ids, kernels[p.kernel].forward(batch, ids, offsets, weights, outs[p.kernel],
                                                                        p.bucket))
             widths = pipeline.widths[bucket]
-            pieces = [outs[p.kernel].index_select(1, p.columns) for p in parts]
-            send = (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)) if pieces else outs[0].new_empty(0)
+            send = outs[0].new_empty((batch, widths[rank]))
+            at = 0
+            for p in parts:
+                gather(outs[p.kernel], p.runs, send[:, at:at + p.width])
+                at += p.width
             into = outs[0].new_empty(b * sum(widths))
             box["works"].append(dist.all_to_all_single(into, send.reshape(-1), [b * w for w in widths],
                                                        [b * widths[rank]] * world,
@@ -145,9 +183,8 @@ class _IssueBuckets(torch.autograd.Function):
             piece = received[bucket].view(world * b, pipeline.widths[bucket][rank]).div_(world)
             at = 0
             for p in parts:
-                n = p.columns.numel()
-                grads[p.kernel].index_copy_(1, p.columns, piece[:, at:at + n])
-                at += n
+                scatter(piece[:, at:at + p.width], p.runs, grads[p.kernel])
+                at += p.width
                 ids, offsets, weights = ctx.inputs[p.kernel]
                 _check(kernels[p.kernel], ids, kernels[p.kernel].backward(batch, ids, offsets, weights,
                                                                         grads[p.kernel], p.bucket))
@@ -170,8 +207,7 @@ class _WaitBuckets(torch.autograd.Function):
         for bucket, into in enumerate(box.pop("received")):
             widths = pipeline.widths[bucket]
             for source, piece in enumerate(into.split([b * w for w in widths])):
-                if widths[source]:
-                    blocks[source].index_copy_(1, pipeline.columns[bucket][source], piece.view(b, widths[source]))
+                scatter(piece.view(b, widths[source]), pipeline.runs[bucket][source], blocks[source])
         ctx.pipeline, ctx.layout, ctx.box = pipeline, layout, box
         return layout.unpack_outputs(full)
 
@@ -184,7 +220,9 @@ class _WaitBuckets(torch.autograd.Function):
         box["grad_works"], box["grad_received"], box["grad_sent"] = [], [], []
         for bucket in range(len(pipeline.parts)):
             widths = pipeline.widths[bucket]
-            out = torch.cat([blocks[s].index_select(1, pipeline.columns[bucket][s]).view(-1) for s in range(world)])
+            out = send.new_empty(b * sum(widths))
+            for s, piece in enumerate(out.split([b * w for w in widths])):
+                gather(blocks[s], pipeline.runs[bucket][s], piece.view(b, widths[s]))
             into = out.new_empty(world * b * widths[rank])
             box["grad_works"].append(dist.all_to_all_single(into, out, [b * widths[rank]] * world,
                                                             [b * w for w in widths],
