@@ -126,9 +126,9 @@ def test_diff_names_fingerprint_fields_decisions_schedules_and_provenance(tmp_pa
         f"{EBC}: input g0: only in A (packing per_tensor, issue module_call, process_group world)",
         f"{EBC}: input g1: only in A (packing per_tensor, issue module_call, process_group world)",
         f"{EBC}: input g0+g1: only in B (packing bytes, issue module_call, process_group world)",
-        f"{EBC}: output g0: only in A (op all_to_all_single, wait module_call, process_group world)",
-        f"{EBC}: output g1: only in A (op all_to_all_single, wait module_call, process_group world)",
-        f"{EBC}: output g0+g1: only in B (op all_to_all_single, wait module_call, process_group world)",
+        f"{EBC}: output g0: only in A (op all_to_all_single, wait module_call, split [], process_group world)",
+        f"{EBC}: output g1: only in A (op all_to_all_single, wait module_call, split [], process_group world)",
+        f"{EBC}: output g0+g1: only in B (op all_to_all_single, wait module_call, split [], process_group world)",
     ]
 
 
@@ -142,7 +142,7 @@ def test_diff_shows_changed_verdicts_and_measured_values():
         f"~ latency_hiding:next_batch@{EBC}: measured: -5.000 ms -> -3.000 ms; observations (ms): "
         "[rank 0: -5.000; rank 1: -5.000] -> [rank 0: -3.000; rank 1: -3.000]",
     ]
-    assert f"{EBC}: output g0: only in B (op all_to_all_single, wait module_call, process_group world)" in \
+    assert f"{EBC}: output g0: only in B (op all_to_all_single, wait module_call, split [], process_group world)" in \
         d.sections["schedules"]
     assert d.sections["provenance"] == [f"- aggregation: output collectives of {EBC} merged (4 -> 2)"]
     assert "calibration" not in d.sections and "fingerprint" not in d.sections
