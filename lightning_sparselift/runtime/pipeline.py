@@ -23,7 +23,7 @@ from torch import Tensor
 
 from lightning_sparselift.ir.graph import ShardingGroup
 from lightning_sparselift.runtime.codegen import GeneratedLookup, Unsupported
-from lightning_sparselift.runtime.codegen.lookup import raise_bad_id
+from lightning_sparselift.runtime.codegen.lookup import check_result
 from lightning_sparselift.runtime.layout import PooledLayout
 
 
@@ -109,9 +109,8 @@ class Pipeline:
         """Run the lookups bucket by bucket, each bucket's all-to-all issued after its lookups
         (left in flight in ``box``); the token :meth:`wait` takes."""
         kernels = self.lookup.kernels
-        features = [kjt] if len(kernels) == 1 else kjt.split(self.lookup.splits)
         inputs = []
-        for k, f in zip(kernels, features):
+        for k, f in zip(kernels, self.lookup.features(kjt)):
             weights = f.weights_or_none() if k.spec.weighted else None
             k.check_inputs(weights)
             inputs.append((f.values(), f.offsets(), weights))
@@ -134,11 +133,6 @@ class Pipeline:
             work.wait()
 
 
-def _check(kernel: Any, ids: Tensor, bad: int) -> None:
-    if bad != -1:
-        raise_bad_id(kernel, ids, bad)
-
-
 class _IssueBuckets(torch.autograd.Function):
     """Forward: each bucket's lookups, then its all-to-all issued. Backward: each bucket's
     gradient awaited (:class:`_WaitBuckets` issued them), then its fused update."""
@@ -152,8 +146,8 @@ class _IssueBuckets(torch.autograd.Function):
         for bucket, parts in enumerate(pipeline.parts):
             for p in parts:
                 ids, offsets, weights = inputs[p.kernel]
-                _check(kernels[p.kernel], ids, kernels[p.kernel].forward(batch, ids, offsets, weights, outs[p.kernel],
-                                                                       p.bucket))
+                kernel = kernels[p.kernel]
+                check_result(kernel, ids, kernel.forward(batch, ids, offsets, weights, outs[p.kernel], p.bucket))
             widths = pipeline.widths[bucket]
             send = outs[0].new_empty((batch, widths[rank]))
             at = 0
@@ -186,8 +180,8 @@ class _IssueBuckets(torch.autograd.Function):
                 scatter(piece[:, at:at + p.width], p.runs, grads[p.kernel])
                 at += p.width
                 ids, offsets, weights = ctx.inputs[p.kernel]
-                _check(kernels[p.kernel], ids, kernels[p.kernel].backward(batch, ids, offsets, weights,
-                                                                        grads[p.kernel], p.bucket))
+                kernel = kernels[p.kernel]
+                check_result(kernel, ids, kernel.backward(batch, ids, offsets, weights, grads[p.kernel], p.bucket))
         return (None, None, None, None, None, *[None] * len(kernels))
 
 

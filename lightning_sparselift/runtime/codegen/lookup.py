@@ -66,8 +66,10 @@ def _bits(t: Tensor, what: str) -> int:
         raise TypeError(f"generated lookup: {what} of dtype {t.dtype}; int32 or int64 expected") from None
 
 
-def raise_bad_id(module: "TableBatchKernel", ids: Tensor, position: int) -> None:
-    """What a kernel's return ``position`` (not -1) means, raised."""
+def check_result(module: "TableBatchKernel", ids: Tensor, position: int) -> None:
+    """What a kernel's return ``position`` means, raised unless -1 (done)."""
+    if position == -1:
+        return
     if position == -2:
         raise TypeError("generated lookup: unsupported id/offset widths")
     if position == -3:
@@ -82,9 +84,7 @@ class _Lookup(torch.autograd.Function):
                 weights: Optional[Tensor], batch: int) -> Tensor:
         out = kernel.output.empty((ids.numel() if kernel.spec.pooling == "none" else batch, kernel.spec.total_dim),
                                   torch.float32, ids.device)
-        bad = kernel.forward(batch, ids, offsets, weights, out)
-        if bad != -1:
-            raise_bad_id(kernel, ids, bad)
+        check_result(kernel, ids, kernel.forward(batch, ids, offsets, weights, out))
         ctx.kernel, ctx.batch = kernel, batch
         ctx.save_for_backward(ids, offsets, weights)
         return out
@@ -93,9 +93,7 @@ class _Lookup(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[None, ...]:
         kernel: TableBatchKernel = ctx.kernel
         ids, offsets, weights = ctx.saved_tensors
-        bad = kernel.backward(ctx.batch, ids, offsets, weights, grad.contiguous())
-        if bad != -1:
-            raise_bad_id(kernel, ids, bad)
+        check_result(kernel, ids, kernel.backward(ctx.batch, ids, offsets, weights, grad.contiguous()))
         return None, None, None, None, None, None
 
 
@@ -234,11 +232,14 @@ class GeneratedLookup:
     def build_s(self) -> float:
         return sum(k.built.build_s for k in self.kernels)
 
+    def features(self, kjt: Any) -> list[Any]:
+        """``kjt`` split into each kernel's features."""
+        return [kjt] if len(self.kernels) == 1 else kjt.split(self.splits)
+
     def __call__(self, lookup: nn.Module, kjt: Any) -> Tensor:
         if not self.kernels:
             return lookup(kjt)
-        parts = [self.kernels[0](kjt)] if len(self.kernels) == 1 else \
-            [k(f) for k, f in zip(self.kernels, kjt.split(self.splits))]
+        parts = [k(f) for k, f in zip(self.kernels, self.features(kjt))]
         if not self.pooled:
             parts = [p.view(-1) for p in parts]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1 if self.pooled else 0)
