@@ -56,7 +56,8 @@ def test_all_systems_side_by_side(tmp_path, data_cache):
         "aggregation:input", "aggregation:output", "latency_hiding:early_start",
         "latency_hiding:next_batch", "codegen:lookup", "codegen:output", "codegen:input",
         "subgraph_parallelism:buckets2",
-        "subgraph_parallelism:buckets4", "subgraph_parallelism:buckets8"}
+        "subgraph_parallelism:buckets4", "subgraph_parallelism:buckets8",
+        "subgraph_parallelism:pipelined2", "subgraph_parallelism:pipelined4", "subgraph_parallelism:pipelined8"}
     assert {d["candidate"].split(":")[0] for d in summary["systems"]["sparselift-no-aggregation"]["plan_decisions"]} \
         == {"latency_hiding", "codegen", "subgraph_parallelism"}
     assert {d["candidate"].split(":")[0] for d in summary["systems"]["sparselift-no-codegen"]["plan_decisions"]} \
