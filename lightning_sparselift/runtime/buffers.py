@@ -1,6 +1,6 @@
 """The memory of a buffer the runtime fills every step (a generated lookup's output, what an
-all-to-all receives, the consumer layout's tensor, a gradient's send buffer), kept from step to
-step on CPU.
+all-to-all receives, the consumer layout's tensor, a gradient's send buffer, a pipelined bucket's
+copies), kept from step to step on CPU.
 
 glibc maps large blocks on allocation and may hand them back to the kernel on free, so a fresh
 multi-megabyte CPU tensor can be paid in page faults again every step: alone, writing a fresh

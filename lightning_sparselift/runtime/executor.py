@@ -176,7 +176,7 @@ class ModuleExecutor:
         if not isinstance(lookup, GeneratedLookup):
             raise Unsupported(f"g{group}: pipelined buckets run a generated lookup, not {region.kernel}")
         return Pipeline(lookup, self.spec.groups[group], region.buckets, [self.process_groups[n] for n in process_groups],
-                        self.rank)
+                        self.rank, self.buffers)
 
     def _check(self, features: Any) -> None:
         if features.variable_stride_per_key():

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sparselift.ir.graph import ShardingGroup
+from lightning_sparselift.runtime.buffers import Buffer, Buffers
 from lightning_sparselift.runtime.codegen import GeneratedLookup, Unsupported
 from lightning_sparselift.runtime.codegen.lookup import check_result
 from lightning_sparselift.runtime.layout import PooledLayout
@@ -75,11 +76,11 @@ class _KernelPart:
 
 class Pipeline:
     """Group ``group``'s lookup (``lookup``: its generated kernels, built for ``buckets``) and
-    output all-to-all, pipelined bucket by bucket on ``process_groups`` (one per bucket).
-    :class:`Unsupported` when this rank cannot run it."""
+    output all-to-all, pipelined bucket by bucket on ``process_groups`` (one per bucket), its
+    per-bucket copies in ``buffers``. :class:`Unsupported` when this rank cannot run it."""
 
     def __init__(self, lookup: GeneratedLookup, group: ShardingGroup, buckets: list[list[str]],
-                 process_groups: list[Any], rank: int) -> None:
+                 process_groups: list[Any], rank: int, buffers: Buffers) -> None:
         if not lookup.kernels:
             raise Unsupported(f"g{group.index}: rank {rank} holds none of the group's tables (TorchRec's lookup makes "
                               f"its empty output, which has no fused update to pipeline)")
@@ -87,6 +88,7 @@ class Pipeline:
             raise Unsupported(f"g{group.index}: the lookup's output columns {lookup.blocks} are not the ones the graph "
                               f"recorded for rank {rank} ({group.output_blocks[rank] if group.output_blocks else []})")
         self.lookup, self.process_groups, self.rank = lookup, process_groups, rank
+        self.group, self.buffers = group.index, buffers
         columns = group.bucket_columns(buckets)
         self.runs = [[column_runs(c) for c in per_rank] for per_rank in columns]  # [bucket][rank]
         self.widths = [[len(c) for c in per_rank] for per_rank in columns]
@@ -104,6 +106,11 @@ class Pipeline:
                 if own:
                     parts.append(_KernelPart(j, lookup.kernel_buckets[j][b], column_runs(own)))
             self.parts.append(parts)
+
+    def buffer(self, role: str, index: int) -> Buffer:
+        """The memory of ``role``'s ``index``-th tensor (a bucket's or a kernel's), kept from step to
+        step like the one all-to-all's buffers (see :mod:`~lightning_sparselift.runtime.buffers`)."""
+        return self.buffers.at(("pipeline", self.group, role, index))
 
     def issue(self, kjt: Any, layout: PooledLayout, box: dict) -> Tensor:
         """Run the lookups bucket by bucket, each bucket's all-to-all issued after its lookups
@@ -149,12 +156,12 @@ class _IssueBuckets(torch.autograd.Function):
                 kernel = kernels[p.kernel]
                 check_result(kernel, ids, kernel.forward(batch, ids, offsets, weights, outs[p.kernel], p.bucket))
             widths = pipeline.widths[bucket]
-            send = outs[0].new_empty((batch, widths[rank]))
+            send = pipeline.buffer("send", bucket).empty((batch, widths[rank]), torch.float32, outs[0].device)
             at = 0
             for p in parts:
                 gather(outs[p.kernel], p.runs, send[:, at:at + p.width])
                 at += p.width
-            into = outs[0].new_empty(b * sum(widths))
+            into = pipeline.buffer("received", bucket).empty((b * sum(widths),), torch.float32, outs[0].device)
             box["works"].append(dist.all_to_all_single(into, send.reshape(-1), [b * w for w in widths],
                                                        [b * widths[rank]] * world,
                                                        group=pipeline.process_groups[bucket], async_op=True))
@@ -170,8 +177,8 @@ class _IssueBuckets(torch.autograd.Function):
         kernels, b, world, rank = pipeline.lookup.kernels, layout.batch_size, layout.world, pipeline.rank
         works, received = box.pop("grad_works"), box.pop("grad_received")
         box.pop("grad_sent")
-        grads = [torch.empty((batch, k.spec.total_dim), dtype=torch.float32, device=received[0].device)
-                 for k in kernels]
+        grads = [pipeline.buffer("grad", j).empty((batch, k.spec.total_dim), torch.float32, received[0].device)
+                 for j, k in enumerate(kernels)]
         for bucket, (work, parts) in enumerate(zip(works, pipeline.parts)):
             work.wait()  # the later buckets' gradients are still on their way
             piece = received[bucket].view(world * b, pipeline.widths[bucket][rank]).div_(world)
@@ -214,10 +221,11 @@ class _WaitBuckets(torch.autograd.Function):
         box["grad_works"], box["grad_received"], box["grad_sent"] = [], [], []
         for bucket in range(len(pipeline.parts)):
             widths = pipeline.widths[bucket]
-            out = send.new_empty(b * sum(widths))
+            out = pipeline.buffer("grad_send", bucket).empty((b * sum(widths),), torch.float32, send.device)
             for s, piece in enumerate(out.split([b * w for w in widths])):
                 gather(blocks[s], pipeline.runs[bucket][s], piece.view(b, widths[s]))
-            into = out.new_empty(world * b * widths[rank])
+            into = pipeline.buffer("grad_received", bucket).empty((world * b * widths[rank],), torch.float32,
+                                                                  send.device)
             box["grad_works"].append(dist.all_to_all_single(into, out, [b * widths[rank]] * world,
                                                             [b * w for w in widths],
                                                             group=pipeline.process_groups[bucket], async_op=True))

@@ -1,0 +1,114 @@
+"""What pipelined buckets cost and save with one core per rank: one SparseLift run on 2 ranks, the
+plan of ``--optimizations`` (applied without calibration) against the same plan with the output
+all-to-all pipelined in ``--buckets`` buckets, switched in runs of ``--run`` steps (mirrored: A B
+B A ...), the first step of each run unmeasured. Per step: wall time, the training thread's CPU
+time and the process's, judged as paired differences (pipelined - not), and the training thread's
+CPU time inside the pipeline's column copies (``runtime/pipeline.py``'s ``gather`` / ``scatter``).
+
+    .venv/bin/python benchmarks/pipeline_copies.py --scenario sparse-heavy --pairs 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from two_ranks import bench_env, spawn, warmed_up
+
+
+class _CopyClock:
+    """The training thread's CPU time inside the pipeline's copy functions (wrapped in place)."""
+
+    def __init__(self) -> None:
+        from lightning_sparselift.runtime import pipeline
+
+        self.seconds = 0.0
+        for name in ("gather", "scatter"):
+            setattr(pipeline, name, self._timed(getattr(pipeline, name)))
+
+    def _timed(self, copy: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return copy(*args)
+            finally:
+                self.seconds += time.thread_time() - start
+        return timed
+
+
+def _apply(graph: Any, optimizations: list[str]) -> Any:
+    """``graph`` with every feasible candidate of ``optimizations`` applied (as calibrate=False does)."""
+    from lightning_sparselift.passes import select_passes
+
+    for optimization in select_passes(optimizations):
+        for candidate in optimization.candidates(graph):
+            if candidate.feasible and optimization.only in (None, {candidate.role}):
+                graph = optimization.apply(graph, candidate)
+    return graph
+
+
+def _worker(rank: int, scenario: str, pairs: int, run: int, optimizations: list[str], buckets: int) -> None:
+    from lightning_sparselift.bench.systems import SparseLift
+    from lightning_sparselift.cost.decision import paired_estimate
+
+    pipelined = f"subgraph_parallelism:pipelined{buckets}"
+    system = SparseLift(bench_env(rank, scenario), {"optimizations": [*optimizations, pipelined], "calibrate": False})
+    step = warmed_up(system)
+    session = system.session
+    if not any(d.accepted and d.role == f"pipelined{buckets}" for d in session.plan.decisions):
+        raise SystemExit(f"{pipelined} is not feasible here: {[d.reason for d in session.plan.decisions]}")
+    graphs = {True: session.plan.graph, False: _apply(session.identity, optimizations)}
+    clock = _CopyClock()
+    # pipelined -> per step [wall, thread, process, copies]
+    samples: dict[bool, list[list[float]]] = {True: [], False: []}
+    measured = run - 1
+    for k in range(2 * -(-pairs // measured)):
+        on = (k % 4) in (1, 2)  # A B B A ...
+        session.installed.use(graphs[on])
+        system.step(step)
+        step += 1
+        for _ in range(measured):
+            dist.barrier()
+            copies = clock.seconds
+            wall, thread, process = time.perf_counter(), time.thread_time(), time.process_time()
+            system.step(step)
+            step += 1
+            samples[on].append([(time.perf_counter() - wall) * 1e3, (time.thread_time() - thread) * 1e3,
+                                (time.process_time() - process) * 1e3, (clock.seconds - copies) * 1e3])
+    local = torch.tensor([samples[False], samples[True]], dtype=torch.float64)  # [arm, pair, metric]
+    gathered = [torch.empty_like(local) for _ in range(2)]
+    dist.all_gather(gathered, local)
+    if rank == 0:
+        print(f"{scenario}: {optimizations} against the same with {pipelined}; {len(samples[True])} pairs in runs "
+              f"of {run}")
+        for who, values in (("rank 0", gathered[0]), ("slowest rank", torch.stack(gathered).amax(dim=0))):
+            for m, metric in enumerate(("step wall", "training thread CPU", "process CPU")):
+                off, on = values[0, :, m].tolist(), values[1, :, m].tolist()
+                e = paired_estimate(off, on, 0.95, 1)
+                print(f"  {who:<12s} {metric:<20s} one all-to-all {sorted(off)[len(off) // 2]:7.2f} ms, pipelined "
+                      f"{sorted(on)[len(on) // 2]:7.2f} ms: pipelined - one {e.increment_ms:+.3f} ms "
+                      f"[{e.interval_ms[0]:+.3f}, {e.interval_ms[1]:+.3f}] ({e.pairs} pairs, {e.outliers} outliers)")
+            copies = sorted(values[1, :, 3].tolist())
+            print(f"  {who:<12s} of which the pipeline's copies (training thread CPU): median "
+                  f"{copies[len(copies) // 2]:.2f} ms [p25 {copies[len(copies) // 4]:.2f}, p75 {copies[3 * len(copies) // 4]:.2f}]")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenario", default="sparse-heavy")
+    parser.add_argument("--pairs", type=int, default=40)
+    parser.add_argument("--run", type=int, default=4, help="steps per run of one plan (>= 2)")
+    parser.add_argument("--optimizations", default="codegen")
+    parser.add_argument("--buckets", type=int, choices=(2, 4, 8), default=2)
+    args = parser.parse_args()
+    if args.run < 2:
+        parser.error("--run must be >= 2 (its first step is not measured)")
+    spawn(_worker, args.scenario, args.pairs, args.run, args.optimizations.split(","), args.buckets)
+
+
+if __name__ == "__main__":
+    main()
