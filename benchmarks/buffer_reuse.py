@@ -13,50 +13,27 @@ slowest rank's.
 from __future__ import annotations
 
 import argparse
-import time
 
-import torch
-import torch.distributed as dist
-
-from two_ranks import bench_env, spawn, warmed_up
+from two_ranks import bench_env, mirrored_steps, print_pairs, spawn, warmed_up
 
 
 def _worker(rank: int, scenario: str, pairs: int, run: int, optimizations: list[str]) -> None:
     from lightning_sparselift.bench.systems import SparseLift
-    from lightning_sparselift.cost.decision import paired_estimate
 
     system = SparseLift(bench_env(rank, scenario), {"optimizations": optimizations, "calibrate": False})
     step = warmed_up(system)
     executors = list(system.session.installed.executors.values())
-    samples: dict[bool, list[list[float]]] = {True: [], False: []}  # reuse -> per step [wall, thread, process]
-    measured = run - 1
-    for k in range(2 * -(-pairs // measured)):
-        reuse = (k % 4) in (0, 3)  # on off off on ...
+
+    def use(off: bool) -> None:
         for ex in executors:
-            ex.buffers.reuse = reuse
-        system.step(step)
-        step += 1
-        for _ in range(measured):
-            dist.barrier()
-            wall, thread, process = time.perf_counter(), time.thread_time(), time.process_time()
-            system.step(step)
-            step += 1
-            samples[reuse].append([(time.perf_counter() - wall) * 1e3, (time.thread_time() - thread) * 1e3,
-                                   (time.process_time() - process) * 1e3])
-    local = torch.tensor([samples[True], samples[False]], dtype=torch.float64)  # [arm, pair, metric]
-    gathered = [torch.empty_like(local) for _ in range(2)]
-    dist.all_gather(gathered, local)
+            ex.buffers.reuse = not off
+
+    local = mirrored_steps(system, step, pairs, run, use)
     if rank == 0:
         plan = [d.candidate for d in system.session.plan.decisions if d.accepted]
-        print(f"{scenario}: plan {plan}; {len(samples[True])} pairs in runs of {run}; buffers reused on rank 0: "
+        print(f"{scenario}: plan {plan}; {local.shape[1]} pairs in runs of {run}; buffers reused on rank 0: "
               f"{sum(ex.buffers.reused for ex in executors)}")
-        for who, values in (("rank 0", gathered[0]), ("slowest rank", torch.stack(gathered).amax(dim=0))):
-            for m, metric in enumerate(("step wall", "training thread CPU", "process CPU")):
-                on, off = values[0, :, m].tolist(), values[1, :, m].tolist()
-                e = paired_estimate(on, off, 0.95, 1)
-                print(f"  {who:<12s} {metric:<20s} reuse on {sorted(on)[len(on) // 2]:7.2f} ms, off "
-                      f"{sorted(off)[len(off) // 2]:7.2f} ms: off - on {e.increment_ms:+.3f} ms "
-                      f"[{e.interval_ms[0]:+.3f}, {e.interval_ms[1]:+.3f}] ({e.pairs} pairs, {e.outliers} outliers)")
+    print_pairs(local, "reuse on", "off")
 
 
 def main() -> None:

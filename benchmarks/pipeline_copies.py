@@ -14,10 +14,7 @@ import argparse
 import time
 from typing import Any, Callable
 
-import torch
-import torch.distributed as dist
-
-from two_ranks import bench_env, spawn, warmed_up
+from two_ranks import bench_env, mirrored_steps, print_pairs, spawn, warmed_up
 
 
 class _CopyClock:
@@ -53,7 +50,6 @@ def _apply(graph: Any, optimizations: list[str]) -> Any:
 
 def _worker(rank: int, scenario: str, pairs: int, run: int, optimizations: list[str], buckets: int) -> None:
     from lightning_sparselift.bench.systems import SparseLift
-    from lightning_sparselift.cost.decision import paired_estimate
 
     pipelined = f"subgraph_parallelism:pipelined{buckets}"
     system = SparseLift(bench_env(rank, scenario), {"optimizations": [*optimizations, pipelined], "calibrate": False})
@@ -63,38 +59,17 @@ def _worker(rank: int, scenario: str, pairs: int, run: int, optimizations: list[
         raise SystemExit(f"{pipelined} is not feasible here: {[d.reason for d in session.plan.decisions]}")
     graphs = {True: session.plan.graph, False: _apply(session.identity, optimizations)}
     clock = _CopyClock()
-    # pipelined -> per step [wall, thread, process, copies]
-    samples: dict[bool, list[list[float]]] = {True: [], False: []}
-    measured = run - 1
-    for k in range(2 * -(-pairs // measured)):
-        on = (k % 4) in (1, 2)  # A B B A ...
-        session.installed.use(graphs[on])
-        system.step(step)
-        step += 1
-        for _ in range(measured):
-            dist.barrier()
-            copies = clock.seconds
-            wall, thread, process = time.perf_counter(), time.thread_time(), time.process_time()
-            system.step(step)
-            step += 1
-            samples[on].append([(time.perf_counter() - wall) * 1e3, (time.thread_time() - thread) * 1e3,
-                                (time.process_time() - process) * 1e3, (clock.seconds - copies) * 1e3])
-    local = torch.tensor([samples[False], samples[True]], dtype=torch.float64)  # [arm, pair, metric]
-    gathered = [torch.empty_like(local) for _ in range(2)]
-    dist.all_gather(gathered, local)
+    local = mirrored_steps(system, step, pairs, run, lambda on: session.installed.use(graphs[on]),
+                           lambda: clock.seconds)
     if rank == 0:
-        print(f"{scenario}: {optimizations} against the same with {pipelined}; {len(samples[True])} pairs in runs "
+        print(f"{scenario}: {optimizations} against the same with {pipelined}; {local.shape[1]} pairs in runs "
               f"of {run}")
-        for who, values in (("rank 0", gathered[0]), ("slowest rank", torch.stack(gathered).amax(dim=0))):
-            for m, metric in enumerate(("step wall", "training thread CPU", "process CPU")):
-                off, on = values[0, :, m].tolist(), values[1, :, m].tolist()
-                e = paired_estimate(off, on, 0.95, 1)
-                print(f"  {who:<12s} {metric:<20s} one all-to-all {sorted(off)[len(off) // 2]:7.2f} ms, pipelined "
-                      f"{sorted(on)[len(on) // 2]:7.2f} ms: pipelined - one {e.increment_ms:+.3f} ms "
-                      f"[{e.interval_ms[0]:+.3f}, {e.interval_ms[1]:+.3f}] ({e.pairs} pairs, {e.outliers} outliers)")
-            copies = sorted(values[1, :, 3].tolist())
+    for who, values in print_pairs(local, "one all-to-all", "pipelined"):
+        copies = sorted(values[1, :, 3].tolist())
+        if rank == 0:
             print(f"  {who:<12s} of which the pipeline's copies (training thread CPU): median "
-                  f"{copies[len(copies) // 2]:.2f} ms [p25 {copies[len(copies) // 4]:.2f}, p75 {copies[3 * len(copies) // 4]:.2f}]")
+                  f"{copies[len(copies) // 2]:.2f} ms [p25 {copies[len(copies) // 4]:.2f}, "
+                  f"p75 {copies[3 * len(copies) // 4]:.2f}]")
 
 
 def main() -> None:
