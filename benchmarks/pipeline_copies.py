@@ -37,14 +37,17 @@ class _CopyClock:
         return timed
 
 
-def _apply(graph: Any, optimizations: list[str]) -> Any:
-    """``graph`` with every feasible candidate of ``optimizations`` applied (as calibrate=False does)."""
-    from lightning_sparselift.passes import select_passes
+def _without(session: Any, role: str) -> Any:
+    """The graph of ``session``'s plan without its accepted ``role`` candidate: the others applied to
+    the identity graph in their order by the planner (as a saved plan is rebuilt)."""
+    from lightning_sparselift.plan.planner import Planner
 
-    for optimization in select_passes(optimizations):
-        for candidate in optimization.candidates(graph):
-            if candidate.feasible and optimization.only in (None, {candidate.role}):
-                graph = optimization.apply(graph, candidate)
+    planner = Planner(session.passes, None, calibrate=False)
+    feasible = {c.id: c for c in planner.propose(session.identity)[0]}
+    graph = session.identity
+    for decision in session.plan.accepted:
+        if decision.role != role:
+            graph = planner.apply(graph, feasible[decision.candidate])
     return graph
 
 
@@ -55,9 +58,10 @@ def _worker(rank: int, scenario: str, pairs: int, run: int, optimizations: list[
     system = SparseLift(bench_env(rank, scenario), {"optimizations": [*optimizations, pipelined], "calibrate": False})
     step = warmed_up(system)
     session = system.session
-    if not any(d.accepted and d.role == f"pipelined{buckets}" for d in session.plan.decisions):
+    role = f"pipelined{buckets}"
+    if not any(d.role == role for d in session.plan.accepted):
         raise SystemExit(f"{pipelined} is not feasible here: {[d.reason for d in session.plan.decisions]}")
-    graphs = {True: session.plan.graph, False: _apply(session.identity, optimizations)}
+    graphs = {True: session.plan.graph, False: _without(session, role)}
     clock = _CopyClock()
     local = mirrored_steps(system, step, pairs, run, lambda on: session.installed.use(graphs[on]),
                            lambda: clock.seconds)

@@ -43,13 +43,12 @@ def column_runs(columns: list[int]) -> Runs:
     return runs
 
 
-def gather(source: Tensor, runs: Runs, into: Tensor) -> Tensor:
-    """``into`` ([rows, width of the runs]) filled with ``source``'s columns ``runs``, in order."""
+def gather(source: Tensor, runs: Runs, into: Tensor) -> None:
+    """``source``'s columns ``runs``, in order, into ``into`` ([rows, width of the runs])."""
     at = 0
     for first, width in runs:
         into[:, at:at + width].copy_(source[:, first:first + width])
         at += width
-    return into
 
 
 def scatter(piece: Tensor, runs: Runs, into: Tensor) -> None:
