@@ -56,6 +56,7 @@ from lightning_sparselift.plan.verification import (
     finding_statistics, settle_steps_for, workload_of,
 )
 from lightning_sparselift.runtime import InstalledExecutor, install
+from lightning_sparselift.runtime.update_guard import UpdateCheck, no_check
 
 if TYPE_CHECKING:
     from lightning_sparselift.ir import SparseGraph
@@ -98,12 +99,14 @@ class SparseLiftSession:
                  verify_steps: int = 40, replan_on_drift: bool = True, drift_ratio: float = 5.0,
                  min_steps_between_replans: int = 500, drift_check_every: int = DRIFT_CHECK_EVERY,
                  check_group: Any = None, workspace_budget_bytes: Optional[int] = None,
-                 reuse_buffers: bool = True, numerics: str = "exact") -> None:
+                 reuse_buffers: bool = True, numerics: str = "exact", before_update: UpdateCheck = no_check) -> None:
         """``check_group``: a process group for the drift checks and the verification's exchange
         (default ``group``): a group of their own does not wait behind exchanges left in flight.
         ``workspace_budget_bytes``: the lifted graph's (see ``SparseGraph.workspace_budget_bytes``).
         ``reuse_buffers``, ``numerics``: the executor's (see
-        :class:`~lightning_sparselift.runtime.executor.ModuleExecutor`)."""
+        :class:`~lightning_sparselift.runtime.executor.ModuleExecutor`). ``before_update``: called in
+        every lifted module's backward before anything is updated (it raises to stop the step; see
+        :mod:`~lightning_sparselift.runtime.update_guard`)."""
         from lightning_sparselift.passes import select_passes
 
         if warmup_batches < 1:
@@ -116,7 +119,7 @@ class SparseLiftSession:
         self.optimizations = sorted(optimizations or [])
         self.calibrate, self.plan_path, self.decision_rule = calibrate, plan_path, decision_rule
         self.workspace_budget_bytes, self.reuse_buffers = workspace_budget_bytes, reuse_buffers
-        self.numerics = numerics
+        self.numerics, self.before_update = numerics, before_update
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.capture: Optional[SparseCapture] = SparseCapture(model, module_paths, self.rank, self.world)
@@ -385,6 +388,7 @@ class SparseLiftSession:
                                f"plan with the same input features.")
         self.installed = install(graph, self.model, self.group, self.device, self.reuse_buffers, self.numerics)
         self.installed.observe(self._observe)
+        self.installed.guard_updates(self.before_update)
         if any(p.uses_generated_kernels for p in self.passes):
             self._build_kernels(graph)
         self.identity = graph

@@ -249,24 +249,64 @@ def local_state(model: nn.Module, fused: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: int,
-          device: torch.device, optimizations: tuple[str, ...] = ()) -> dict[str, Any]:
-    from lightning_sparselift.frontend.capture import SparseCapture, gather_captures
+def install_forced(model: nn.Module, sharded: Any, capture: Any, world: int, device: torch.device,
+                   optimizations: tuple[str, ...]) -> Any:
+    """After the last captured step: the lifted executor installed, every feasible candidate of
+    ``optimizations`` applied (as ``calibrate=False`` would)."""
+    from lightning_sparselift.frontend.capture import gather_captures
     from lightning_sparselift.frontend.check import check_against_runtime
     from lightning_sparselift.frontend.lift import dense_parameter_bytes, lift
     from lightning_sparselift.passes import InfeasibleCandidate, select_passes
     from lightning_sparselift.plan.types import KernelBuild
     from lightning_sparselift.runtime import install
     from lightning_sparselift.session import mark_generated
+
+    dmp = sharded.dmp
+    captured = gather_captures(capture.result())
+    capture.remove()
+    graph = lift(model, dmp.plan, sharded.sparse_module_paths, captured, dist.group.WORLD, device,
+                 dense_parameter_bytes(dmp, sharded.sparse_module_paths))
+    check_against_runtime(graph, model)
+    # several ranks share the machine's 2 cores with one thread each: their buckets (forced on
+    # here) run one after the other, which still checks every rank's partition; one rank runs
+    # two threads and its buckets concurrently
+    assert graph.threads_per_rank == [torch.get_num_threads()] * world
+    graph.threads_per_rank = [2] * world
+    installed = install(graph, model, dist.group.WORLD, device)
+    if any(p.uses_generated_kernels for p in select_passes(list(optimizations))):
+        # built before planning, as the session does
+        builds: list = [None] * world
+        dist.all_gather_object(builds, installed.build_generated())
+        mark_generated(graph, [KernelBuild(rank=r, **b) for r, bs in enumerate(builds) for b in bs])
+    for optimization in select_passes(list(optimizations)):
+        for candidate in optimization.candidates(graph):
+            if candidate.feasible and optimization.only in (None, {candidate.role}):
+                try:
+                    graph = optimization.apply(graph, candidate)
+                except InfeasibleCandidate:  # (what an earlier one applied, e.g. fewer tables than G)
+                    continue
+    installed.use(graph)
+    return installed
+
+
+def sharded_model(case: dict[str, Any], variant: dict[str, Any], world: int, device: torch.device) -> tuple[nn.Module, Any]:
+    """The case's model from seed 0, sharded: (the model, ``shard_model``'s result)."""
     from lightning_sparselift.sharding import EmbeddingOptimizer, shard_model
 
     torch.manual_seed(0)
     model = ParityModel(variant["weighted"], variant["two_modules"], case.get("mean", ()), "sequence" in variant)
     tables = set(TABLES_A) | (set(TABLES_B) if variant["two_modules"] else set())
     sharding = {t: k for t, k in case["sharding"].items() if t in tables}
-    sharded = shard_model(model, world, device, sharding,
-                          EmbeddingOptimizer(variant.get("optimizer", "rowwise_adagrad"), lr=0.1),
-                          dist.group.WORLD, input_check_group=dist.group.WORLD)
+    return model, shard_model(model, world, device, sharding,
+                              EmbeddingOptimizer(variant.get("optimizer", "rowwise_adagrad"), lr=0.1),
+                              dist.group.WORLD, input_check_group=dist.group.WORLD)
+
+
+def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: int,
+          device: torch.device, optimizations: tuple[str, ...] = ()) -> dict[str, Any]:
+    from lightning_sparselift.frontend.capture import SparseCapture
+
+    model, sharded = sharded_model(case, variant, world, device)
     dmp = sharded.dmp
     dense_params = [p for n, p in dmp.named_parameters() if not hasattr(p, "_in_backward_optimizers")]
     dense_opt = torch.optim.SGD(dense_params, lr=0.05)
@@ -303,32 +343,9 @@ def train(case: dict[str, Any], variant: dict[str, Any], lifted: bool, world: in
         if recorder is not None:
             result["captured_collectives" if step < WARMUP_STEPS else "lifted_collectives"] = recorder.records
         if capture is not None and step == WARMUP_STEPS - 1:
-            captured = gather_captures(capture.result())
-            capture.remove()
-            graph = lift(model, dmp.plan, sharded.sparse_module_paths, captured, dist.group.WORLD, device,
-                         dense_parameter_bytes(dmp, sharded.sparse_module_paths))
-            check_against_runtime(graph, model)
-            # several ranks share the machine's 2 cores with one thread each: their buckets (forced on
-            # here) run one after the other, which still checks every rank's partition; one rank runs
-            # two threads and its buckets concurrently
-            assert graph.threads_per_rank == [torch.get_num_threads()] * world
-            graph.threads_per_rank = [2] * world
-            installed = install(graph, model, dist.group.WORLD, device)
-            if any(p.uses_generated_kernels for p in select_passes(list(optimizations))):
-                # built before planning, as the session does
-                builds: list = [None] * world
-                dist.all_gather_object(builds, installed.build_generated())
-                mark_generated(graph, [KernelBuild(rank=r, **b) for r, bs in enumerate(builds) for b in bs])
-            for optimization in select_passes(list(optimizations)):  # every feasible one, as calibrate=False would
-                for candidate in optimization.candidates(graph):
-                    if candidate.feasible and optimization.only in (None, {candidate.role}):
-                        try:
-                            graph = optimization.apply(graph, candidate)
-                        except InfeasibleCandidate:  # (what an earlier one applied, e.g. fewer tables than G)
-                            continue
-            installed.use(graph)
-            result["graph"] = graph.to_dict()
-            result["explain"] = graph.explain()
+            installed = install_forced(model, sharded, capture, world, device, optimizations)
+            result["graph"] = installed.graph.to_dict()
+            result["explain"] = installed.graph.explain()
     result["final"] = local_state(dmp, dmp.fused_optimizer)
     if installed is not None:
         result["torchrec_steps"] = {p: f.torchrec_steps for p, f in installed.executors.items()}

@@ -233,7 +233,9 @@ class SparseCapture:
         for path in module_paths:
             module = model.get_submodule(path)
             self._handles.append(module.register_forward_pre_hook(self._pre_hook(path), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._output_hook(path)))
+            # first among the module's forward hooks: it waits for TorchRec's awaitable output, which
+            # a hook that read the output before (e.g. the step check's) would have waited for already
+            self._handles.append(module.register_forward_hook(self._output_hook(path), prepend=True))
 
     def _pre_hook(self, path: str):
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -16,6 +16,10 @@ executes it (it builds its exchanges and kernels from it once, when a plan is in
   concurrently, or pipelined: bucket after bucket, each bucket's output all-to-all on a process
   group of its own, issued as soon as its lookups are done).
 
+What no schedule holds, because none may skip it: the runtime passes a module's gradients through
+its update guard before any of them reaches a gradient exchange or a fused update
+(``runtime/update_guard.py``), so no schedule updates on a step the ranks' step check stops.
+
 Example (one table-wise group, aggregation and latency hiding applied)::
 
     lookup_at root_forward

@@ -4,11 +4,11 @@ The embedding optimizer is fused into backward, so one ``inf`` in a dense featur
 turns that rank's loss, then every rank's tables (through the all-to-alls) and dense weights
 (through DDP's all-reduce) into NaN for good. So after the forward and before backward, every
 rank shares what it saw: non-finite values in the floating-point tensors of its batch (dense
-features, labels, sample weights; the sparse features are checked by
-:mod:`lightning_sparselift.validation`), whether its loss is finite, and whether its batch has any
-sample. Then all ranks raise the same error before the first update, or (``non_finite="skip"``)
-all skip the step; a step where every rank's batch is empty is skipped too (its loss has no
-samples to average).
+features, labels, sample weights, the weights of its KeyedJaggedTensors; the ids and lengths are
+checked by :mod:`lightning_sparselift.validation`), whether its loss is finite, and whether its
+batch has any sample. Then all ranks raise the same error before the first update, or
+(``non_finite="skip"``) all skip the step; a step where every rank's batch is empty is skipped too
+(its loss has no samples to average).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from lightning_sparselift.frontend.capture import describe_path, find_objects
 
 NON_FINITE_POLICIES = ("raise", "skip")
 # what a rank found in its batch: the first tensor with non-finite values (its index among the
-# batch's floating-point tensors), the column and row of its first one, and how many it holds
+# batch's floating-point tensors, then its KJTs' weights), the column (a KJT's: the feature) and
+# row (the sample) of its first one, and how many it holds
 _NOTHING_FOUND = (-1, -1, -1, 0)
 
 
@@ -37,20 +38,44 @@ def dense_leaves(batch: Any) -> list[tuple[list[list[Any]], Tensor]]:
     return find_objects((batch,), {}, lambda obj: isinstance(obj, Tensor) and obj.is_floating_point(), depth=3)
 
 
+def kjt_leaves(batch: Any) -> list[tuple[list[list[Any]], Any]]:
+    """The KeyedJaggedTensors of a batch with their access paths."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    return find_objects((batch,), {}, lambda obj: isinstance(obj, KeyedJaggedTensor), depth=3)
+
+
+def _first_non_finite(tensor: Tensor) -> Optional[tuple[int, int, int]]:
+    """(column or -1, row, count) of the non-finite values of ``tensor``; None: all finite."""
+    bad = ~torch.isfinite(tensor)
+    count = int(bad.sum())
+    if not count:
+        return None
+    where = bad.nonzero()[0].tolist()
+    return (where[1] if tensor.dim() > 1 else -1), where[0], count
+
+
+def _first_non_finite_weight(kjt: Any) -> Optional[tuple[int, int, int]]:
+    """(feature index, sample, count) of the non-finite weights of ``kjt``; None: all finite or unweighted."""
+    weights = kjt.weights_or_none()
+    found = _first_non_finite(weights) if weights is not None and weights.is_floating_point() else None
+    if found is None:
+        return None
+    _, position, count = found
+    bag = int(torch.searchsorted(kjt.lengths().cumsum(0), position, right=True))
+    for feature, stride in enumerate(kjt.stride_per_key()):
+        if bag < stride:
+            return feature, bag, count
+        bag -= stride
+    raise AssertionError("a weight outside the KeyedJaggedTensor's bags")  # (validation checks lengths vs values)
+
+
 def _loss_of(output: Any) -> Optional[Tensor]:
     if isinstance(output, Tensor):
         return output
     if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
         return output["loss"]
     return None
-
-
-def _batch_size(batch: Any) -> int:
-    """Samples in the batch as its sparse features count them (-1: it holds no KJT)."""
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    kjts = find_objects((batch,), {}, lambda obj: isinstance(obj, KeyedJaggedTensor), depth=3)
-    return kjts[0][1].stride() if kjts else -1
 
 
 class StepCheck:
@@ -60,31 +85,31 @@ class StepCheck:
 
     The ranks' findings travel in one all-gather started by :meth:`verdict`. Skipping a step has
     to be decided before backward, so with ``skip`` (or an empty batch) :meth:`verdict` waits for
-    it. Raising can wait until the first update: the gradient of each sparse module's output
-    (computed before any embedding update, which happens in backward) and the optimizer step call
-    :meth:`before_update`, so the all-gather runs while backward computes the dense part."""
+    it. Raising can wait until the first update, so the all-gather runs while backward computes
+    the dense part: :meth:`before_update` is called where each sparse module's gradients enter
+    backward, before any exchange or fused embedding update (on TorchRec's path: the gradient of
+    the module's output values; on the lifted executor, whatever its schedule: the guard of
+    :mod:`~lightning_sparselift.runtime.update_guard`, which the session installs), and before the
+    optimizer step."""
 
     def __init__(self, group: Any, policy: str, model: nn.Module, sparse_module_paths: list[str]) -> None:
         # policy: one of NON_FINITE_POLICIES (the strategy checks the option when it is constructed)
         self.group, self.policy = group, policy
         self.skipped = 0  # steps skipped on every rank
-        self._batch: Any = None
         self._dense: list[tuple[list[list[Any]], Tensor]] = []
+        self._kjts: list[tuple[list[list[Any]], Any]] = []
         self._found = list(_NOTHING_FOUND)
         self._pending: Optional[tuple[Any, list[Tensor], str]] = None  # all-gather in flight, its rows, the step
         for path in sparse_module_paths:
             model.get_submodule(path).register_forward_hook(self._wait_in_backward)
 
     def inspect(self, batch: Any) -> None:
-        self._batch, self._dense = batch, dense_leaves(batch)
+        self._dense, self._kjts = dense_leaves(batch), kjt_leaves(batch)
         self._found = list(_NOTHING_FOUND)
-        for index, (_, tensor) in enumerate(self._dense):
-            bad = ~torch.isfinite(tensor)
-            count = int(bad.sum())
-            if count:
-                where = bad.nonzero()[0].tolist() + [0, 0]
-                self._found = [index, where[1] if tensor.dim() > 1 else -1, where[0], count]
-                break
+        findings = [_first_non_finite(t) for _, t in self._dense] + [_first_non_finite_weight(k) for _, k in self._kjts]
+        first = next((i for i, found in enumerate(findings) if found is not None), None)
+        if first is not None:
+            self._found = [first, *findings[first]]
 
     def verdict(self, output: Any, batch_idx: int, global_step: int) -> Any:
         """``output`` if the step may go on to backward (a finding raises later, in
@@ -93,7 +118,7 @@ class StepCheck:
         distributed training, and backward on it updates nothing)."""
         loss = _loss_of(output)
         loss_bad = loss is not None and not bool(torch.isfinite(loss.detach()).all())
-        size = _batch_size(self._batch)
+        size = self._kjts[0][1].stride() if self._kjts else -1  # the samples as the sparse features count them
         local = torch.tensor(self._found + [int(loss_bad), size], dtype=torch.int64,
                              device=loss.device if loss is not None else "cpu")
         step = f"training batch {batch_idx} (global step {global_step})"
@@ -154,8 +179,16 @@ class StepCheck:
         leaf, column, first_row, count, loss_bad = row[:5]
         parts = []
         if count:
-            path = describe_path(self._dense[leaf][0], "batch") if 0 <= leaf < len(self._dense) else "the batch"
-            feature = f" (feature {column}, first at sample {first_row})" if column >= 0 else \
+            kjt = leaf - len(self._dense)
+            if 0 <= leaf < len(self._dense):
+                path = describe_path(self._dense[leaf][0], "batch")
+            elif 0 <= kjt < len(self._kjts):  # (every rank's KJTs have the same keys: validation checks it)
+                path = describe_path(self._kjts[kjt][0], "batch") + ".weights()"
+                keys = self._kjts[kjt][1].keys()
+                column = repr(keys[column]) if 0 <= column < len(keys) else column
+            else:
+                path = "the batch"
+            feature = f" (feature {column}, first at sample {first_row})" if column != -1 else \
                 f" (first at sample {first_row})"
             parts.append(f"{count} in {path}{feature}")
         if loss_bad:

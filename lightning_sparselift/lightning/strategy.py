@@ -159,7 +159,8 @@ class SparseLiftStrategy(ParallelStrategy):
         allow_optimizer_state_reset: when resuming into a different sharding plan, load the
             weights and restart the fused optimizer state instead of raising.
         non_finite: what a training step with non-finite values in the batch's floating-point
-            tensors or in the loss on any rank does, before backward applies any update:
+            tensors (its KJTs' weights included) or in the loss on any rank does, before backward
+            applies any update (on every schedule: see ``runtime/update_guard.py``):
             ``raise`` (default) stops every rank with an error naming the batch, tensor, feature
             and rank; ``skip`` skips that step on every rank with a warning.
     """
@@ -458,6 +459,10 @@ class SparseLiftStrategy(ParallelStrategy):
     @override
     def on_train_start(self) -> None:
         self._check_equal_batch_counts("fit")
+        # every rank checks the batch and the loss before backward applies any (fused) update
+        if self._step_check is None:
+            self._step_check = StepCheck(self._check_group, self.non_finite, self.lightning_module,
+                                         self.sparse_module_paths)
         # an installed executor is kept across fits; a session that kept TorchRec's path tries again
         if self.executor == "sparselift" and (self._session is None or self._session.installed is None):
             from lightning_sparselift.session import SparseLiftSession
@@ -467,6 +472,7 @@ class SparseLiftStrategy(ParallelStrategy):
                                               self.optimizations, self.calibrate, self.plan_path,
                                               self.decision_rule, workspace_budget_bytes=self.workspace_budget_bytes,
                                               reuse_buffers=self.reuse_buffers, numerics=self.numerics,
+                                              before_update=self._step_check.before_update,
                                               **self.steady_state_options)
 
     @property
@@ -491,10 +497,6 @@ class SparseLiftStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        # every rank checks the batch and the loss before backward applies any (fused) update
-        if self._step_check is None:
-            self._step_check = StepCheck(self._check_group, self.non_finite, self.lightning_module,
-                                         self.sparse_module_paths)
         batch = args[0] if args else kwargs.get("batch")
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", -1)
         self._step_check.inspect(batch)

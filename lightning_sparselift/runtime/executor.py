@@ -31,6 +31,7 @@ from lightning_sparselift.runtime.mean_pooling import MeanAfterReduce
 from lightning_sparselift.runtime.output_dist import KeptPending, OutputDistribution, Pending
 from lightning_sparselift.runtime.pipeline import Pipeline
 from lightning_sparselift.runtime.torchrec_group import TorchRecGroup
+from lightning_sparselift.runtime.update_guard import UpdateCheck, guarded, no_check
 from lightning_sparselift.validation import InputCheck
 
 
@@ -87,6 +88,8 @@ class ModuleExecutor:
         self.concatenated_steps = 0  # calls whose output the model concatenated for free (the consumer layout)
         # called with (module path, features) on every training call of the module (the session's drift watch)
         self.observer: Optional[Callable[[str, Any], None]] = None
+        # called in backward before the module's gradients go on to any exchange or update, whatever the schedule
+        self.before_update: UpdateCheck = no_check
         # by group and buckets: built once, kept across plan switches
         self.generated: dict[tuple[int, tuple[tuple[str, ...], ...]], GeneratedLookup] = {}
         self.bucket_builds: list[dict[str, Any]] = []  # the kernels in buckets built since the last take
@@ -296,7 +299,8 @@ class ModuleExecutor:
 
     def _finish(self, out: list[Tensor], pending: list[Pending | KeptPending], inputs: list[Distributed],
                 features: Any) -> Any:
-        result = self.output(self.spec, self.outputs.wait(out, pending), [d.features for d in inputs])
+        received = guarded(self.before_update, self.outputs.wait(out, pending))
+        result = self.output(self.spec, received, [d.features for d in inputs])
         return result if self.mean is None else self.mean.apply(result, features)
 
     # ------------------------------------------------------------------ started work not used

@@ -16,6 +16,7 @@ from lightning_sparselift.frontend.capture import resolve_features
 from lightning_sparselift.cost.calibration import RegionClock
 from lightning_sparselift.ir import SparseGraph
 from lightning_sparselift.runtime.executor import ModuleExecutor
+from lightning_sparselift.runtime.update_guard import UpdateCheck
 
 
 def _built(make: Callable[[], Any]) -> dict[str, Any]:
@@ -96,6 +97,12 @@ class InstalledExecutor:
         (None: stop)."""
         for executor in self.executors.values():
             executor.observer = observer
+
+    def guard_updates(self, check: UpdateCheck) -> None:
+        """Call ``check`` in every lifted module's backward before its gradients reach an exchange
+        or an update (see :mod:`~lightning_sparselift.runtime.update_guard`); it raises to stop the step."""
+        for executor in self.executors.values():
+            executor.before_update = check
 
     def discard(self) -> None:
         """Training ended: complete and drop what was started for a step that will not run."""
