@@ -4,6 +4,7 @@ recommendation models. Importing this package registers the strategy names ``spa
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_sparselift._version import __version__
 from lightning_sparselift.lightning.strategy import SparseLiftStrategy
 
 SparseLiftStrategy.register_strategies(StrategyRegistry)
@@ -19,8 +20,7 @@ _LAZY = {
     "EmbeddingOptimizer": "lightning_sparselift.sharding",
 }
 
-__all__ = ["SparseLiftStrategy", *_LAZY]
-__version__ = "0.1.0"
+__all__ = ["SparseLiftStrategy", "__version__", *_LAZY]
 
 
 def __getattr__(name: str):

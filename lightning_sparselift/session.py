@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_sparselift._version import __version__
 from lightning_sparselift.cost.decision import DecisionRule
 from lightning_sparselift.frontend.capture import SparseCapture, gather_captures
 from lightning_sparselift.frontend.check import check_against_runtime
@@ -57,6 +58,7 @@ from lightning_sparselift.plan.verification import (
 )
 from lightning_sparselift.runtime import InstalledExecutor, install
 from lightning_sparselift.runtime.update_guard import UpdateCheck, no_check
+from lightning_sparselift.sharding import plan_summary
 
 if TYPE_CHECKING:
     from lightning_sparselift.ir import SparseGraph
@@ -413,12 +415,9 @@ class SparseLiftSession:
 
     # ------------------------------------------------------------------ plan
     def _fingerprint(self, graph: SparseGraph) -> PlanFingerprint:
-        import lightning_sparselift
-        from lightning_sparselift.lightning.checkpoint import plan_summary
-
         return PlanFingerprint(graph=graph.fingerprint(), sharding_plan=PlanFingerprint.hash(plan_summary(
             self.sharding_plan)), world_size=self.world, backend=graph.backend,
-            versions={**graph.versions, "lightning_sparselift": lightning_sparselift.__version__},
+            versions={**graph.versions, "lightning_sparselift": __version__},
             optimizations=self.optimizations)
 
     def _saved_plan(self, fingerprint: PlanFingerprint, identity: SparseGraph) -> Optional[ExecutionPlan]:

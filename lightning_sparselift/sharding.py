@@ -386,3 +386,16 @@ def combine_optimizers(dmp: nn.Module, dense: torch.optim.Optimizer) -> Any:
         raise ValueError(f"the dense optimizer holds {len(unknown)} tensor(s) that are not parameters of the model")
     keyed_dense = KeyedOptimizerWrapper({names[id(p)]: p for p in params}, lambda _: dense)
     return CombinedOptimizer([("embedding", dmp.fused_optimizer), ("dense", keyed_dense)])
+
+
+def plan_summary(plan: Any) -> dict[str, Any]:
+    """A TorchRec sharding plan as plain data: per table, its sharding type, ranks and shards
+    (what a checkpoint and a plan file record of the placement)."""
+    out = {}
+    for module_path, module_plan in sorted(plan.plan.items()):
+        for table, ps in sorted(module_plan.items()):
+            shards = None
+            if ps.sharding_spec is not None and hasattr(ps.sharding_spec, "shards"):
+                shards = [[list(s.shard_offsets), list(s.shard_sizes), str(s.placement)] for s in ps.sharding_spec.shards]
+            out[f"{module_path}.{table}"] = {"sharding_type": ps.sharding_type, "ranks": ps.ranks, "shards": shards}
+    return out

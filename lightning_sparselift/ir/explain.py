@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lightning_sparselift.frontend.capture import describe_path
+from lightning_sparselift.kjt import describe_path
 from lightning_sparselift.ir.schedule import bucket_label
 from lightning_sparselift.ir.steps import CollectiveNode
 from lightning_sparselift.ir.vocab import COLUMN_SHARDED, ROW_SHARDED

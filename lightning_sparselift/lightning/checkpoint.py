@@ -177,17 +177,6 @@ def model_fingerprint(dmp: nn.Module, tables: dict[str, Any], sparse_prefixes: l
     }
 
 
-def plan_summary(plan: Any) -> dict[str, Any]:
-    out = {}
-    for module_path, module_plan in sorted(plan.plan.items()):
-        for table, ps in sorted(module_plan.items()):
-            shards = None
-            if ps.sharding_spec is not None and hasattr(ps.sharding_spec, "shards"):
-                shards = [[list(s.shard_offsets), list(s.shard_sizes), str(s.placement)] for s in ps.sharding_spec.shards]
-            out[f"{module_path}.{table}"] = {"sharding_type": ps.sharding_type, "ranks": ps.ranks, "shards": shards}
-    return out
-
-
 def _describe_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> str:
     lines = []
     for kind in ("tables", "dense"):

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_sparselift.frontend.capture import describe_path, find_objects
+from lightning_sparselift.kjt import describe_path, find_objects
 
 NON_FINITE_POLICIES = ("raise", "skip")
 # what a rank found in its batch: the first tensor with non-finite values (its index among the

@@ -47,7 +47,7 @@ from lightning_sparselift.lightning import console
 from lightning_sparselift.lightning.launcher import DenseOnlyMultiProcessingLauncher
 from lightning_sparselift.lightning.lookahead import LookaheadLoader
 from lightning_sparselift.lightning.report import report_events, report_metrics, report_round
-from lightning_sparselift.sharding import EmbeddingOptimizer, combine_optimizers, shard_model
+from lightning_sparselift.sharding import EmbeddingOptimizer, combine_optimizers, plan_summary, shard_model
 from lightning_sparselift.lightning.signals import SignalConnector
 from lightning_sparselift.lightning.step_check import NON_FINITE_POLICIES, StepCheck
 from lightning_sparselift.runtime.codegen.lookup import check_numerics
@@ -656,7 +656,7 @@ class SparseLiftStrategy(ParallelStrategy):
         ckpt.write_shards(folder, self._dmp, optimizer, self.global_rank)
         self.barrier()  # every rank's files are on disk before rank 0 checksums them
         self._on_rank_zero(ckpt.commit, folder, path, lightning_state, self._fingerprint(),
-                           ckpt.plan_summary(self._dmp.plan), optimizer is not None)
+                           plan_summary(self._dmp.plan), optimizer is not None)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -665,7 +665,7 @@ class SparseLiftStrategy(ParallelStrategy):
         lightning_state, info = self._on_rank_zero(ckpt.read_meta, path)
         optimizer = self.optimizers[0] if self.optimizers else None
         ckpt.load(path, self._dmp, optimizer, info, self.global_rank, self._fingerprint(),
-                  ckpt.plan_summary(self._dmp.plan), self.allow_optimizer_state_reset)
+                  plan_summary(self._dmp.plan), self.allow_optimizer_state_reset)
         lightning_state["state_dict"] = {}
         if optimizer is not None and self.embedding_lr_schedule == "follow_dense":
             self._follow_dense_lr()

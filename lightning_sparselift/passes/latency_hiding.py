@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from lightning_sparselift.frontend.capture import describe_path
+from lightning_sparselift.kjt import describe_path
 from lightning_sparselift.cost.calibration import CalibrationProtocol
 from lightning_sparselift.cost.priors import Priors
 from lightning_sparselift.ir import LiftedModule, SparseGraph, member_bytes

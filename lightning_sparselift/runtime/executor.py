@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_sparselift.frontend.capture import copy_features, same_features
+from lightning_sparselift.kjt import copy_features, same_features
 from lightning_sparselift.cost.calibration import RegionClock
 from lightning_sparselift.ir import LiftedModule, ModuleSchedule, ScheduleError, check_schedule
 from lightning_sparselift.ir.schedule import CONSUMER_KERNEL, GENERATED_KERNEL, Region

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_sparselift.frontend.capture import resolve_features
+from lightning_sparselift.kjt import resolve_features
 from lightning_sparselift.cost.calibration import RegionClock
 from lightning_sparselift.ir import SparseGraph
 from lightning_sparselift.runtime.executor import ModuleExecutor
