@@ -1,4 +1,5 @@
-# Two commands on a fresh machine: `make demo` and `make test`.
+# Two commands on a fresh machine: `make demo` and `make test` (what a contributor runs: every
+# tier but the full-length `slow` runs, a few minutes); `make test-all` runs everything (CI).
 # Each creates/refreshes the local virtual environment .venv as needed.
 # GPU=1 selects the CUDA stack (fbgemm-gpu, CUDA torch) instead of the CPU one.
 PYTHON ?= python3
@@ -12,16 +13,16 @@ else
 STAMP := $(VENV)/.installed-cpu
 endif
 
-.PHONY: install demo test clean
+.PHONY: install demo test test-all clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 ifeq ($(GPU),1)
-	$(PIP) install -e ".[gpu,test]"
+	$(PIP) install -e ".[gpu,test,bench]"
 else
-	$(PIP) install -e ".[cpu,test]"
+	$(PIP) install -e ".[cpu,test,bench]"
 endif
 	# torchrec without its requirements: they name the CUDA fbgemm-gpu (wrong on the CPU path)
 	# and pin torchmetrics==1.0.3; its real runtime dependencies are ours.
@@ -34,6 +35,9 @@ demo: $(STAMP)
 	$(VENV)/bin/sparselift fit --config configs/dlrm_synthetic.yaml
 
 test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+test-all: $(STAMP)
 	$(PY) -m pytest -q tests
 
 clean:

@@ -46,14 +46,14 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_sparselift._version import __version__
-from lightning_sparselift.cost.decision import DecisionRule
 from lightning_sparselift.frontend.capture import SparseCapture, gather_captures
 from lightning_sparselift.frontend.check import check_against_runtime
 from lightning_sparselift.frontend.lift import LiftError, dense_parameter_bytes, lift
+from lightning_sparselift.options import SessionOptions
 from lightning_sparselift.plan.planner import Planner, PlanningLoop
 from lightning_sparselift.plan.types import ExecutionPlan, KernelBuild, PlanFileError, PlanFingerprint
 from lightning_sparselift.plan.verification import (
-    DriftEvent, DriftWatch, PlanVerification, SteadyStateCheck, check_steady_options, drift_findings,
+    DriftEvent, DriftWatch, PlanVerification, SteadyStateCheck, drift_findings,
     finding_statistics, settle_steps_for, workload_of,
 )
 from lightning_sparselift.runtime import InstalledExecutor, install
@@ -62,9 +62,6 @@ from lightning_sparselift.sharding import plan_summary
 
 if TYPE_CHECKING:
     from lightning_sparselift.ir import SparseGraph
-
-
-DRIFT_CHECK_EVERY = 10  # steps between two drift checks (one small all-gather each)
 
 
 def mark_generated(graph: SparseGraph, builds: list[KernelBuild]) -> None:
@@ -95,33 +92,22 @@ class SparseLiftSession:
     ``done`` (a plan installed, or TorchRec's path kept; the drift watch runs in ``verify`` and
     ``done``)."""
 
-    def __init__(self, model: nn.Module, sharding_plan: Any, module_paths: list[str], warmup_batches: int,
-                 group: Any, device: torch.device, optimizations: Optional[list[str]] = None, calibrate: bool = True,
-                 plan_path: Optional[str] = None, decision_rule: DecisionRule = DecisionRule(),
-                 verify_steps: int = 40, replan_on_drift: bool = True, drift_ratio: float = 5.0,
-                 min_steps_between_replans: int = 500, drift_check_every: int = DRIFT_CHECK_EVERY,
-                 check_group: Any = None, workspace_budget_bytes: Optional[int] = None,
-                 reuse_buffers: bool = True, numerics: str = "exact", before_update: UpdateCheck = no_check) -> None:
+    def __init__(self, model: nn.Module, sharding_plan: Any, module_paths: list[str], group: Any,
+                 device: torch.device, options: SessionOptions = SessionOptions(), check_group: Any = None,
+                 before_update: UpdateCheck = no_check) -> None:
         """``check_group``: a process group for the drift checks and the verification's exchange
         (default ``group``): a group of their own does not wait behind exchanges left in flight.
-        ``workspace_budget_bytes``: the lifted graph's (see ``SparseGraph.workspace_budget_bytes``).
-        ``reuse_buffers``, ``numerics``: the executor's (see
-        :class:`~lightning_sparselift.runtime.executor.ModuleExecutor`). ``before_update``: called in
-        every lifted module's backward before anything is updated (it raises to stop the step; see
-        :mod:`~lightning_sparselift.runtime.update_guard`)."""
+        ``before_update``: called in every lifted module's backward before anything is updated (it
+        raises to stop the step; see :mod:`~lightning_sparselift.runtime.update_guard`)."""
         from lightning_sparselift.passes import select_passes
 
-        if warmup_batches < 1:
+        if options.warmup_batches < 1:
             raise ValueError("the lifted executor needs warmup_batches >= 1: TorchRec builds its dists on the first "
                              "forward, and the lift is checked against them")
-        check_steady_options(verify_steps, drift_ratio, min_steps_between_replans, drift_check_every)
+        self.options = options
         self.model, self.sharding_plan, self.paths = model, sharding_plan, module_paths
-        self.warmup_batches, self.group, self.device = warmup_batches, group, device
-        self.passes = select_passes(optimizations or [])
-        self.optimizations = sorted(optimizations or [])
-        self.calibrate, self.plan_path, self.decision_rule = calibrate, plan_path, decision_rule
-        self.workspace_budget_bytes, self.reuse_buffers = workspace_budget_bytes, reuse_buffers
-        self.numerics, self.before_update = numerics, before_update
+        self.group, self.device, self.before_update = group, device, before_update
+        self.passes = select_passes(list(options.optimizations))
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.capture: Optional[SparseCapture] = SparseCapture(model, module_paths, self.rank, self.world)
@@ -138,9 +124,6 @@ class SparseLiftSession:
         self._in_step = False
         self._step_start = self._step_cpu_start = 0.0
         # steady state: verification and drift
-        self.verify_steps, self.replan_on_drift, self.drift_ratio = int(verify_steps), bool(replan_on_drift), \
-            float(drift_ratio)
-        self.min_steps_between_replans, self.drift_check_every = int(min_steps_between_replans), int(drift_check_every)
         self.check_group = check_group if check_group is not None else group
         self.steps = 0  # training steps ended since the session began
         self.started = time.perf_counter()
@@ -209,7 +192,7 @@ class SparseLiftSession:
         self.steps += 1
         if self.phase == "capture":
             self._leave_capture_step()
-            if self.capture.steps < self.warmup_batches:
+            if self.capture.steps < self.options.warmup_batches:
                 return False
             start = time.perf_counter()
             self._lift_and_install()
@@ -338,7 +321,7 @@ class SparseLiftSession:
         if self.capture is not None:  # capturing, or the lift raised
             self.capture.remove()
             self.capture = None
-            self.fallback_reason = f"{why} before the {self.warmup_batches} capture step(s) ended"
+            self.fallback_reason = f"{why} before the {self.options.warmup_batches} capture step(s) ended"
         elif self.loop is not None:
             loop, self.loop = self.loop, None
             loop.abandon(why)
@@ -373,7 +356,7 @@ class SparseLiftSession:
                 graph = lift(self.model, self.sharding_plan, remaining, captures, self.group, self.device,
                              dense_parameter_bytes(self.model, self.paths))
                 graph.not_lifted.update(failed)
-                graph.workspace_budget_bytes = self.workspace_budget_bytes
+                graph.workspace_budget_bytes = self.options.workspace_budget_bytes
                 check_against_runtime(graph, self.model)
                 status = graph.fingerprint()
             except LiftError as error:
@@ -388,13 +371,14 @@ class SparseLiftSession:
             raise RuntimeError(f"ranks lifted different sparse graphs (fingerprints by rank: {statuses}); they would "
                                f"issue different collectives. Check that every rank runs the same model and sharding "
                                f"plan with the same input features.")
-        self.installed = install(graph, self.model, self.group, self.device, self.reuse_buffers, self.numerics)
+        self.installed = install(graph, self.model, self.group, self.device, self.options.reuse_buffers,
+                                 self.options.numerics)
         self.installed.observe(self._observe)
         self.installed.guard_updates(self.before_update)
         if any(p.uses_generated_kernels for p in self.passes):
             self._build_kernels(graph)
         self.identity = graph
-        self.events.append(f"lifted {len(graph.modules)} sparse module(s) after {self.warmup_batches} captured "
+        self.events.append(f"lifted {len(graph.modules)} sparse module(s) after {self.options.warmup_batches} captured "
                            f"step(s); lifted executor installed ({len(graph.collectives())} collectives per step)")
         self.events += [f"kept on TorchRec's path: module {path}: {why}" for path, why in graph.not_lifted.items()]
         self.events += [f"kept on TorchRec's path: {m.path} group {g.index}: {g.not_lifted}"
@@ -418,7 +402,7 @@ class SparseLiftSession:
         return PlanFingerprint(graph=graph.fingerprint(), sharding_plan=PlanFingerprint.hash(plan_summary(
             self.sharding_plan)), world_size=self.world, backend=graph.backend,
             versions={**graph.versions, "lightning_sparselift": __version__},
-            optimizations=self.optimizations)
+            optimizations=list(self.options.optimizations))
 
     def _saved_plan(self, fingerprint: PlanFingerprint, identity: SparseGraph) -> Optional[ExecutionPlan]:
         """The plan at ``plan_path`` if every rank can use it, else None (with the reason). Its graph is
@@ -427,15 +411,15 @@ class SparseLiftSession:
 
         findings: list = []
         try:
-            if not self.plan_path or not Path(self.plan_path).exists():
+            if not self.options.plan_path or not Path(self.options.plan_path).exists():
                 status: Any = "missing"
             else:
-                plan = ExecutionPlan.load(self.plan_path)
+                plan = ExecutionPlan.load(self.options.plan_path)
                 plan.check(fingerprint)
                 decided_on = plan.graph  # the file's graph: the statistics the plan was decided on
                 plan.graph = Planner(self.passes, None, calibrate=False).rebuild(plan, identity)
                 status = plan.graph.fingerprint()
-                findings = drift_findings(workload_of(decided_on), workload_of(identity), self.drift_ratio)
+                findings = drift_findings(workload_of(decided_on), workload_of(identity), self.options.drift_ratio)
                 if findings:
                     status = "drift: " + "; ".join(f.text for f in findings)
         except PlanFileError as error:
@@ -447,10 +431,10 @@ class SparseLiftSession:
             return None
         if len(set(statuses)) == 1 and statuses[0].startswith("drift: "):
             event = DriftEvent(self.steps, statuses[0][len("drift: "):].split("; "),
-                               finding_statistics(findings), f"the plan at {self.plan_path} is not reused")
+                               finding_statistics(findings), f"the plan at {self.options.plan_path} is not reused")
             self.drift_events.append(event)
             self.trigger = event
-            self.events.append(f"not reusing the plan at {self.plan_path}: it was decided on other workload "
+            self.events.append(f"not reusing the plan at {self.options.plan_path}: it was decided on other workload "
                                f"statistics than this run's captured ones ({statuses[0][len('drift: '):]}); "
                                f"planning again")
             return None
@@ -461,7 +445,7 @@ class SparseLiftSession:
         if any(s.startswith("drift: ") for s in statuses):
             reasons.append("workload drift on some ranks: " + "; ".join(sorted({s[len("drift: "):] for s in statuses
                                                                                if s.startswith("drift: ")})))
-        self.events.append(f"not reusing the plan at {self.plan_path} ({'; '.join(reasons) or 'ranks read different plans'}); "
+        self.events.append(f"not reusing the plan at {self.options.plan_path} ({'; '.join(reasons) or 'ranks read different plans'}); "
                            f"planning again")
         return None
 
@@ -480,7 +464,7 @@ class SparseLiftSession:
             self.plan_reused = True
             self.installed.use(saved.graph)
             self._record_bucket_builds(saved)
-            self.events.append(f"reusing the plan at {self.plan_path} (no calibration): "
+            self.events.append(f"reusing the plan at {self.options.plan_path} (no calibration): "
                                f"{len(saved.accepted)} optimization(s), {len(saved.graph.collectives())} collectives "
                                f"per step")
             reuse_s = time.perf_counter() - start
@@ -488,9 +472,9 @@ class SparseLiftSession:
             self.cost_s += reuse_s
             self._steady(saved, self._decided_on)
             return True
-        priors = measure_priors(self.group, self.device) if self.passes and self.calibrate else None
-        self.loop = PlanningLoop(Planner(self.passes, priors, self.calibrate, self.decision_rule), fingerprint, self.identity, self.group,
-                                 self.events)
+        priors = measure_priors(self.group, self.device) if self.passes and self.options.calibrate else None
+        planner = Planner(self.passes, priors, self.options.calibrate, self.options.decision_rule)
+        self.loop = PlanningLoop(planner, fingerprint, self.identity, self.group, self.events)
         self.loop.plan.kernel_builds = self.kernel_builds
         self.phase = "plan"
         self.loop.propose(since=start)
@@ -511,11 +495,11 @@ class SparseLiftSession:
         self.installed.use(plan.graph)
         self._record_bucket_builds(plan)
         self.phase = "done"
-        saved = f"; saved to {self.plan_path}" if self.plan_path else ""
-        if self.plan_path and self.rank == 0:
-            error = plan.save_as_cache(self.plan_path)
+        saved = f"; saved to {self.options.plan_path}" if self.options.plan_path else ""
+        if self.options.plan_path and self.rank == 0:
+            error = plan.save_as_cache(self.options.plan_path)
             if error is not None:
-                saved = f"; not saved to {self.plan_path}: {error}"
+                saved = f"; not saved to {self.options.plan_path}: {error}"
         self.events.append(f"plan installed: {len(plan.accepted)} of {len(plan.decisions)} candidate(s) accepted, "
                            f"{len(plan.graph.collectives())} collectives per step; calibration "
                            f"{plan.calibration_steps} steps / {plan.calibration_s:.2f} s" + saved)
@@ -529,13 +513,15 @@ class SparseLiftSession:
         them and, when it is calibrated and not the identity plan, verify it."""
         plan.trigger = self.trigger
         self.verification = None
-        self.watch = DriftWatch(decided_on, self.rank, self.world, self.drift_check_every, self.drift_ratio)
+        self.watch = DriftWatch(decided_on, self.rank, self.world, self.options.drift_check_every,
+                                self.options.drift_ratio)
         self._drift_noted = None
         self._report_shares()
-        if not (self.verify_steps and self.calibrate) or plan.graph.fingerprint() == self.identity.fingerprint():
+        if (not (self.options.verify_steps and self.options.calibrate)
+                or plan.graph.fingerprint() == self.identity.fingerprint()):
             self.phase = "done"
             return
-        self._check = SteadyStateCheck(self.verify_steps, settle_steps_for(plan.graph))
+        self._check = SteadyStateCheck(self.options.verify_steps, settle_steps_for(plan.graph))
         self._verify_start = time.perf_counter()
         self.phase = "verify"
         self.events.append(f"verifying the plan against the identity plan on {self._check.planned} interleaved training "
@@ -546,7 +532,7 @@ class SparseLiftSession:
         check, self._check = self._check, None
         self.overhead_s += time.perf_counter() - self._verify_start
         self.verification = PlanVerification(check.recorded, check.settle_steps, 0, 0,
-                                             self.decision_rule.confidence, self._predicted(self.plan),
+                                             self.options.decision_rule.confidence, self._predicted(self.plan),
                                              self._calibrated(self.plan), None, None, None, None, "incomplete",
                                              False, note=f"stopped: {why}")
         self.verifications.append(self.verification)
@@ -574,7 +560,7 @@ class SparseLiftSession:
         from lightning_sparselift.cost.calibration import judge_pairs
 
         check, self._check = self._check, None
-        measurement = judge_pairs(check.pairs(), self.check_group, self.decision_rule, 1)
+        measurement = judge_pairs(check.pairs(), self.check_group, self.options.decision_rule, 1)
         e = measurement.estimate
         slowest = [[max(rank[i][0] for rank in measurement.observations_ms),
                     max(rank[i][1] for rank in measurement.observations_ms)]
@@ -582,7 +568,7 @@ class SparseLiftSession:
         plan = self.plan
         finite = e.increment_ms == e.increment_ms  # not NaN
         verification = PlanVerification(
-            check.planned, check.settle_steps, e.pairs, e.outliers, self.decision_rule.confidence,
+            check.planned, check.settle_steps, e.pairs, e.outliers, self.options.decision_rule.confidence,
             self._predicted(plan), self._calibrated(plan), e.increment_ms if finite else None,
             list(e.interval_ms), e.noise_ms, median(t0 for t0, _ in slowest) if slowest else None, e.verdict,
             e.verdict == "slower", slowest)
@@ -604,8 +590,8 @@ class SparseLiftSession:
                                  f"({', '.join(d.candidate for d in plan.accepted)}) was slower than the identity "
                                  f"plan in steady state: {summary}")
         self.events.append(summary)
-        if self.plan_path and self.rank == 0:
-            self.plan.save_as_cache(self.plan_path)
+        if self.options.plan_path and self.rank == 0:
+            self.plan.save_as_cache(self.options.plan_path)
         self.overhead_s += time.perf_counter() - self._verify_start
         if finite:  # half the window ran the plan not kept, each step off by the measured change
             self.cost_s += check.planned / 2 * (e.increment_ms if verification.rolled_back else -e.increment_ms) / 1e3
@@ -641,14 +627,14 @@ class SparseLiftSession:
         texts = [f.text for f in findings]
         statistics = finding_statistics(findings)
         key = "; ".join(texts)
-        if not self.replan_on_drift:
+        if not self.options.replan_on_drift:
             if self._drift_noted is None:
                 self._drift_noted = key
                 event = DriftEvent(self.steps, texts, statistics, "not re-planned (replan_on_drift=False)")
                 self.drift_events.append(event)
                 self.warnings.append(f"SparseLift: {event.describe()}")
             return False
-        allowed_at = self._round_started + self.min_steps_between_replans
+        allowed_at = self._round_started + self.options.min_steps_between_replans
         if self.steps < allowed_at:
             if self._drift_noted is None:
                 self._drift_noted = key

@@ -38,7 +38,7 @@ class DenseAndInputReservation(StorageReservation):
 
     These are the amounts of TorchRec's default ``HeuristicalStorageReservation(percentage=0.15)``,
     with the same arithmetic, so the planner places tables as it did with the default
-    (``tests/test_console.py`` compares the reserved topologies). That class warns on every
+    (``tests/ranks/test_console.py`` compares the reserved topologies). That class warns on every
     construction (FutureWarning) and, without an explicit dense estimate, again when it reserves;
     here the dense estimate is computed from the model's own tensors (the dense part is
     materialized; of tables on meta only the sizes are read)."""

@@ -82,13 +82,17 @@ OPTIMIZED = {"aggregated": ("aggregation",), "latency_hidden": ("latency_hiding"
              "pipelined2": ("subgraph_parallelism:pipelined2",), "pipelined4": ("subgraph_parallelism:pipelined4",),
              "all_passes": ("aggregation", "latency_hiding", "codegen", "subgraph_parallelism")}
 # the variants whose cases also run each pass forced on alone (multi-hot with empty bags, weights, two
-# modules, sequences: the most layouts); the others run all of them together
+# modules, sequences: the most layouts); every case runs all of them together
 EACH_PASS_VARIANTS = ("multihot_weighted", "two_modules", "sequence", "sequence_two_modules")
+# the cases `make test` runs on 1 and 3 ranks and with each pass alone (every sharding type of a
+# pooled module in one; an EmbeddingCollection's column shards); `make test-all` runs every case so
+QUICK_CASES = ("mixed", "column_shards")
 
 
-def optimized(variant: str) -> dict[str, tuple[str, ...]]:
-    """The lifted runs of ``variant`` with passes forced on, by name."""
-    return OPTIMIZED if variant in EACH_PASS_VARIANTS else {"all_passes": OPTIMIZED["all_passes"]}
+def optimized(variant: str, each_pass: bool) -> dict[str, tuple[str, ...]]:
+    """The lifted runs of ``variant`` with passes forced on, by name: all together, and
+    (``each_pass``, for EACH_PASS_VARIANTS) each alone."""
+    return OPTIMIZED if each_pass and variant in EACH_PASS_VARIANTS else {"all_passes": OPTIMIZED["all_passes"]}
 # TorchRec's own row-wise backward fails on uneven batches over gloo ("ProcessGroupGloo::allgather:
 # invalid tensor size"), so there is no reference to compare with.
 ALL = [(c, v) for c in CASES for v in VARIANTS
@@ -366,7 +370,9 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def worker(rank: int, world: int, port: int, cases: list[tuple[str, str]], out_dir: str, cuda: bool = False) -> None:
+def worker(rank: int, world: int, port: int, cases: list[tuple[str, str, bool]], out_dir: str, cuda: bool = False
+           ) -> None:
+    """Per (case, variant, each pass alone too): its results in ``out_dir``, one file per rank."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(2 if world == 1 else 1)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -375,12 +381,12 @@ def worker(rank: int, world: int, port: int, cases: list[tuple[str, str]], out_d
     # a rank failing inside a case leaves the others in a collective: time out instead of hanging
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
-        for case_name, variant_name in cases:
+        for case_name, variant_name, each_pass in cases:
             try:
                 res = {"reference": train(CASES[case_name], VARIANTS[variant_name], False, world, device),
                        "lifted": train(CASES[case_name], VARIANTS[variant_name], True, world, device),
                        **{name: train(CASES[case_name], VARIANTS[variant_name], True, world, device, passes)
-                          for name, passes in optimized(variant_name).items()}}
+                          for name, passes in optimized(variant_name, each_pass).items()}}
             except Exception:  # reported per case; every rank fails the same way or the test times out
                 res = {"error": traceback.format_exc()}
             torch.save(_to_cpu(res), os.path.join(out_dir, f"{case_name}-{variant_name}-rank{rank}.pt"))

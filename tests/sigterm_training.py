@@ -1,4 +1,4 @@
-"""Trains the tiny model until it is stopped, for tests/test_termination.py.
+"""Trains the tiny model until it is stopped, for tests/system/test_termination.py.
 
 Run as a script: ``python sigterm_training.py <data_cache> <marker_dir>``. The strategy's
 default launcher (popen) re-runs this script once per rank, as for a user's training script.

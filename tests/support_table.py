@@ -1,14 +1,15 @@
-"""The README's table of TorchRec sparse modules and sharding types, rendered from what the tests
+"""The table of TorchRec sparse modules (docs/models.md) and sharding types, rendered from what the tests
 cover: the parity harness's cases (plain EmbeddingBagCollections and EmbeddingCollections through
 the lifted executor) and the user-model tests of the other collections. ``python tests/support_table.py`` prints it;
-``test_readme_support_table`` fails when the README's copy differs."""
+``tests/unit/test_support_table.py`` fails when the copy in docs/models.md differs."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+# (run as a script: the shared helpers beside it, and the user-model tests whose cases it renders)
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent / "ranks")]
 
 BEGIN, END = "<!-- support table: python tests/support_table.py -->", "<!-- end of support table -->"
 
@@ -21,18 +22,18 @@ def rows() -> list[tuple[str, str, str]]:
 
     lifted = [("EmbeddingBagCollection", kind,
                "sharded; lifted; bit-identical to TorchRec on 1-3 ranks with every pass forced on "
-               "(`tests/test_lifting.py`)")
+               "(`tests/ranks/test_lifting.py`)")
               for kind, case in lp.CASES.items() if kind in lp.POOLED_CASES and len(set(case["sharding"].values())) == 1]
     mean = lp.CASES["mean_pooling"]
     lifted.append(("EmbeddingBagCollection, mean pooling",
                    ", ".join(sorted({mean["sharding"][t] for t in mean["mean"]})),
                    "sharded; lifted (row-wise: TorchRec's division by bag lengths after the reduce-scatter); "
-                   "bit-identical to TorchRec on 1-3 ranks with every pass forced on (`tests/test_lifting.py`)"))
+                   "bit-identical to TorchRec on 1-3 ranks with every pass forced on (`tests/ranks/test_lifting.py`)"))
     kept, *others = SEVERAL_HOSTS
     lifted.append(("EmbeddingBagCollection, several hosts", kept,
                    f"sharded; that group runs TorchRec's input dist, lookup and output dist inside the lifted module, "
                    f"whose other groups ({', '.join(others)}, table_wise) are lifted; bit-identical to TorchRec with "
-                   f"every pass forced on, 2 ranks of one host each (`tests/test_user_models.py`); a module of only "
+                   f"every pass forced on, 2 ranks of one host each (`tests/ranks/test_user_models.py`); a module of only "
                    f"such groups keeps TorchRec's path"))
     # per sharding type, the parity variants of module "a" as an EmbeddingCollection
     sequence: dict[str, list[dict]] = {}
@@ -43,20 +44,20 @@ def rows() -> list[tuple[str, str, str]]:
         one_id = all(not v["multi_hot"] for v in sequence[kind])
         lifted.append(("EmbeddingCollection", kind,
                        "sharded; lifted; bit-identical to TorchRec on 1-3 ranks with every pass forced on, alone "
-                       "and next to an EmbeddingBagCollection (`tests/test_lifting.py`, `tests/test_user_models.py`)"
+                       "and next to an EmbeddingBagCollection (`tests/ranks/test_lifting.py`, `tests/ranks/test_user_models.py`)"
                        + ("; on CPU one id per bag: TorchRec's data-parallel lookup (fbgemm's dense kernel) pools "
                           "longer bags there, which the input checks refuse" if one_id else "")))
     other = [(collection, kind, "sharded; TorchRec's path (not lifted, the reason in `explain()`); bit-identical "
-                                "next to a lifted EmbeddingBagCollection (`tests/test_user_models.py`)")
+                                "next to a lifted EmbeddingBagCollection (`tests/ranks/test_user_models.py`)")
              for collection, kind in sorted(OTHER_COLLECTIONS) if collection not in LIFTED_COLLECTIONS]
     managed = [(collection, kind, "sharded (row-wise only, as TorchRec allows; on CPU with SGD or Adagrad); "
                                   "TorchRec's path; bit-identical next to a lifted EmbeddingBagCollection, exact "
-                                  "resume (`tests/test_user_models.py`, `tests/test_checkpoint.py`)")
+                                  "resume (`tests/ranks/test_user_models.py`, `tests/ranks/test_checkpoint.py`)")
                for collection, kind in sorted(MANAGED_COLLECTIONS)]
     variable = [("EmbeddingBagCollection, variable batch per feature (VBE)", kind,
                  "sharded; TorchRec's path (the lifted executor takes no VBE; the reason in `explain()`); "
-                 "bit-identical to `executor=\"torchrec\"` (`tests/test_user_models.py`), exact resume "
-                 "(`tests/test_checkpoint.py`, table-wise); `data_parallel` "
+                 "bit-identical to `executor=\"torchrec\"` (`tests/ranks/test_user_models.py`), exact resume "
+                 "(`tests/ranks/test_checkpoint.py`, table-wise); `data_parallel` "
                  "refused on CPU by the input checks (TorchRec's data-parallel lookup reads VBE batches wrong there)")
                 for kind in VARIABLE_BATCH]
     return lifted + other + managed + variable

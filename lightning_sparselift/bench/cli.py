@@ -53,6 +53,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--markdown", default=None, help="write the Markdown table here")
     parser.add_argument("--plots", default=None, help="folder for the PNG plots")
     args = parser.parse_args(argv)
+    if args.plots is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:  # (checked before the run, not after it)
+            parser.error("--plots draws with matplotlib, which is not installed: "
+                         "pip install 'lightning-sparselift[bench]'")
     json_path, md_path = _writable(args.json), _writable(args.markdown)
     try:
         chosen = ([s.strip() for s in args.systems.split(",") if s.strip()] if args.systems is not None

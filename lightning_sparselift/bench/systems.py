@@ -291,10 +291,8 @@ class SparseLift(LoopSystem):
         s = self.strategy
         self.model, self.optimizer, wrapped, paths = _shard(self.env, s.validate_inputs, s.sharding_types,
                                                             s.embedding_optimizer)
-        self.session = (SparseLiftSession(wrapped, self.model.plan, paths, s.warmup_batches, dist.group.WORLD,
-                                          torch.device("cpu"), s.optimizations, s.calibrate, s.plan_path,
-                                          s.decision_rule, workspace_budget_bytes=s.workspace_budget_bytes,
-                                          reuse_buffers=s.reuse_buffers, numerics=s.numerics)
+        self.session = (SparseLiftSession(wrapped, self.model.plan, paths, dist.group.WORLD, torch.device("cpu"),
+                                          s.session_options)
                         if s.executor == "sparselift" else None)
         self._timed_sharded(wrapped, self.optimizer)
 

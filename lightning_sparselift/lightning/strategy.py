@@ -50,7 +50,7 @@ from lightning_sparselift.lightning.report import report_events, report_metrics,
 from lightning_sparselift.sharding import EmbeddingOptimizer, combine_optimizers, plan_summary, shard_model
 from lightning_sparselift.lightning.signals import SignalConnector
 from lightning_sparselift.lightning.step_check import NON_FINITE_POLICIES, StepCheck
-from lightning_sparselift.runtime.codegen.lookup import check_numerics
+from lightning_sparselift.options import SessionOptions
 
 if TYPE_CHECKING:
     from lightning_sparselift.ir import SparseGraph
@@ -121,7 +121,7 @@ class SparseLiftStrategy(ParallelStrategy):
         numerics: ``"exact"`` (default): only generated kernels whose results are bit-identical
             to TorchRec's / fbgemm's run (the C++ kernels on CPU); ``"fast"`` also lets kernels
             whose rounding may differ run: the Triton kernels on CUDA tables, whose bit identity
-            with fbgemm's CUDA kernels is not established (see the README for their error bound).
+            with fbgemm's CUDA kernels is not established (see docs/options.md for their error bound).
         plan_path: a JSON file for the execution plan: reused (no calibration) when it was made
             for the same model, sharding plan, world size, backend and versions and its graph is
             what its accepted candidates give on this run's lift; otherwise planned again and
@@ -205,9 +205,6 @@ class SparseLiftStrategy(ParallelStrategy):
                          precision_plugin=precision_plugin)
         if executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
-        from lightning_sparselift.passes import PASSES, select_passes
-
-        select_passes(optimizations or [])  # raises on unknown names
         if sharding_types is not None and not isinstance(sharding_types, dict):
             raise TypeError(f"sharding_types must be a dict table -> type, got {type(sharding_types).__name__}")
         if non_finite not in NON_FINITE_POLICIES:
@@ -224,22 +221,19 @@ class SparseLiftStrategy(ParallelStrategy):
         self.embedding_optimizer = EmbeddingOptimizer.parse(embedding_optimizer)
         self.embedding_lr_schedule = embedding_lr_schedule
         self.executor = executor
-        self.optimizations = sorted(PASSES) if optimizations is None else list(optimizations)
-        self.calibrate = bool(calibrate)
-        self.decision_rule = DecisionRule(float(calibration_confidence), int(calibration_max_pairs),
-                                          float(calibration_min_gain), float(calibration_min_lookup_gain))
         if workspace_budget_mb is not None and not float(workspace_budget_mb) >= 0:
             raise ValueError(f"workspace_budget_mb must be >= 0 (MiB per rank) or None, got {workspace_budget_mb!r}")
-        self.workspace_budget_bytes = None if workspace_budget_mb is None else int(float(workspace_budget_mb) * 2**20)
-        self.reuse_buffers = bool(reuse_buffers)
-        self.numerics = check_numerics(numerics)
-        self.plan_path = str(plan_path) if plan_path is not None else None
-        self.warmup_batches = int(warmup_batches)
-        from lightning_sparselift.plan.verification import check_steady_options
-
-        check_steady_options(verify_steps, drift_ratio, min_steps_between_replans, 1)
-        self.verify_steps, self.replan_on_drift = int(verify_steps), bool(replan_on_drift)
-        self.drift_ratio, self.min_steps_between_replans = float(drift_ratio), int(min_steps_between_replans)
+        # what the compiler session runs with (validated here, once)
+        self.session_options = SessionOptions(
+            warmup_batches=int(warmup_batches), calibrate=bool(calibrate),
+            **({} if optimizations is None else {"optimizations": tuple(optimizations)}),
+            plan_path=str(plan_path) if plan_path is not None else None,
+            decision_rule=DecisionRule(float(calibration_confidence), int(calibration_max_pairs),
+                                       float(calibration_min_gain), float(calibration_min_lookup_gain)),
+            workspace_budget_bytes=None if workspace_budget_mb is None else int(float(workspace_budget_mb) * 2**20),
+            reuse_buffers=bool(reuse_buffers), numerics=numerics, verify_steps=int(verify_steps),
+            replan_on_drift=bool(replan_on_drift), drift_ratio=float(drift_ratio),
+            min_steps_between_replans=int(min_steps_between_replans))
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         self._process_group_backend = process_group_backend
         self._start_method = start_method
@@ -468,19 +462,8 @@ class SparseLiftStrategy(ParallelStrategy):
             from lightning_sparselift.session import SparseLiftSession
 
             self._session = SparseLiftSession(self.lightning_module, self._dmp.plan, self.sparse_module_paths,
-                                              self.warmup_batches, torch.distributed.group.WORLD, self.root_device,
-                                              self.optimizations, self.calibrate, self.plan_path,
-                                              self.decision_rule, workspace_budget_bytes=self.workspace_budget_bytes,
-                                              reuse_buffers=self.reuse_buffers, numerics=self.numerics,
-                                              before_update=self._step_check.before_update,
-                                              **self.steady_state_options)
-
-    @property
-    def steady_state_options(self) -> dict[str, Any]:
-        """The session's steady-state options (verification and drift), as keyword arguments."""
-        return {"verify_steps": self.verify_steps, "replan_on_drift": self.replan_on_drift,
-                "drift_ratio": self.drift_ratio, "min_steps_between_replans": self.min_steps_between_replans,
-                "check_group": self._check_group}
+                                              torch.distributed.group.WORLD, self.root_device, self.session_options,
+                                              self._check_group, self._step_check.before_update)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -56,6 +56,7 @@ PAIRS, STEPS_PER_CANDIDATE = 64, 2 * (1 + 64)
 CALIBRATED_STEPS = 1100
 
 
+@pytest.mark.slow  # (1,100 steps; make test calibrates to the end with a one-look budget: ranks/test_lifting.py)
 def test_user_model_with_default_calibration_matches_torchrec(tmp_path, data_cache):
     dm = tiny_data(data_cache, num_train=CALIBRATED_STEPS * 64)
     _fit("positional", dm, tmp_path / "torchrec", executor="torchrec")
@@ -74,7 +75,7 @@ def test_user_model_with_default_calibration_matches_torchrec(tmp_path, data_cac
 
 
 # (TorchRec collection, sharding type of its tables) -> the user model holding one next to a plain
-# EmbeddingBagCollection (tests/support_table.py renders the README's table from this)
+# EmbeddingBagCollection (tests/support_table.py renders the table of docs/models.md from this)
 OTHER_COLLECTIONS = {**{(collection, sharding): kind
                         for collection, kind in (("EmbeddingCollection", "sequence"),
                                                  ("FeatureProcessedEmbeddingBagCollection", "positioned"))
@@ -120,7 +121,7 @@ def test_a_model_with_other_torchrec_collections_is_sharded_and_lifted_per_modul
     _assert_identical(tmp_path / "torchrec", tmp_path / "lifted")
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "column_wise", "data_parallel"])
 def test_a_model_with_every_collection_kind_on_one_kjt_is_sharded_and_lifted_per_module(sharding, world, tmp_path,
                                                                                         data_cache):

@@ -10,7 +10,7 @@ import pytest
 from lightning_sparselift.bench.cli import main as bench
 from lightning_sparselift.bench.runner import ABLATION_SYSTEMS, DEFAULT_SYSTEMS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FAST = ["--world-size", "2", "--rounds", "2", "--steps-per-round", "2", "--warmup-steps", "1", "--breakdown-steps", "1"]
 
 
@@ -20,6 +20,7 @@ def _bench(*args, cache):
                                                                             "SPARSELIFT_CACHE": str(cache)})
 
 
+@pytest.mark.slow  # (the bench's CLI runs short in test_parity_mode_is_identical)
 def test_all_systems_side_by_side(tmp_path, data_cache):
     out = _bench("--scenario", "tiny", *FAST, "--ablations", "--json", str(tmp_path / "out.json"), "--markdown",
                  str(tmp_path / "out.md"), "--plots", str(tmp_path / "plots"), cache=data_cache)
@@ -76,6 +77,7 @@ def test_all_systems_side_by_side(tmp_path, data_cache):
         "tiny_over_steps.png", "tiny_stages.png", "tiny_throughput.png"]
 
 
+@pytest.mark.slow  # (the bench's CLI runs short in test_parity_mode_is_identical)
 def test_a_crashing_system_does_not_take_the_others_down(tmp_path, data_cache):
     # fbgemm's CPU kernels have no Adam: every TorchRec-based system fails at setup, the others
     # (SparseLift, whose generated kernel runs Adam on CPU tables, among them) run.
@@ -113,6 +115,7 @@ optimizer: {dense: sgd, dense_lr: 0.1, embedding: rowwise_adagrad, embedding_lr:
 """
 
 
+@pytest.mark.slow  # (the bench's CLI runs short in test_parity_mode_is_identical)
 def test_a_sequence_scenario_side_by_side_and_in_parity(tmp_path, data_cache):
     (tmp_path / "seq.yaml").write_text(TINY_SEQUENCE)
     out = _bench("--scenario", str(tmp_path / "seq.yaml"), *FAST, "--json", str(tmp_path / "out.json"),

@@ -230,6 +230,7 @@ def test_a_bad_file_exits_2_with_the_reason_and_no_traceback(tmp_path, content, 
     assert status == BAD_FILE and "missing.json" in err and "No such file" in err
 
 
+@pytest.mark.slow  # (a new interpreter; make test runs the entry point in system/test_registry.py)
 def test_the_sparselift_entry_point_runs_plan_diff(tmp_path):
     a = _save(_unmeasured(["aggregation"]), tmp_path / "a.json")
     b = _save(_unmeasured(ALL), tmp_path / "b.json")

@@ -20,7 +20,7 @@ from lightning_sparselift import SparseLiftStrategy
 from lightning_sparselift.sequence_data import SequenceDataModule, SequenceSpec, generate_sequences
 from lightning_sparselift.sequence_model import SequenceRankingModule, target_attention
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_target_attention_matches_a_per_sample_softmax_and_gives_zeros_for_empty_histories():
@@ -115,6 +115,7 @@ def test_trains_through_the_strategy_bit_identically_to_torchrecs_path(tmp_path,
     assert_same_dumps(tmp_path / "torchrec", tmp_path / "lifted")
 
 
+@pytest.mark.slow  # (make test runs the CLI on the tiny config: system/test_registry.py)
 def test_the_lightning_cli_config_trains_the_sequence_model(tmp_path, data_cache):
     small = ["--data.init_args.num_train", "2048", "--data.init_args.num_val", "512", "--data.init_args.num_test", "512",
              "--data.init_args.num_items", "2000", "--data.init_args.batch_size", "128",

@@ -140,10 +140,10 @@ def test_unknown_options_and_names():
         SparseLiftStrategy(start_method="thread")
     with pytest.raises(ValueError, match="workspace_budget_mb must be >= 0"):
         SparseLiftStrategy(workspace_budget_mb=-1)
-    assert SparseLiftStrategy(workspace_budget_mb=1.5).workspace_budget_bytes == 1572864
+    assert SparseLiftStrategy(workspace_budget_mb=1.5).session_options.workspace_budget_bytes == 1572864
     with pytest.raises(ValueError, match="numerics must be one of"):
         SparseLiftStrategy(numerics="approximate")
-    assert SparseLiftStrategy(numerics="fast").numerics == "fast"
+    assert SparseLiftStrategy(numerics="fast").session_options.numerics == "fast"
 
 
 @pytest.mark.parametrize("sharding, match", [({"t_cat_0": "diagonal"}, "unknown sharding type 'diagonal'"),

@@ -2,7 +2,11 @@
 fused optimizer state, for every sharding type, weighted and unweighted, one-hot and multi-hot
 (with empty bags), one or two sharded modules, EmbeddingBagCollections and EmbeddingCollections
 (alone and next to an EmbeddingBagCollection), on 1, 2 and 3 processes; and the lifted graph's
-bytes per collective against the bytes TorchRec actually moved."""
+bytes per collective against the bytes TorchRec actually moved.
+
+`make test` runs every case on 2 ranks with the passes forced on together, and the quick cases
+(``lp.QUICK_CASES``) on 1 and 3 ranks and with each pass alone; the rest is ``slow``. Each world
+size's selected runs happen in one spawn."""
 
 from __future__ import annotations
 
@@ -19,23 +23,56 @@ from lightning_sparselift.ir import SparseGraph
 from lightning_sparselift.ir.vocab import ROW_SHARDED, output_collective
 
 ALL = lp.ALL
+EACH_PASS = [(c, v) for c, v in ALL if v in lp.EACH_PASS_VARIANTS]
+
+
+def _cases(pairs: list[tuple[str, str]], quick: bool) -> list:
+    """``pairs`` as parameters, those outside the quick cases marked slow (unless ``quick``: all run by default)."""
+    return [pytest.param(c, v, marks=() if quick or c in lp.QUICK_CASES else pytest.mark.slow) for c, v in pairs]
+
+
+def _worlds(worlds: list[int], pairs: list[tuple[str, str]], quick_on: tuple[int, ...] = ()) -> list:
+    """(world, case, variant) parameters: every pair on the worlds of ``quick_on``, the quick cases elsewhere."""
+    return [pytest.param(w, *p.values, marks=p.marks) for w in worlds for p in _cases(pairs, w in quick_on)]
+
+
+def _wanted(items: list) -> dict[tuple[int, bool], list[tuple[str, str, bool]]]:
+    """What the selected tests read from the harness: per (world size, cuda), (case, variant, each pass alone too)."""
+    wanted: dict[tuple[int, bool], dict[tuple[str, str], bool]] = {}
+    for item in items:
+        if "runs" not in getattr(item, "fixturenames", ()):
+            continue
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        cuda = item.get_closest_marker("gpu") is not None or item.get_closest_marker("multigpu") is not None
+        world = params.get("world", 2 if item.get_closest_marker("multigpu") or not cuda else 1)
+        pair = (params.get("case", "mixed"), params.get("variant", "two_modules"))
+        runs = wanted.setdefault((world, cuda), {})
+        runs[pair] = runs.get(pair, False) or item.originalname == "test_each_pass_forced_alone_is_bit_identical"
+    return {key: [(c, v, each) for (c, v), each in runs.items()] for key, runs in wanted.items()}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """(world size, cuda) -> (case, variant) -> per-rank results; each world size runs all cases in
-    one spawn."""
+def runs(request, tmp_path_factory):
+    """(world size, cuda) -> (case, variant) -> per-rank results; each world size runs the cases
+    the selected tests read in one spawn."""
     cache: dict[tuple[int, bool], dict] = {}
+    wanted = _wanted(request.session.items)
 
     def get(world: int, cuda: bool = False) -> dict:
         if (world, cuda) not in cache:
             out = tmp_path_factory.mktemp(f"parity{world}")
-            mp.start_processes(lp.worker, args=(world, free_port(), ALL, str(out), cuda), nprocs=world,
+            cases = wanted[world, cuda]
+            mp.start_processes(lp.worker, args=(world, free_port(), cases, str(out), cuda), nprocs=world,
                                start_method="spawn")
             cache[world, cuda] = {(c, v): [torch.load(Path(out) / f"{c}-{v}-rank{r}.pt", weights_only=False)
-                                           for r in range(world)] for c, v in ALL}
+                                           for r in range(world)] for c, v, _ in cases}
         return cache[world, cuda]
     return get
+
+
+def _lifted_runs(result: dict) -> list[str]:
+    """The runs of a case on the lifted executor: the identity plan, then the passes forced on."""
+    return [name for name in result if name in ("lifted", *lp.OPTIMIZED)]
 
 
 def _differences(reference: dict, lifted: dict) -> list[str]:
@@ -55,10 +92,16 @@ def _differences(reference: dict, lifted: dict) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("case, variant", ALL)
+@pytest.mark.parametrize("world, case, variant", _worlds([1, 2, 3], ALL, quick_on=(2,)))
 def test_lifted_executor_is_bit_identical_to_torchrec(runs, world, case, variant):
     _assert_identical(runs(world)[(case, variant)], case, variant, world)
+
+
+@pytest.mark.parametrize("world, case, variant", _worlds([1, 2, 3], EACH_PASS))
+def test_each_pass_forced_alone_is_bit_identical(runs, world, case, variant):
+    results = runs(world)[(case, variant)]
+    assert all(set(lp.OPTIMIZED) <= set(r) for r in results)
+    _assert_identical(results, case, variant, world)
 
 
 def _assert_identical(results: list[dict], case: str, variant: str, world: int, cuda: bool = False) -> None:
@@ -67,7 +110,7 @@ def _assert_identical(results: list[dict], case: str, variant: str, world: int, 
     consumer layout and input kernel are C++ over host memory), so none of their rewrites apply."""
     for rank, result in enumerate(results):
         assert "error" not in result, result.get("error")
-        for executor in ("lifted", *lp.optimized(variant)):  # the identity plan, and the passes forced on
+        for executor in _lifted_runs(result):  # the identity plan, and the passes forced on
             bad = _differences(result["reference"], result[executor])
             assert not bad, f"{executor}, rank {rank}: " + "; ".join(bad[:10])
             # the lifted executor really ran: it was installed, and it handed only the uneven step to
@@ -131,8 +174,7 @@ def test_lifted_executor_on_two_gpus_over_nccl(runs, case, variant):
     _assert_identical(runs(2, cuda=True)[(case, variant)], case, variant, 2, cuda=True)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("case, variant", ALL)
+@pytest.mark.parametrize("world, case, variant", _worlds([2, 3], ALL, quick_on=(2,)))
 def test_predicted_bytes_match_torchrec(runs, world, case, variant):
     for rank, result in enumerate(runs(world)[(case, variant)]):
         lifted = result["lifted"]
@@ -155,7 +197,7 @@ def test_predicted_bytes_match_torchrec(runs, world, case, variant):
         predicted_reduce = sum(n.bytes_per_member[rank] for n in graph.collectives("backward") if n.op == "all_reduce")
         assert predicted_reduce == sum(c[4] for c in captured if c[0] == "all_reduce")
         # the lifted executor issues the graph's collectives, with aggregation forced on as well
-        for executor in ("lifted", *lp.optimized(variant)):
+        for executor in _lifted_runs(result):
             run = result[executor]
             graph = SparseGraph.from_dict(run["graph"])
             if (lp.VARIANTS[variant].get("short_step") == lp.WARMUP_STEPS + 2
@@ -247,7 +289,7 @@ def test_strategy_lifted_executor_matches_torchrec_executor(tmp_path, data_cache
         assert [e.packing for e in schedule.inputs] == ["bytes"]  # aggregated: one bucket of every group
         assert [len(e.groups) for e in schedule.outputs if e.op == "all_to_all_single"] == [2]
         assert schedule.lookup_at == "root_forward" and schedule.input_issue == "previous_step"
-        # forked ranks run one thread each: no buckets (tests/test_subgraph_parallelism.py runs them)
+        # forked ranks run one thread each: no buckets (tests/ranks/test_subgraph_parallelism.py runs them)
         assert not any(r.buckets for r in schedule.regions)
         # every training step after the 3 captured ones started early, once (Lightning calls the
         # LightningModule twice per step: the forward redirection, then training_step's self(batch))

@@ -49,8 +49,8 @@ def _fit(dm, tmp_path: Path, name: str, executor: str, optimizer: str, ckpt_path
     t.fit(model, dm, ckpt_path=ckpt_path)
 
 
-@pytest.mark.parametrize("executor, optimizer", [("torchrec", "rowwise_adagrad"), ("sparselift", "rowwise_adagrad"),
-                                                 ("sparselift", "adam")])
+@pytest.mark.parametrize("executor, optimizer", [pytest.param("torchrec", "rowwise_adagrad", marks=pytest.mark.slow),
+                                                 ("sparselift", "rowwise_adagrad"), ("sparselift", "adam")])
 def test_mid_epoch_resume_continues_exactly(tmp_path, data_cache, executor, optimizer):
     dm = tiny_data(data_cache, num_train=NUM_TRAIN)
     _fit(dm, tmp_path, "straight", executor, optimizer)

@@ -16,7 +16,7 @@ import lightning_sparselift
 from lightning_sparselift import SparseLiftStrategy
 from lightning_sparselift.lightning.launcher import DenseOnlyMultiProcessingLauncher
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_import_registers_names():

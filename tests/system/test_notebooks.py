@@ -6,7 +6,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
 # what each notebook prints once it ran to its end (its own asserts check the rest)
 LAST_WORDS = {
     "01_quickstart.ipynb": "val/auc",
@@ -15,7 +15,13 @@ LAST_WORDS = {
 }
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+# the full-length tier: the compiler walkthrough (an epoch of calibration) and the bench reader (a
+# bench run of its own); `make test` runs the quickstart
+SLOW = ("02_inside_the_compiler.ipynb", "03_reading_a_bench_result.ipynb")
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, id=p.name, marks=pytest.mark.slow if p.name in SLOW else ())
+                                  for p in NOTEBOOKS])
 def test_notebook_executes(path, tmp_path, data_cache, monkeypatch):
     monkeypatch.setenv("SPARSELIFT_CACHE", str(data_cache))
     notebook = nbformat.read(path, as_version=4)

@@ -10,6 +10,7 @@ from torch import nn
 
 from helpers import ONE_LOOK, tiny_data, tiny_model, trainer
 from lightning_sparselift import SparseLiftStrategy
+from lightning_sparselift.options import SessionOptions
 from lightning_sparselift.session import SparseLiftSession
 
 
@@ -54,7 +55,7 @@ def test_planning_again_calibrates_and_installs_a_new_plan(tmp_path, data_cache)
 
 
 def test_planning_again_needs_an_installed_plan():
-    session = SparseLiftSession(nn.Linear(1, 1), None, [], 1, None, torch.device("cpu"))
+    session = SparseLiftSession(nn.Linear(1, 1), None, [], None, torch.device("cpu"), SessionOptions(warmup_batches=1))
     with pytest.raises(RuntimeError, match="still in its capture phase"):
         session.plan_again("too early")
     session.abandon("stopped")

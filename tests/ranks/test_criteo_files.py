@@ -260,11 +260,8 @@ def test_missing_files(tmp_path):
 
 
 def test_fit_on_tsv_files_two_ranks(tmp_path):
-    import sys
-
     import lightning.pytorch as L
 
-    sys.path.insert(0, os.path.dirname(__file__))
     from helpers import tiny_model, trainer
 
     days = [write_tsv(tmp_path / f"day_{d}", make_rows(n, seed=10 + d)) for d, n in enumerate((96, 64))]

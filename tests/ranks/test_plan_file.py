@@ -22,7 +22,7 @@ from lightning_sparselift.plan import ExecutionPlan, PlanFileError, PlanFingerpr
 
 ALL = ["aggregation", "latency_hiding"]
 MODULE = "model.sparse_arch.embedding_bag_collection"
-IDENTITY = Path(__file__).parent / "fixtures" / "graphs" / "table_and_column_wise_2ranks.json"
+IDENTITY = Path(__file__).resolve().parents[1] / "fixtures" / "graphs" / "table_and_column_wise_2ranks.json"
 
 
 def _identity_graph() -> SparseGraph:
