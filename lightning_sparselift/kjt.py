@@ -74,13 +74,18 @@ def find_objects(args: tuple, kwargs: dict, match: Callable[[Any], bool], depth:
     return found
 
 
-def find_kjts(args: tuple, kwargs: dict, depth: int = 2) -> dict[int, list[list[Any]]]:
-    """KeyedJaggedTensors reachable from a forward's arguments (see :func:`find_objects`): id ->
-    the first access path to it."""
+def kjts_with_paths(args: tuple, kwargs: dict, depth: int = 2) -> list[tuple[list[list[Any]], Any]]:
+    """KeyedJaggedTensors reachable from a forward's arguments, each with its access path, in
+    traversal order (see :func:`find_objects`)."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+    return find_objects(args, kwargs, lambda obj: isinstance(obj, KeyedJaggedTensor), depth)
+
+
+def find_kjts(args: tuple, kwargs: dict, depth: int = 2) -> dict[int, list[list[Any]]]:
+    """KeyedJaggedTensors reachable from a forward's arguments: id -> the first access path to it."""
     found: dict[int, list[list[Any]]] = {}
-    for path, kjt in find_objects(args, kwargs, lambda obj: isinstance(obj, KeyedJaggedTensor), depth):
+    for path, kjt in kjts_with_paths(args, kwargs, depth):
         found.setdefault(id(kjt), path)
     return found
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_sparselift.kjt import describe_path, find_objects
+from lightning_sparselift.kjt import describe_path, find_objects, kjts_with_paths
 
 NON_FINITE_POLICIES = ("raise", "skip")
 # what a rank found in its batch: the first tensor with non-finite values (its index among the
@@ -36,13 +36,6 @@ class NonFiniteError(RuntimeError):
 def dense_leaves(batch: Any) -> list[tuple[list[list[Any]], Tensor]]:
     """The floating-point tensors of a batch with their access paths (KJTs are not entered)."""
     return find_objects((batch,), {}, lambda obj: isinstance(obj, Tensor) and obj.is_floating_point(), depth=3)
-
-
-def kjt_leaves(batch: Any) -> list[tuple[list[list[Any]], Any]]:
-    """The KeyedJaggedTensors of a batch with their access paths."""
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    return find_objects((batch,), {}, lambda obj: isinstance(obj, KeyedJaggedTensor), depth=3)
 
 
 def _first_non_finite(tensor: Tensor) -> Optional[tuple[int, int, int]]:
@@ -104,7 +97,7 @@ class StepCheck:
             model.get_submodule(path).register_forward_hook(self._wait_in_backward)
 
     def inspect(self, batch: Any) -> None:
-        self._dense, self._kjts = dense_leaves(batch), kjt_leaves(batch)
+        self._dense, self._kjts = dense_leaves(batch), kjts_with_paths((batch,), {}, depth=3)
         self._found = list(_NOTHING_FOUND)
         findings = [_first_non_finite(t) for _, t in self._dense] + [_first_non_finite_weight(k) for _, k in self._kjts]
         first = next((i for i, found in enumerate(findings) if found is not None), None)
