@@ -50,6 +50,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--parity", action="store_true", help="quality-parity mode: train torchrec and sparselift "
                                                               "for one epoch from the same weights and compare")
     parser.add_argument("--json", default=None, help="write the summary JSON here")
+    parser.add_argument("--raw", action="store_true", help="keep the raw observations in the JSON: every timed and "
+                                                           "warmup step, every calibration pair (by default it keeps "
+                                                           "their medians, bounds and counts)")
     parser.add_argument("--markdown", default=None, help="write the Markdown table here")
     parser.add_argument("--plots", default=None, help="folder for the PNG plots")
     args = parser.parse_args(argv)
@@ -76,24 +79,26 @@ def main(argv: Optional[list[str]] = None) -> None:
         config.validate()
     except ValueError as e:
         raise SystemExit(f"error: {e}")
+    from lightning_sparselift.bench import report
+
+    commit = report.source_commit()  # (the code as it starts, before anything can edit the checkout)
     if args.parity:
         from lightning_sparselift.bench import parity
 
         summary = parity.run(config)
         text = parity.markdown(summary)
     else:
-        from lightning_sparselift.bench import report, runner
+        from lightning_sparselift.bench import runner
 
         summary = runner.run(config)
         text = report.markdown(summary)
         if args.plots:
             for path in report.plots(summary, Path(args.plots)):
                 print(f"plot: {path}", file=sys.stderr)
+    summary["commit"] = commit
     print(text)
     if json_path:
-        import json
-
-        json_path.write_text(json.dumps(summary, indent=1))
+        report.write_json(summary, json_path, raw=args.raw)
     if md_path:
         md_path.write_text(text)
 

@@ -2,18 +2,62 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import re
+import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from lightning_sparselift.bench.measure import STAGES
 
 REFERENCES = ("torchrec", "dlrm-baseline", "torchrec-base", "dense-only")
 
+# the lines of ExecutionPlan.explain() that list a decision's calibration pairs, one number per pair
+_PAIR_LINE = re.compile(r"^\s+increments T1-T0 \(ms\) ")
 
-def write_json(summary: dict[str, Any], path: Path) -> None:
-    path.write_text(json.dumps(summary, indent=1))
+
+def compact(summary: dict[str, Any]) -> dict[str, Any]:
+    """``summary`` without its raw observations, which grow with the run's length: every timed step
+    (``step_ms``, ``samples_per_s`` and ``round_median_ms`` condense them), every warmup step (kept as
+    ``warmup: {steps, total_s}``) and every calibration pair of a decision and of the steady-state
+    check (their estimate, bounds and pair counts stay), also where ``plan_explain`` lists them.
+    The Markdown table and the plots are drawn from the whole summary. Idempotent."""
+    out = copy.deepcopy(summary)
+    for result in out.get("systems", {}).values():
+        result.pop("step_times_ms", None)
+        warmup = result.pop("warmup_ms", None)
+        if warmup is not None:
+            result["warmup"] = {"steps": len(warmup), "total_s": sum(warmup) / 1e3}
+        for decision in result.get("plan_decisions") or []:
+            decision.pop("observations_ms", None)
+        if result.get("verification"):
+            result["verification"].pop("observations_ms", None)
+        if result.get("plan_explain"):
+            result["plan_explain"] = "\n".join(line for line in result["plan_explain"].splitlines()
+                                               if not _PAIR_LINE.match(line))
+    return out
+
+
+def write_json(summary: dict[str, Any], path: Path, raw: bool = False) -> None:
+    """Write ``summary`` to ``path``: :func:`compact` unless ``raw``."""
+    path.write_text(json.dumps(summary if raw else compact(summary), indent=1))
+
+
+def source_commit() -> Optional[str]:
+    """The commit of the git checkout this package runs from (``-dirty`` when it has uncommitted
+    changes), or None for an installed package: a result names the code it measured."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():  # (a directory, or a file in a worktree)
+        return None
+    try:
+        # (--exclude=*: the commit itself, never a tag's name)
+        done = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7", "--exclude=*"], cwd=root,
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (done.stdout.strip() or None) if done.returncode == 0 else None
 
 
 def _fmt(q: dict[str, float], digits: int = 1) -> str:
@@ -114,15 +158,17 @@ def plots(summary: dict[str, Any], folder: Path) -> list[Path]:
         fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    for n, r in ok.items():
-        ax.plot([summary["global_batch"] / (t / 1e3) for t in r["step_times_ms"]], label=n, lw=1)
-    ax.set_xlabel("measured step (interleaved rounds, warmup excluded)")
-    ax.set_ylabel("samples/s")
-    ax.set_title(f"{name}: throughput over steps")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(folder / f"{name}_over_steps.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    timed = {n: r["step_times_ms"] for n, r in ok.items() if r.get("step_times_ms")}  # (not in a compact file)
+    if timed:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        for n, times in timed.items():
+            ax.plot([summary["global_batch"] / (t / 1e3) for t in times], label=n, lw=1)
+        ax.set_xlabel("measured step (interleaved rounds, warmup excluded)")
+        ax.set_ylabel("samples/s")
+        ax.set_title(f"{name}: throughput over steps")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(folder / f"{name}_over_steps.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
     return paths

@@ -23,7 +23,7 @@ def _bench(*args, cache):
 @pytest.mark.slow  # (the bench's CLI runs short in test_parity_mode_is_identical)
 def test_all_systems_side_by_side(tmp_path, data_cache):
     out = _bench("--scenario", "tiny", *FAST, "--ablations", "--json", str(tmp_path / "out.json"), "--markdown",
-                 str(tmp_path / "out.md"), "--plots", str(tmp_path / "plots"), cache=data_cache)
+                 str(tmp_path / "out.md"), "--raw", "--plots", str(tmp_path / "plots"), cache=data_cache)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "out.json").read_text())
     assert summary["schema"] == "sparselift-bench/1" and summary["world_size"] == 2
@@ -99,6 +99,7 @@ def test_parity_mode_is_identical(tmp_path, data_cache):
     assert summary["epoch_steps"] == 2048 // 128
     assert summary["identical"] and summary["loss_mae"] == 0.0
     assert summary["quality"]["torchrec"] == summary["quality"]["sparselift"]
+    assert "commit" in summary  # the code it measured (None outside a git checkout)
     assert 0.0 < summary["quality"]["sparselift"]["roc_auc"] < 1.0
     assert "ROC-AUC" in out.stdout
 
