@@ -13,10 +13,10 @@ _LAZY = {
     "CriteoDataModule": "lightning_sparselift.data",
     "EvenDistributedSampler": "lightning_sparselift.data",
     "RecBatch": "lightning_sparselift.data",
-    "DLRMModule": "lightning_sparselift.model",
-    "RecModule": "lightning_sparselift.rec_module",
-    "SequenceRankingModule": "lightning_sparselift.sequence_model",
-    "SequenceDataModule": "lightning_sparselift.sequence_data",
+    "DLRMModule": "lightning_sparselift.models",
+    "RecModule": "lightning_sparselift.models",
+    "SequenceRankingModule": "lightning_sparselift.models",
+    "SequenceDataModule": "lightning_sparselift.data",
     "EmbeddingOptimizer": "lightning_sparselift.sharding",
 }
 

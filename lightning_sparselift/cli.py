@@ -17,13 +17,13 @@ import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_sparselift  # noqa: F401  (registers the strategy names)
-from lightning_sparselift.rec_module import RecModule
+from lightning_sparselift.models import RecModule
 
 
 class SparseLiftCLI(LightningCLI):
     """Any model family (a :class:`RecModule`) with any data module that exposes ``table_sizes``,
     ``feature_names`` and ``num_dense``; a config without ``class_path`` means
-    :class:`~lightning_sparselift.model.DLRMModule` and
+    :class:`~lightning_sparselift.models.DLRMModule` and
     :class:`~lightning_sparselift.data.CriteoDataModule`."""
 
     def __init__(self, **kwargs) -> None:
@@ -31,7 +31,7 @@ class SparseLiftCLI(LightningCLI):
                          **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
-        parser.set_defaults({"model": {"class_path": "lightning_sparselift.model.DLRMModule", "init_args": {}},
+        parser.set_defaults({"model": {"class_path": "lightning_sparselift.models.DLRMModule", "init_args": {}},
                              "data": {"class_path": "lightning_sparselift.data.CriteoDataModule", "init_args": {}}})
         # The model's tables follow the data: sizes and feature names come from the datamodule.
         parser.link_arguments("data.table_sizes", "model.init_args.num_embeddings_per_feature",

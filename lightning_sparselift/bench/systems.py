@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_sparselift.bench.measure import StageTimer
 from lightning_sparselift.bench.scenarios import FAMILIES, Scenario
-from lightning_sparselift.data import RecArrays, RecBatch
+from lightning_sparselift.data.batch import RecArrays, RecBatch
 
 
 @dataclass
@@ -86,7 +86,7 @@ class WithLoss(nn.Module):
 
 
 def _dense_optimizer(scenario: Scenario, params: Any) -> torch.optim.Optimizer:
-    from lightning_sparselift.rec_module import DENSE_OPTIMIZERS
+    from lightning_sparselift.models.base import DENSE_OPTIMIZERS
 
     return DENSE_OPTIMIZERS[scenario.optimizer.get("dense", "sgd")](params, lr=scenario.optimizer.get("dense_lr", 0.1))
 
@@ -202,7 +202,7 @@ class ConstantSequences(nn.Module):
 
 def stand_in_sparse(rec: nn.Module, env: "BenchEnv") -> nn.Module:
     """A constant stand-in for ``rec``'s sparse part with its output's shapes (dense-only)."""
-    from lightning_sparselift.sequence_model import SequenceSparseArch
+    from lightning_sparselift.models.sequence import SequenceSparseArch
 
     if isinstance(rec.sparse_arch, SequenceSparseArch):
         most = max(int(env.local_batch(i).sparse.lengths().sum()) for i in range(env.pool))

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from helpers import free_port
-from lightning_sparselift.model import DLRMModule
+from lightning_sparselift.models import DLRMModule
 from lightning_sparselift.sharding import EmbeddingOptimizer, build_sharding_plan
 
 

@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers import DumpLocalState, load_dumps, tiny_data, tiny_model, trainer
 from lightning_sparselift import SparseLiftStrategy
-from lightning_sparselift.data import EpochShuffledSampler, ResumableLoader
+from lightning_sparselift.data.loading import EpochShuffledSampler, ResumableLoader
 from lightning_sparselift.lightning.lookahead import LookaheadLoader
 
 # 2560 samples / batch 32 / 2 ranks: 40 steps per epoch, so steps 20 and 26 are mid-epoch

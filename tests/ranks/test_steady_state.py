@@ -14,7 +14,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from helpers import ONE_LOOK, DumpLocalState, assert_same_dumps, tiny_data, tiny_model, trainer
 from lightning_sparselift import CriteoDataModule, SparseLiftStrategy
-from lightning_sparselift.data import RecBatch, ResumableLoader, _identity
+from lightning_sparselift.data import RecBatch
+from lightning_sparselift.data.loading import ResumableLoader, _identity
 
 class SaveSession(L.Callback):
     """Per rank at the end of fit: the session's steady-state record and the metrics."""

@@ -185,7 +185,7 @@ def test_embedding_lr_follows_dense_schedule(tmp_path, data_cache):
 def test_uneven_user_dataloaders_raise_instead_of_hanging(data_cache):
     from torch.utils.data import DataLoader
 
-    from lightning_sparselift.data import BatchedRecDataset
+    from lightning_sparselift.data.loading import BatchedRecDataset
 
     class Uneven(type(tiny_data(data_cache))):
         def val_dataloader(self):

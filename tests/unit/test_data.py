@@ -4,10 +4,12 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_sparselift.data import (
-    CRITEO_KAGGLE_CARDINALITIES, DLRMV2_POOLING_FACTORS, BatchedRecDataset, CriteoDataModule,
-    EvenDistributedSampler, SyntheticSpec, generate_synthetic, read_criteo_npy, table_sizes,
+from lightning_sparselift.data import CriteoDataModule, EvenDistributedSampler
+from lightning_sparselift.data.criteo import (
+    CRITEO_KAGGLE_CARDINALITIES, DLRMV2_POOLING_FACTORS, read_criteo_npy, table_sizes,
 )
+from lightning_sparselift.data.loading import BatchedRecDataset
+from lightning_sparselift.data.synthetic import SyntheticSpec, generate_synthetic
 
 
 def test_table_sizes_cap():

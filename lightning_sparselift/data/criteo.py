@@ -1,7 +1,8 @@
-"""Raw Criteo TSV files (Kaggle ``train.txt``, Terabyte ``day_N``) converted once, with TorchRec's
-own ``torchrec.datasets.criteo.BinaryCriteoUtils.tsv_to_npys``, into the npy triple that
-:func:`lightning_sparselift.data.read_criteo_npy` reads, cached by the file's path, size and
-modification time.
+"""Criteo's files: the datasets' shape (Kaggle cardinalities, DLRMv2 pooling factors), the npy
+triple ``torchrec.datasets.criteo`` writes (:func:`read_criteo_npy`), and raw Criteo TSV files
+(Kaggle ``train.txt``, Terabyte ``day_N``) converted once, with TorchRec's own
+``torchrec.datasets.criteo.BinaryCriteoUtils.tsv_to_npys``, into that npy triple, cached by the
+file's path, size and modification time.
 
 A line is ``label \\t 13 integers \\t 26 categorical hex ids`` (40 tab-separated fields, any
 field may be empty). What the conversion does is TorchRec's, unchanged:
@@ -21,7 +22,7 @@ parser then rejects (e.g. ``1.5`` or a hex digit in an integer column, an intege
 is located and reported by file, line and column; so are labels other than 0/1 and dense values
 that TorchRec's shift overflows. A file that fails is never marked as converted.
 
-``python -m lightning_sparselift.criteo FILE... [--cache-dir DIR]`` converts ahead of training.
+``python -m lightning_sparselift.data FILE... [--cache-dir DIR]`` converts ahead of training.
 """
 
 from __future__ import annotations
@@ -38,7 +39,22 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-NUM_INT = 13
+from lightning_sparselift.data.batch import OneHotRecArrays
+
+# Criteo Kaggle (Display Advertising Challenge) cardinalities of the 26 categorical features.
+CRITEO_KAGGLE_CARDINALITIES: tuple[int, ...] = (
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+)
+# Per-feature pooling factors of MLPerf DLRMv2 (multi-hot Criteo 1TB).
+DLRMV2_POOLING_FACTORS: tuple[int, ...] = (
+    3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1,
+)
+NUM_DENSE = 13
+FEATURE_NAMES: tuple[str, ...] = tuple(f"cat_{i}" for i in range(len(CRITEO_KAGGLE_CARDINALITIES)))
+
+# The TSV layout: a label, the integer columns (the dense features), the categorical ones.
+NUM_INT = NUM_DENSE
 NUM_CAT = 26
 NUM_COLUMNS = 1 + NUM_INT + NUM_CAT
 _CACHE_FORMAT = 1
@@ -274,24 +290,33 @@ def split_rows(rows: int, held_out_fraction: float = 1 / 7) -> tuple[int, int]:
     return train_end, train_end + math.ceil(held / 2)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m lightning_sparselift.criteo",
-                                     description="Convert Criteo TSV files into the npy cache CriteoDataModule reads.")
-    parser.add_argument("files", nargs="+")
-    parser.add_argument("--cache-dir", default=None,
-                        help="default: $SPARSELIFT_CACHE or ~/.cache/lightning_sparselift (as CriteoDataModule)")
-    args = parser.parse_args(argv)
-    cache = args.cache_dir or os.environ.get("SPARSELIFT_CACHE") or Path.home() / ".cache" / "lightning_sparselift"
-    try:
-        results = convert_tsv_files(args.files, cache)
-    except (FileNotFoundError, CriteoFormatError) as exc:
-        raise SystemExit(f"error: {exc}") from exc
-    for result in results:
-        state = "converted" if result.converted else "cached"
-        print(f"{result.source}: {result.rows} rows, {state} -> {result.prefix}_{{dense,sparse,labels}}.npy")
+def table_sizes(cardinalities: Sequence[int], max_rows: Optional[int]) -> list[int]:
+    """Rows per table: the raw cardinality, capped at ``max_rows`` (ids are taken modulo it)."""
+    return [int(c) if max_rows is None else int(min(c, max_rows)) for c in cardinalities]
 
 
-if __name__ == "__main__":
-    main()
+def read_criteo_npy(prefix: str | Path, num_embeddings_per_feature: Sequence[int],
+                    feature_names: Sequence[str] = FEATURE_NAMES,
+                    rows: Optional[tuple[int, int]] = None) -> OneHotRecArrays:
+    """Read the ``<prefix>_dense.npy`` / ``_sparse.npy`` / ``_labels.npy`` triple that
+    ``torchrec.datasets.criteo.BinaryCriteoUtils`` writes (dense already log-transformed,
+    one id per feature), memory-mapped. Ids are taken modulo the table sizes, as TorchRec's
+    reader does. ``rows=(start, end)`` reads only those rows (TorchRec's ``load_npy_range``)."""
+    prefix = str(prefix)
+    paths = {k: Path(f"{prefix}_{k}.npy") for k in ("dense", "sparse", "labels")}
+    missing = [str(p) for p in paths.values() if not p.exists()]
+    if missing:
+        raise FileNotFoundError(f"Criteo npy files not found: {missing}")
+    if len(num_embeddings_per_feature) != len(feature_names):
+        raise ValueError(f"{len(num_embeddings_per_feature)} table sizes for {len(feature_names)} features")
+    if rows is None:
+        arrays = {k: np.load(p, mmap_mode="r") for k, p in paths.items()}
+    else:
+        from torchrec.datasets.criteo import BinaryCriteoUtils
+
+        start, end = rows
+        arrays = {k: BinaryCriteoUtils.load_npy_range(str(p), start, end - start, mmap_mode=True)
+                  for k, p in paths.items()}
+    return OneHotRecArrays(arrays["dense"], arrays["sparse"], arrays["labels"], feature_names,
+                           id_modulus=num_embeddings_per_feature)
+

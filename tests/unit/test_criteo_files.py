@@ -8,35 +8,10 @@ import pytest
 import torch
 from torchrec.datasets.criteo import BinaryCriteoUtils, InMemoryBinaryCriteoIterDataPipe
 
-from lightning_sparselift import criteo
-from lightning_sparselift.criteo import CriteoFormatError, convert_tsv, scan_tsv, split_rows
-from lightning_sparselift.data import BatchedRecDataset, CriteoDataModule
-
-# small tables, so the modulo folds ids; one of them 1 row (every id -> 0)
-SIZES = [7, 13, 1000, 1, 97, 24, 50, 3, 3, 101, 60, 5000, 31, 27, 150, 400, 10, 56, 21, 4, 700, 18, 15, 286, 105, 142]
-
-
-def make_rows(n, seed, missing=0.15):
-    """Rows in Criteo's layout: label, 13 integers (I2 may be negative, down to -3), 26 8-hex-digit
-    ids; None marks a missing (empty) field."""
-    rng = np.random.default_rng(seed)
-    rows = []
-    for i in range(n):
-        label = int(rng.random() < 0.3)
-        ints = [int(rng.integers(-3, 50)) if j == 1 else int(rng.geometric(0.02)) - 1 for j in range(13)]
-        cats = [f"{int(rng.integers(0, 2**32)):08x}" for _ in range(26)]
-        ints = [None if rng.random() < missing else v for v in ints]
-        cats = [None if rng.random() < missing else v for v in cats]
-        rows.append((label, ints, cats))
-    rows[0][1][1] = -3  # the file's minimum integer: TorchRec shifts by it
-    return rows
-
-
-def write_tsv(path, rows, newline="\n", final_newline=True):
-    lines = ["\t".join([str(label)] + ["" if v is None else str(v) for v in ints]
-                       + ["" if c is None else c for c in cats]) for label, ints, cats in rows]
-    path.write_bytes((newline.join(lines) + (newline if final_newline else "")).encode())
-    return path
+from criteo_rows import SIZES, make_rows, write_tsv
+from lightning_sparselift.data import CriteoDataModule, criteo
+from lightning_sparselift.data.criteo import CriteoFormatError, convert_tsv, scan_tsv, split_rows
+from lightning_sparselift.data.loading import BatchedRecDataset
 
 
 def expected_arrays(rows):
@@ -257,27 +232,3 @@ def test_missing_files(tmp_path):
         dm.prepare_data()
     with pytest.raises(FileNotFoundError, match="day_0"):
         dm.split("train")
-
-
-def test_fit_on_tsv_files_two_ranks(tmp_path):
-    import lightning.pytorch as L
-
-    from helpers import tiny_model, trainer
-
-    days = [write_tsv(tmp_path / f"day_{d}", make_rows(n, seed=10 + d)) for d, n in enumerate((96, 64))]
-    cache = tmp_path / "cache"
-    dm = CriteoDataModule(batch_size=16, criteo_tsv=[str(p) for p in days], rows_per_feature=SIZES,
-                          cache_dir=str(cache))
-
-    class Record(L.Callback):
-        def on_validation_epoch_end(self, trainer, pl_module):
-            if trainer.global_rank == 0:
-                metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-                torch.save({"step": trainer.global_step, "metrics": metrics}, tmp_path / "record.pt")
-
-    t = trainer(2, max_epochs=1, callbacks=[Record()])
-    t.fit(tiny_model(dm), dm)
-    record = torch.load(tmp_path / "record.pt")
-    assert record["step"] == 96 // 16 // 2  # day_0 on 2 ranks
-    assert any("auc" in k for k in record["metrics"]), record  # validated on the first half of day_1
-    assert len(list(cache.rglob("source.json"))) == 2  # each file converted once, read by both ranks

@@ -13,8 +13,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_sparselift.rec_module import RecModule
-from lightning_sparselift.sequence_data import HISTORY_FEATURE, TARGET_FEATURE
+from lightning_sparselift.data.sequence import HISTORY_FEATURE, TARGET_FEATURE
+from lightning_sparselift.models.base import RecModule
 
 
 @torch.fx.wrap  # one call in fx graphs (TorchRec's train pipelines trace the model to find its sparse inputs)
@@ -103,7 +103,7 @@ class SequenceRankingModule(RecModule):
         history_feature / target_feature: the keys of the item history (variable length, looked up
             unpooled by an EmbeddingCollection) and of the target item (one id per sample).
         dense_optimizer / dense_lr / lr_scheduler / lr_scheduler_steps: see
-            :class:`~lightning_sparselift.rec_module.RecModule`.
+            :class:`~lightning_sparselift.models.base.RecModule`.
     """
 
     def __init__(

@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_sparselift.rec_module import RecModule
+from lightning_sparselift.models.base import RecModule
 
 INTERACTIONS = ("dot", "dcn", "concat")
 
@@ -69,7 +69,7 @@ class DLRMModule(RecModule):
         embedding_dims: per-feature embedding widths (``concat`` only); default ``embedding_dim``.
         dcn_num_layers / dcn_low_rank_dim: DCN cross-net shape.
         dense_optimizer / dense_lr / lr_scheduler / lr_scheduler_steps: see
-            :class:`~lightning_sparselift.rec_module.RecModule`.
+            :class:`~lightning_sparselift.models.base.RecModule`.
         feature_names: feature keys of the input KJT (``cat_0..`` by default).
     """
 

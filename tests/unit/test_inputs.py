@@ -1,16 +1,12 @@
-"""Bad input gets a clear error, before any collective can hang on it."""
+"""Bad input gets a clear error, before any collective can hang on it: the input checks, the
+NaN warning and the strategy's option checks (under Trainer.fit: tests/ranks/test_inputs_fit.py)."""
 
-import json
-import os
-
-import lightning.pytorch as L
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from helpers import free_port, tiny_data, tiny_model, trainer
-from lightning_sparselift import RecBatch, SparseLiftStrategy
+from helpers import tiny_data, tiny_model
+from lightning_sparselift import SparseLiftStrategy
 from lightning_sparselift.validation import SparseInputError, check_kjt, kjt_problem
 
 ROWS = {"a": 10, "b": 5}
@@ -80,34 +76,6 @@ def test_ids_out_of_range(values, match):
         check_kjt("ebc", _kjt(["a", "b"], values, [1, 1]), ROWS)
 
 
-class CorruptFirstBatch(L.Callback):
-    def __init__(self, corrupt):
-        self.corrupt = corrupt
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.corrupt(batch)
-
-
-def _out_of_range(batch: RecBatch):
-    values = batch.sparse.values()
-    values[0] = 10_000_000
-
-
-def test_out_of_range_ids_fail_in_training(data_cache):
-    dm = tiny_data(data_cache)
-    t = trainer(2, callbacks=[CorruptFirstBatch(_out_of_range)], limit_val_batches=0)
-    with pytest.raises(Exception, match="outside its table's range"):
-        t.fit(tiny_model(dm), dm)
-
-
-def test_kjt_keys_differ_from_model_features(data_cache):
-    dm = tiny_data(data_cache)
-    # the data has features cat_0..cat_5, the model is built for other names
-    model = tiny_model(dm, feature_names=[f"f{i}" for i in range(6)])
-    with pytest.raises(Exception, match="keys do not match the model's features"):
-        trainer(2, limit_val_batches=0).fit(model, dm)
-
-
 def test_nan_dense_features_warn(data_cache):
     dm = tiny_data(data_cache)
     dm.setup("fit")
@@ -146,33 +114,6 @@ def test_unknown_options_and_names():
     assert SparseLiftStrategy(numerics="fast").session_options.numerics == "fast"
 
 
-@pytest.mark.parametrize("sharding, match", [({"t_cat_0": "diagonal"}, "unknown sharding type 'diagonal'"),
-                                             ({"t_nope": "table_wise"}, r"table\(s\) \['t_nope'\]"),
-                                             ({"t_cat_0": "table_column_wise", "t_cat_1": "row_wise"},
-                                              "table_column_wise cannot be combined with row-wise tables on CPU")])
-def test_bad_sharding_types(sharding, match, data_cache):
-    dm = tiny_data(data_cache)
-    t = trainer(1, SparseLiftStrategy(start_method="fork", sharding_types=sharding))
-    with pytest.raises(Exception, match=match):
-        t.fit(tiny_model(dm), dm)
-
-
-def test_model_without_embedding_bags(data_cache):
-    class Dense(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = torch.nn.Linear(13, 1)
-
-        def training_step(self, batch, batch_idx):
-            return self.layer(batch.dense).sum()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    with pytest.raises(Exception, match="found no torchrec EmbeddingBagCollection or EmbeddingCollection"):
-        trainer(1).fit(Dense(), tiny_data(data_cache))
-
-
 def test_input_check_skips_only_what_it_checked_unchanged(monkeypatch):
     from torch import nn
 
@@ -190,47 +131,3 @@ def test_input_check_skips_only_what_it_checked_unchanged(monkeypatch):
     kjt.values()[1] = 5  # changed in place since its check (a reused buffer): checked again
     with pytest.raises(SparseInputError, match="id 5 of feature 'b'"):
         hook(module, (kjt,), {})
-
-
-def _bounds_check_worker(rank: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
-    from torch import nn
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
-    from lightning_sparselift.sharding import EmbeddingOptimizer, shard_model
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=1)
-    try:
-        modes = {}
-        for checked in (True, False):
-            model = nn.Module()
-            model.ebc = EmbeddingBagCollection([EmbeddingBagConfig(name=t, embedding_dim=4, num_embeddings=10,
-                                                                   feature_names=[t]) for t in ("a", "b")],
-                                               device=torch.device("meta"))
-            model.dense = nn.Linear(2, 2)
-            sharded = shard_model(model, 1, torch.device("cpu"), {"a": "table_wise", "b": "row_wise"},
-                                  EmbeddingOptimizer("sgd"), dist.group.WORLD, dist.group.WORLD if checked else None)
-            # (TorchRec keeps a sharded collection's lookups in a plain list)
-            tbes = [emb._emb_module for m in sharded.dmp.modules() for lookup in getattr(m, "_lookups", [])
-                    for emb in lookup._emb_modules]
-            modes[str(checked)] = sorted(t.bounds_check_mode_int for t in tbes
-                                         if isinstance(t, SplitTableBatchedEmbeddingBagsCodegen))
-            del sharded
-        with open(out, "w") as f:
-            json.dump(modes, f)
-    finally:
-        dist.destroy_process_group()
-
-
-def test_the_lookups_skip_fbgemms_id_check_only_when_the_input_checks_ran(tmp_path):
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
-
-    out = tmp_path / "modes.json"
-    mp.start_processes(_bounds_check_worker, args=(free_port(), str(out)), nprocs=1, start_method="spawn")
-    modes = json.loads(out.read_text())
-    # one fused table-batched lookup per sharding group (table-wise, row-wise): with the input checks
-    # every id was checked before it reaches them; without, fbgemm's default check stays
-    assert modes == {"True": [BoundsCheckMode.NONE.value] * 2, "False": [BoundsCheckMode.WARNING.value] * 2}

@@ -2,9 +2,9 @@
 (a user's past interactions), one target item to score, one-hot categorical features and dense
 features. The planted signal rewards a target item from the same category as many of the
 history's items, which a model can only pick up by relating the target to the history (target
-attention); the rest is the Criteo-like signal of :mod:`lightning_sparselift.data`.
+attention); the rest is the Criteo-like signal of :mod:`lightning_sparselift.data.synthetic`.
 
-The arrays have the layout of :class:`~lightning_sparselift.data.RecArrays` (features: the
+The arrays have the layout of :class:`~lightning_sparselift.data.batch.RecArrays` (features: the
 categorical ones, then the history, then the target item), so batches, samplers, the strategy's
 input checks and the benchmark read them like any other split.
 """
@@ -19,9 +19,10 @@ from typing import Optional
 
 import numpy as np
 
-from lightning_sparselift.data import (
-    NUM_DENSE, RecArrays, RecDataModule, dense_features, id_effect, load_or_generate, zipf_ids,
-)
+from lightning_sparselift.data.batch import RecArrays
+from lightning_sparselift.data.criteo import NUM_DENSE
+from lightning_sparselift.data.modules import RecDataModule
+from lightning_sparselift.data.synthetic import dense_features, id_effect, load_or_generate, zipf_ids
 
 _FORMAT_VERSION = 1
 HISTORY_FEATURE = "history"
