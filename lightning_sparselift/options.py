@@ -4,7 +4,7 @@ its arguments and the bench from the same arguments, so both build their session
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from lightning_sparselift.cost.decision import DecisionRule
 
@@ -51,3 +51,16 @@ class SessionOptions:
         check_steady_options(self.verify_steps, self.drift_ratio, self.min_steps_between_replans,
                              self.drift_check_every)
         object.__setattr__(self, "optimizations", tuple(sorted(self.optimizations)))
+
+    @classmethod
+    def from_arguments(cls, optimizations: Optional[list[str]], calibration_confidence: float,
+                       calibration_max_pairs: int, calibration_min_gain: float, calibration_min_lookup_gain: float,
+                       workspace_budget_mb: Optional[float], plan_path: Optional[str], **options: Any) -> "SessionOptions":
+        """From the strategy's arguments of the same names (``options``: the fields named alike)."""
+        if workspace_budget_mb is not None and not float(workspace_budget_mb) >= 0:
+            raise ValueError(f"workspace_budget_mb must be >= 0 (MiB per rank) or None, got {workspace_budget_mb!r}")
+        return cls(**({} if optimizations is None else {"optimizations": tuple(optimizations)}),
+                   decision_rule=DecisionRule(float(calibration_confidence), int(calibration_max_pairs),
+                                              float(calibration_min_gain), float(calibration_min_lookup_gain)),
+                   workspace_budget_bytes=None if workspace_budget_mb is None else int(float(workspace_budget_mb) * 2**20),
+                   plan_path=str(plan_path) if plan_path is not None else None, **options)

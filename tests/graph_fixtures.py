@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 from lightning_sparselift.ir import SparseGraph
+from lightning_sparselift.passes import select_passes
+from lightning_sparselift.plan import ExecutionPlan, PlanFingerprint, Planner
 
 FIXTURES = Path(__file__).parent / "fixtures" / "graphs"
 EBC = "model.sparse_arch.embedding_bag_collection"
@@ -21,3 +23,24 @@ NOT_IN_BATCH = "the module's input was not found in the training step's batch on
 
 def load(name: str) -> SparseGraph:
     return SparseGraph.from_dict(json.loads((FIXTURES / f"{name}.json").read_text()))
+
+
+def unmeasured_plan(identity: SparseGraph, optimizations: list[str]) -> ExecutionPlan:
+    """What a run with calibrate=False plans: every feasible candidate of ``optimizations`` applied
+    and accepted, in the planner's order."""
+    planner = Planner(select_passes(optimizations), None, calibrate=False)
+    fingerprint = PlanFingerprint(identity.fingerprint(), "sharding", identity.world_size, "gloo", {},
+                                  sorted(optimizations))
+    plan = ExecutionPlan(fingerprint, identity)
+    feasible, plan.decisions = planner.propose(identity)
+    for candidate in feasible:
+        plan.graph = planner.apply(plan.graph, candidate)
+        plan.decisions.append(planner.decide(candidate, None))
+    return plan
+
+
+def plan_file_dict() -> dict:
+    """A valid plan file's content: every candidate of aggregation and latency hiding on the
+    two-rank table- and column-wise fixture."""
+    return json.loads(json.dumps(unmeasured_plan(load("table_and_column_wise_2ranks"),
+                                                 ["aggregation", "latency_hiding"]).to_dict()))

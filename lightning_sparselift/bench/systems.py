@@ -326,7 +326,7 @@ def session_report(session: Any) -> dict[str, Any]:
     return {"executor": "sparselift", "lift_s": session.lift_seconds, "graph_fingerprint": graph.fingerprint(),
             "graph_collectives_per_step": len(graph.collectives()), "graph_explain": graph.explain(),
             "calibration_s": plan.calibration_s, "calibration_steps": plan.calibration_steps,
-            "calibration_excess_s": plan.calibration_excess_s, "cost_s": session.cost_s,
+            "calibration_excess_s": plan.calibration_excess_s, "cost_s": session.time.cost_s,
             "planning_s": plan.planning_s, "plan_explain": plan.explain(),
             "plan_decisions": [asdict(d) for d in plan.decisions],
             "kernel_builds": [asdict(b) for b in plan.kernel_builds],

@@ -42,6 +42,7 @@ class RegionClock:
         self.lookup_wall_ms = 0.0
         self.input_ms = 0.0
         self._node_start: dict[int, tuple[float, float]] = {}
+        self._step_start = (0.0, 0.0)  # (wall, thread CPU) at start_step
 
     @contextmanager
     def region(self) -> Iterator[None]:
@@ -119,6 +120,22 @@ class RegionClock:
         """The input side's ms on the lookup clock since the last call."""
         taken, self.input_ms = self.input_ms, 0.0
         return taken
+
+    def start_step(self) -> None:
+        """A training step begins: every region counts from here."""
+        self.take(), self.take_lookup(), self.take_input()
+        self._step_start = (time.perf_counter(), time.thread_time())
+
+    def end_step(self) -> dict[str, float]:
+        """The step begun last ended: its whole wall time (``step``), on the training thread's
+        clock (``step_cpu``; on CUDA that clock misses the device's work: the wall time), and its
+        regions since :meth:`start_step` (``sparse``, ``lookup``, ``lookup_wall``, ``input``): what
+        a calibration protocol's ``region`` may name."""
+        step_ms = (time.perf_counter() - self._step_start[0]) * 1e3
+        step_cpu_ms = (time.thread_time() - self._step_start[1]) * 1e3 if self.device.type == "cpu" else step_ms
+        lookup_ms, lookup_wall_ms = self.take_lookup()
+        return {"step_ms": step_ms, "sparse_ms": self.take(), "lookup_ms": lookup_ms, "lookup_wall_ms": lookup_wall_ms,
+                "step_cpu_ms": step_cpu_ms, "input_ms": self.take_input()}
 
 
 @dataclass

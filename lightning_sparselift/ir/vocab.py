@@ -1,6 +1,39 @@
 """The words the graph, the passes and the runtime share: sharding types, collective roles, the
 points of a training step where work is issued and waited for, region names, and dtype sizes.
-Every list of kinds the code tests against is defined here once."""
+Every list of kinds the code tests against is defined here once.
+
+Glossary: one word, one thing (a second sense always carries its qualifier).
+
+- **capture step**: a training step run on TorchRec's path while capture records what the sparse
+  modules receive (``capture_steps``, formerly ``warmup_batches``).
+- **warmup**: steps or pairs run but not measured before a measurement (a calibration's
+  ``warmup_pairs``, the bench's ``--warmup-steps``, a steady-state check's warmup pair).
+- **settle step**: an unmeasured step after a plan switch, when the schedule distributes the next
+  batch a step ahead.
+- **process group**: a ``torch.distributed`` group (``process_group`` fields; ``check_group``:
+  the one for per-step checks). **sharding group**: the tables of one module that TorchRec looks
+  up together (``ShardingGroup``, its ``index``). The negative ``*_KERNEL_GROUP`` ids of
+  ``ir/schedule.py`` name a module's consumer-layout and input kernels where a sharding group's
+  index would stand.
+- **bucket**: a subset of a module's sharding groups whose lookups and exchanges run together
+  (subgraph parallelism, pipelined buckets). DDP's gradient buckets are "DDP buckets"; a byte
+  buffer's per-destination piece is a "chunk"; ``bucketize`` (TorchRec's and fbgemm's word) splits a
+  row-sharded feature's ids by row block.
+- **kernel**: a compute function a region runs: TorchRec's or fbgemm's (``REFERENCE_KERNELS``) or
+  a generated one (``generated``, ``consumer``); a generated kernel's compiled module is its
+  "build".
+- **collective role**: what a collective carries (``CollectiveRole``). **candidate role**: the
+  kind of change a pass proposes (``Candidate.role``; ``pass:role`` in ``optimizations``).
+- **check**: a test that raises or reports. The **step check** (non-finite values, every step),
+  the **input check** (``validate_inputs``: a batch's KJTs), the **steady-state check** (the plan
+  against the identity plan), the **drift check** (the workload, every ``drift_check_every``
+  steps), ``check_schedule`` / ``check_against_runtime`` (a graph's consistency), a pass's
+  ``check`` (a candidate's feasibility).
+- **plan**: an ``ExecutionPlan`` (the decisions and the graph they give); TorchRec's placement of
+  tables is its **sharding plan**.
+- **identity plan**: the lifted graph before any pass; the **incumbent**: the graph a planning
+  round measures a candidate against.
+"""
 
 from __future__ import annotations
 

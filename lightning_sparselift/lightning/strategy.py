@@ -15,42 +15,28 @@ batch after it), ``optimizer_step`` ends it (``training_step`` with manual optim
 
 from __future__ import annotations
 
-import atexit
-from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import (
-    _destroy_dist_connection, _distributed_is_initialized, _get_default_process_group_backend_for_device,
-    _init_dist_connection, _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
-from torch import Tensor
 
 from lightning_sparselift.cost.decision import DecisionRule
 from lightning_sparselift.lightning import checkpoint as ckpt
-from lightning_sparselift.lightning import console
-from lightning_sparselift.lightning.launcher import DenseOnlyMultiProcessingLauncher
+from lightning_sparselift.lightning.batch_counts import check_equal_batch_counts
 from lightning_sparselift.lightning.lookahead import LookaheadLoader
+from lightning_sparselift.lightning.processes import ProcessGroupStrategy
 from lightning_sparselift.lightning.report import report_events, report_metrics, report_round
-from lightning_sparselift.sharding import EmbeddingOptimizer, combine_optimizers, plan_summary, shard_model
 from lightning_sparselift.lightning.signals import SignalConnector
 from lightning_sparselift.lightning.step_check import NON_FINITE_POLICIES, StepCheck
 from lightning_sparselift.options import SessionOptions
+from lightning_sparselift.sharding import EmbeddingOptimizer, combine_optimizers, plan_summary, shard_model
 
 if TYPE_CHECKING:
     from lightning_sparselift.ir import SparseGraph
@@ -59,110 +45,56 @@ if TYPE_CHECKING:
     from lightning_sparselift.session import SparseLiftSession
 
 EXECUTORS = ("torchrec", "sparselift")
-START_METHODS = ("popen", "spawn", "fork")
 EMBEDDING_LR_SCHEDULES = ("constant", "follow_dense")
 
 
-class SparseLiftStrategy(ParallelStrategy):
+class SparseLiftStrategy(ProcessGroupStrategy):
     """Train TorchRec-sharded recommendation models with Lightning, on 1..N CPU processes over
     gloo or on GPUs over NCCL.
 
-    Args:
+    Args (each in full in docs/options.md):
         sharding_types: table name -> TorchRec sharding type (``table_wise``, ``column_wise``,
-            ``table_column_wise``, ``row_wise``, ``table_row_wise``, ``data_parallel``; as the
-            table's module's TorchRec sharder offers). Unlisted tables are placed by TorchRec's
-            planner (table-wise on the least loaded rank when the plan has to be constructed, as
-            for row-wise and table-row-wise on CPU).
-        embedding_optimizer: the optimizer fused into the model-parallel tables' backward: a
-            name (``sgd``, ``adagrad``, ``rowwise_adagrad``; ``adam``, which on CPU tables only
-            the generated kernel runs), a dict (``{"name": ..., "lr": ...}``) or an
-            :class:`~lightning_sparselift.sharding.EmbeddingOptimizer`. ``data_parallel`` tables
-            are replicated dense parameters: TorchRec all-reduces their gradients and the dense
-            optimizer from ``configure_optimizers`` updates them.
-        embedding_lr_schedule: ``constant`` keeps the embedding LR fixed; ``follow_dense``
-            scales it by the dense optimizer's current/initial LR ratio every step, so the LR
-            scheduler from ``configure_optimizers`` (which drives the dense optimizer) drives
-            both.
-        executor: ``sparselift`` (default) captures the first ``warmup_batches`` training steps on
-            TorchRec's path, lifts the sparse path into a graph (:attr:`sparse_graph`) and runs it
-            with SparseLift's executor from then on (bit-identical results); if the model's sparse
-            path cannot be lifted, it warns and keeps TorchRec's path. ``torchrec`` always runs
-            TorchRec's sharded modules as they are.
-        optimizations: the sparse-path optimization passes the planner may use (default: all of
-            them: ``aggregation``, ``codegen``, ``latency_hiding``, ``subgraph_parallelism``);
-            ``pass:role`` selects one kind of
-            candidate, e.g. ``latency_hiding:early_start`` (without the next-batch schedule);
-            ``[]`` runs the identity plan. Unknown names raise.
-        calibrate: decide every feasible candidate by measuring it on real training steps
-            (default); ``False`` applies every feasible candidate without measuring.
-        calibration_confidence: a candidate is accepted only when its measured step change is
-            below minus ``calibration_min_gain`` with this confidence (paired steps, Wilcoxon
-            signed-rank bounds; see :mod:`lightning_sparselift.cost.decision`).
-        calibration_max_pairs: the measured pairs (incumbent step, candidate step) one candidate
-            may use while it is undecided (default 256); still undecided after them, it is
-            rejected. A candidate whose estimate is not half the smallest gain after 48 pairs
-            stops there (negligible).
-        calibration_min_gain: the smallest improvement a candidate measured on whole steps or the
-            executor's sparse regions (latency hiding, aggregation) must show (beyond the noise),
-            as a fraction of the incumbent's step time, to be accepted (default 0.005).
-        calibration_min_lookup_gain: the same for candidates measured on the lookup regions or
-            the input side (code generation, subgraph parallelism), whose clock resolves smaller effects
-            (default 0.001). No candidate is accepted before 16 measured pairs.
-        workspace_budget_mb: the memory (MiB per rank) a plan's schedule may hold beyond the
-            identity plan's as workspace; a candidate that needs more is infeasible, with the
-            numbers in ``explain()`` (subgraph parallelism: the backward scratch of the buckets
-            that run at once). None (default): no limit.
-        reuse_buffers: on CPU, the buffers the lifted executor fills every step (generated
-            lookups' outputs, what the all-to-alls receive, the consumer layout's tensor, gradient
-            send buffers) keep their memory from step to step instead of being allocated (and
-            page-faulted in) again; memory something still holds (e.g. a step's output the model
-            kept) is never handed out again (default True). Between steps each site keeps at most
-            two blocks.
-        numerics: ``"exact"`` (default): only generated kernels whose results are bit-identical
-            to TorchRec's / fbgemm's run (the C++ kernels on CPU); ``"fast"`` also lets kernels
-            whose rounding may differ run: the Triton kernels on CUDA tables, whose bit identity
-            with fbgemm's CUDA kernels is not established (see docs/options.md for their error bound).
-        plan_path: a JSON file for the execution plan: reused (no calibration) when it was made
-            for the same model, sharding plan, world size, backend and versions and its graph is
-            what its accepted candidates give on this run's lift; otherwise planned again and
-            (over)written. The file is a cache: a bad one is logged and ignored, a failed write
-            warns.
-        warmup_batches: training steps captured on TorchRec's path before lifting (>= 1 with the
-            lifted executor).
-        verify_steps: after a calibrated plan that differs from the identity plan is installed
-            (planned or reused), about this many training steps alternate between it and the
-            identity plan (in pairs, with a settle step before each measured one when the plan
-            distributes the next batch a step ahead; at least 1 warmup + 7 measured pairs); the
-            paired step times are judged like calibration's (the slowest rank's, signed-rank bounds at
-            ``calibration_confidence``). Slower beyond noise, the identity plan is installed
-            instead (a warning with the numbers). Predicted, calibrated and measured step change
-            go to the logger (``sparselift/verify/...``) and the session's ``explain()``. ``0``:
-            no check. Not done with ``calibrate=False``.
-        replan_on_drift: every 10 steps the ranks compare the lifted modules' live workload with
-            the statistics the installed plan was decided on (one small all-gather); when a
-            feature's mean bag length exceeds ``drift_ratio`` x its planned p99 bag length (at
-            least 1), its ids per step fall below 1/``drift_ratio`` of the planned, or the batch
-            size changed for a whole check window, a new planning round runs on the live
-            statistics (logged with them, ``sparselift/drift/...``). ``False``: warn only. A
-            reused ``plan_path`` file is checked against this run's captured statistics the same
-            way (and not reused when they drifted).
-        drift_ratio: the threshold factor of ``replan_on_drift`` (> 1).
-        min_steps_between_replans: a drift re-plan starts at least this many training steps
-            after the previous planning round began (drift found earlier waits, logged once).
+            ``table_column_wise``, ``row_wise``, ``table_row_wise``, ``data_parallel``); unlisted
+            tables are placed by TorchRec's planner.
+        embedding_optimizer: the optimizer fused into the tables' backward: ``sgd``, ``adagrad``,
+            ``rowwise_adagrad``, ``adam`` (CPU: generated kernel only), a dict
+            (``{"name": ..., "lr": ...}``) or an :class:`~lightning_sparselift.sharding.EmbeddingOptimizer`.
+        embedding_lr_schedule: ``constant``, or ``follow_dense`` (scaled by the dense optimizer's
+            current/initial LR every step).
+        executor: ``sparselift`` (default: capture, lift, run the lifted executor, bit-identical;
+            TorchRec's path kept with a warning when the model cannot be lifted) or ``torchrec``.
+        optimizations: the passes the planner may use (default all; ``pass:role`` selects one
+            kind of candidate; ``[]``: the identity plan).
+        calibrate: measure every feasible candidate on real training steps (default); ``False``
+            applies every feasible one unmeasured.
+        calibration_confidence: the confidence of the signed-rank bounds a candidate is accepted by.
+        calibration_max_pairs: measured pairs an undecided candidate may use before it is rejected.
+        calibration_min_gain: the smallest improvement, as a fraction of the step, a candidate
+            measured on whole steps or sparse regions must show.
+        calibration_min_lookup_gain: the same for candidates measured on lookups or the input side.
+        workspace_budget_mb: the memory (MiB per rank) a plan may hold beyond the identity plan's
+            (None: no limit).
+        reuse_buffers: on CPU, the executor's per-step buffers keep their memory between steps.
+        numerics: ``exact`` (only bit-identical generated kernels) or ``fast`` (also the Triton
+            kernels on CUDA tables).
+        plan_path: a JSON plan file, reused without calibration when made for the same setup and
+            workload, else (over)written; a cache.
+        warmup_batches: training steps captured on TorchRec's path before lifting (>= 1).
+        verify_steps: steps alternating the installed plan with the identity plan, rolled back when
+            slower beyond noise (``0``: no check).
+        replan_on_drift: plan again when the workload drifts from what the plan was decided on
+            (``False``: warn only).
+        drift_ratio: the drift threshold factor (> 1).
+        min_steps_between_replans: the fewest steps between the start of two planning rounds.
         timeout: collective timeout (seconds or ``timedelta``).
         process_group_backend: ``gloo`` / ``nccl``; defaults from the device.
         start_method: ``popen`` (re-runs the script, like DDP), ``spawn`` or ``fork`` (notebooks).
-        validate_inputs: check every batch's KJT (keys, dtypes, lengths against ids, id ranges)
-            before the sharded lookup (fbgemm's CPU kernels would otherwise read out of bounds
-            silently), and compare the ranks' inputs (batch sizes, dtypes) in one small
-            all-gather, so every rank raises the same error before a collective can mismatch.
-        allow_optimizer_state_reset: when resuming into a different sharding plan, load the
-            weights and restart the fused optimizer state instead of raising.
-        non_finite: what a training step with non-finite values in the batch's floating-point
-            tensors (its KJTs' weights included) or in the loss on any rank does, before backward
-            applies any update (on every schedule: see ``runtime/update_guard.py``):
-            ``raise`` (default) stops every rank with an error naming the batch, tensor, feature
-            and rank; ``skip`` skips that step on every rank with a warning.
+        validate_inputs: check every batch's KJTs before the sharded lookup, the same verdict on
+            every rank.
+        allow_optimizer_state_reset: resuming into another sharding plan, restart the fused
+            optimizer state instead of raising.
+        non_finite: a step with non-finite values in the batch or the loss on any rank: ``raise``
+            (default) on every rank before any update, or ``skip`` it on every rank.
     """
 
     strategy_name = "sparselift"
@@ -200,17 +132,14 @@ class SparseLiftStrategy(ParallelStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin)
+        super().__init__(timeout, process_group_backend, start_method, accelerator, parallel_devices,
+                         cluster_environment, checkpoint_io, precision_plugin)
         if executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
         if sharding_types is not None and not isinstance(sharding_types, dict):
             raise TypeError(f"sharding_types must be a dict table -> type, got {type(sharding_types).__name__}")
         if non_finite not in NON_FINITE_POLICIES:
             raise ValueError(f"non_finite must be one of {NON_FINITE_POLICIES}, got {non_finite!r}")
-        if start_method not in START_METHODS:
-            raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
         if embedding_lr_schedule not in EMBEDDING_LR_SCHEDULES:
             raise ValueError(f"embedding_lr_schedule must be one of {EMBEDDING_LR_SCHEDULES}, "
                              f"got {embedding_lr_schedule!r}")
@@ -221,28 +150,17 @@ class SparseLiftStrategy(ParallelStrategy):
         self.embedding_optimizer = EmbeddingOptimizer.parse(embedding_optimizer)
         self.embedding_lr_schedule = embedding_lr_schedule
         self.executor = executor
-        if workspace_budget_mb is not None and not float(workspace_budget_mb) >= 0:
-            raise ValueError(f"workspace_budget_mb must be >= 0 (MiB per rank) or None, got {workspace_budget_mb!r}")
         # what the compiler session runs with (validated here, once)
-        self.session_options = SessionOptions(
-            warmup_batches=int(warmup_batches), calibrate=bool(calibrate),
-            **({} if optimizations is None else {"optimizations": tuple(optimizations)}),
-            plan_path=str(plan_path) if plan_path is not None else None,
-            decision_rule=DecisionRule(float(calibration_confidence), int(calibration_max_pairs),
-                                       float(calibration_min_gain), float(calibration_min_lookup_gain)),
-            workspace_budget_bytes=None if workspace_budget_mb is None else int(float(workspace_budget_mb) * 2**20),
-            reuse_buffers=bool(reuse_buffers), numerics=numerics, verify_steps=int(verify_steps),
-            replan_on_drift=bool(replan_on_drift), drift_ratio=float(drift_ratio),
+        self.session_options = SessionOptions.from_arguments(
+            optimizations, calibration_confidence, calibration_max_pairs, calibration_min_gain,
+            calibration_min_lookup_gain, workspace_budget_mb, plan_path, warmup_batches=int(warmup_batches),
+            calibrate=bool(calibrate), reuse_buffers=bool(reuse_buffers), numerics=numerics,
+            verify_steps=int(verify_steps), replan_on_drift=bool(replan_on_drift), drift_ratio=float(drift_ratio),
             min_steps_between_replans=int(min_steps_between_replans))
-        self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
-        self._process_group_backend = process_group_backend
-        self._start_method = start_method
         self.validate_inputs = validate_inputs
         self.allow_optimizer_state_reset = allow_optimizer_state_reset
         self.non_finite = non_finite
         self._step_check: Optional[StepCheck] = None
-        self._check_group: Any = None  # created with the process group (setup_environment)
-        self.num_nodes = 1
         self._dmp: Optional[torch.nn.Module] = None
         self._tables: dict[str, Any] = {}
         self.sparse_module_paths: list[str] = []
@@ -262,30 +180,6 @@ class SparseLiftStrategy(ParallelStrategy):
             strategy_registry.register(f"{cls.strategy_name}_{method}", cls, start_method=method,
                                        description=f"SparseLift with the {method} launcher", override=True)
 
-    # ------------------------------------------------------------------ processes and collectives
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def is_distributed(self) -> bool:
-        return True
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> Optional[str]:
-        return self._process_group_backend
-
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -295,72 +189,6 @@ class SparseLiftStrategy(ParallelStrategy):
     @override
     def lightning_restore_optimizer(self) -> bool:
         return False
-
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        # Under torchrun, SLURM, ... the rank processes exist already: as with popen, this launcher
-        # then only checks the settings against the environment and starts nothing (the fork/spawn
-        # launchers would start every rank again inside each rank).
-        if self._start_method == "popen" or self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = DenseOnlyMultiProcessingLauncher(self, start_method=self._start_method)
-
-    @override
-    def setup_environment(self) -> None:
-        console.install()  # in every rank process: the library warnings we cannot avoid
-        super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or \
-            _get_default_process_group_backend_for_device(self.root_device)
-        assert self.cluster_environment is not None
-        initialized = _distributed_is_initialized()
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
-        if not initialized and self._process_group_backend != "nccl":  # (Lightning registers it for NCCL)
-            # a gloo group left to the interpreter's finalization can abort the process at exit
-            # ("terminate called without an active exception"): destroy it while Python is alive
-            atexit.register(_destroy_dist_connection)
-        # The checks of every step (inputs compared across ranks, non-finite values) get their own
-        # process group: collectives on one group run in order, and on the training group they
-        # would wait behind the next batch's input all-to-alls that latency hiding leaves in flight.
-        self._check_group = torch.distributed.new_group(backend=self._process_group_backend, timeout=self._timeout)
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        if _distributed_is_initialized():
-            torch.distributed.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
-
-    @override
-    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
-               reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    @override
-    def model_to_device(self) -> None:
-        # Tables are created by the sharding on the right device; the dense part moves there in setup.
-        pass
-
-    @override
-    def tensor_init_context(self, empty_init: Optional[bool] = None):
-        return nullcontext()
 
     # ------------------------------------------------------------------ sharding
     @override
@@ -389,7 +217,7 @@ class SparseLiftStrategy(ParallelStrategy):
     def _shard(self, module: torch.nn.Module) -> torch.nn.Module:
         sharded = shard_model(module, self.world_size, self.root_device, self.sharding_types,
                               self.embedding_optimizer, torch.distributed.group.WORLD,
-                              self._check_group if self.validate_inputs else None)
+                              self.check_group if self.validate_inputs else None)
         self._tables = sharded.tables
         self.sparse_module_paths = sharded.sparse_module_paths
         return sharded.dmp
@@ -455,7 +283,7 @@ class SparseLiftStrategy(ParallelStrategy):
         self._check_equal_batch_counts("fit")
         # every rank checks the batch and the loss before backward applies any (fused) update
         if self._step_check is None:
-            self._step_check = StepCheck(self._check_group, self.non_finite, self.lightning_module,
+            self._step_check = StepCheck(self.check_group, self.non_finite, self.lightning_module,
                                          self.sparse_module_paths)
         # an installed executor is kept across fits; a session that kept TorchRec's path tries again
         if self.executor == "sparselift" and (self._session is None or self._session.installed is None):
@@ -463,7 +291,7 @@ class SparseLiftStrategy(ParallelStrategy):
 
             self._session = SparseLiftSession(self.lightning_module, self._dmp.plan, self.sparse_module_paths,
                                               torch.distributed.group.WORLD, self.root_device, self.session_options,
-                                              self._check_group, self._step_check.before_update)
+                                              self.check_group, self._step_check.before_update)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -576,24 +404,7 @@ class SparseLiftStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ uneven data guard
     def _check_equal_batch_counts(self, stage: str) -> None:
-        """All ranks must run the same number of sharded forwards, else a collective hangs."""
-        trainer = self.lightning_module.trainer
-        if stage == "fit":
-            counts = [float(trainer.num_training_batches)]
-        else:
-            # during fit, validation runs in the fit loop's own evaluation loop
-            loop = trainer.predict_loop if stage == "predict" else trainer._evaluation_loop
-            counts = [float(c) for c in (loop.max_batches if isinstance(loop.max_batches, list) else [loop.max_batches])]
-        local = torch.tensor(counts, dtype=torch.float64, device=self.root_device)
-        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
-        torch.distributed.all_gather(gathered, local)
-        if any(not torch.equal(g, gathered[0]) for g in gathered):
-            fix = ("give every rank the same number of training batches (e.g. DistributedSampler with drop_last=True, "
-                   "or limit_train_batches)" if stage == "fit" else
-                   "use lightning_sparselift.EvenDistributedSampler (pads with zero-weight batches) for this dataloader")
-            raise RuntimeError(
-                f"ranks have different numbers of {stage} batches ({[g.tolist() for g in gathered]}); sharded "
-                f"embeddings need every rank to run the same number of forwards: {fix}.")
+        check_equal_batch_counts(self.lightning_module.trainer, stage, self.root_device, self.world_size)
 
     @override
     def on_validation_start(self) -> None:
@@ -633,19 +444,19 @@ class SparseLiftStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError("SparseLiftStrategy.save_checkpoint does not take storage_options")
         # every rank writes into a new folder named by rank 0, which renames it into place once complete
-        path, folder = self._on_rank_zero(ckpt.start_save, Path(filepath))
+        path, folder = self.on_rank_zero(ckpt.start_save, Path(filepath))
         lightning_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         optimizer = self.optimizers[0] if self.optimizers else None
         ckpt.write_shards(folder, self._dmp, optimizer, self.global_rank)
         self.barrier()  # every rank's files are on disk before rank 0 checksums them
-        self._on_rank_zero(ckpt.commit, folder, path, lightning_state, self._fingerprint(),
+        self.on_rank_zero(ckpt.commit, folder, path, lightning_state, self._fingerprint(),
                            plan_summary(self._dmp.plan), optimizer is not None)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         # weights_only changes nothing: a checkpoint's metadata is JSON and weights-only tensors
         path = Path(self.broadcast(str(checkpoint_path)))
-        lightning_state, info = self._on_rank_zero(ckpt.read_meta, path)
+        lightning_state, info = self.on_rank_zero(ckpt.read_meta, path)
         optimizer = self.optimizers[0] if self.optimizers else None
         ckpt.load(path, self._dmp, optimizer, info, self.global_rank, self._fingerprint(),
                   plan_summary(self._dmp.plan), self.allow_optimizer_state_reset)
@@ -658,28 +469,6 @@ class SparseLiftStrategy(ParallelStrategy):
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
             ckpt.remove(Path(filepath))
-
-    def _on_rank_zero(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` run by rank 0; every rank returns its result or raises its error (a rank
-        raising alone would leave the others waiting in the next collective)."""
-        outcome: tuple[Any, Optional[Exception]] = (None, None)
-        if self.is_global_zero:
-            try:
-                outcome = (fn(*args), None)
-            except Exception as error:
-                outcome = (None, error)
-        result, error = self.broadcast(outcome)
-        if error is not None:
-            raise error
-        return result
-
-    @override
-    def teardown(self) -> None:
-        assert self.cluster_environment is not None
-        assert self.accelerator is not None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -6,12 +6,9 @@ from __future__ import annotations
 import lightning.pytorch as L
 import pytest
 import torch
-from torch import nn
 
 from helpers import ONE_LOOK, tiny_data, tiny_model, trainer
 from lightning_sparselift import SparseLiftStrategy
-from lightning_sparselift.options import SessionOptions
-from lightning_sparselift.session import SparseLiftSession
 
 
 class PlanAgain(L.Callback):
@@ -52,12 +49,3 @@ def test_planning_again_calibrates_and_installs_a_new_plan(tmp_path, data_cache)
         # from the identity graph again
         assert info["plans"] == [(14, 12, 2), (26, 12, 2)]
         assert info["metrics"]["sparselift/calibration_steps"] == 12 and info["metrics"]["sparselift/plan_reused"] == 0
-
-
-def test_planning_again_needs_an_installed_plan():
-    session = SparseLiftSession(nn.Linear(1, 1), None, [], None, torch.device("cpu"), SessionOptions(warmup_batches=1))
-    with pytest.raises(RuntimeError, match="still in its capture phase"):
-        session.plan_again("too early")
-    session.abandon("stopped")
-    with pytest.raises(RuntimeError, match="TorchRec's path is in use"):
-        session.plan_again("nothing lifted")

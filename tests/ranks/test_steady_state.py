@@ -29,7 +29,7 @@ class SaveSession(L.Callback):
                     "explain": s.explain(), "graph": trainer.strategy.sparse_graph.to_dict(),
                     "identity": s.identity.to_dict(), "plan_accepted": [d.candidate for d in s.plan.accepted],
                     "reasons": [d.reason for d in s.plan.decisions], "trigger": s.trigger,
-                    "fraction": s.calibration_fraction,
+                    "fraction": s.time.calibration_fraction,
                     "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
                    self.folder / f"session{trainer.global_rank}.pt")
 

@@ -1,46 +1,28 @@
 """Plan files are a cache: one that cannot be decoded, does not match the schema, or whose graph is
 not what its accepted candidates give on this run's lifted graph under the selected optimizations
-is refused with a PlanFileError saying why, and training plans again; a plan file that cannot be
-written warns and training goes on with the plan installed."""
+is refused with a PlanFileError saying why. Through the strategy on 2 ranks (training plans again,
+an unwritable file warns): tests/ranks/test_plan_file_fit.py."""
 
 from __future__ import annotations
 
 import json
 import pickle
-import warnings
-from pathlib import Path
 
-import lightning.pytorch as L
 import pytest
-import torch
 
-from helpers import tiny_data, tiny_model, trainer
-from lightning_sparselift import SparseLiftStrategy
+from graph_fixtures import load, plan_file_dict, unmeasured_plan
 from lightning_sparselift.ir import SparseGraph
 from lightning_sparselift.passes import select_passes
-from lightning_sparselift.plan import ExecutionPlan, PlanFileError, PlanFingerprint, Planner
+from lightning_sparselift.plan import ExecutionPlan, PlanFileError, Planner
 
 ALL = ["aggregation", "latency_hiding"]
 MODULE = "model.sparse_arch.embedding_bag_collection"
-IDENTITY = Path(__file__).resolve().parents[1] / "fixtures" / "graphs" / "table_and_column_wise_2ranks.json"
 
 
 def _identity_graph() -> SparseGraph:
     """Two ranks, one module with a table-wise and a column-wise group whose input is in the batch:
     every candidate of both passes is feasible."""
-    return SparseGraph.from_dict(json.loads(IDENTITY.read_text()))
-
-
-def _plan(identity: SparseGraph, optimizations: list[str]) -> ExecutionPlan:
-    """What the warmup plans with calibrate=False: every feasible candidate of ``optimizations`` applied."""
-    planner = Planner(select_passes(optimizations), None, calibrate=False)
-    fingerprint = PlanFingerprint(identity.fingerprint(), "sharding", 2, "gloo", {}, sorted(optimizations))
-    plan = ExecutionPlan(fingerprint, identity)
-    feasible, plan.decisions = planner.propose(identity)
-    for candidate in feasible:
-        plan.graph = planner.apply(plan.graph, candidate)
-        plan.decisions.append(planner.decide(candidate, None))
-    return plan
+    return load("table_and_column_wise_2ranks")
 
 
 def _rebuild(plan: ExecutionPlan, identity: SparseGraph, optimizations: list[str]) -> SparseGraph:
@@ -49,7 +31,7 @@ def _rebuild(plan: ExecutionPlan, identity: SparseGraph, optimizations: list[str
 
 def test_a_saved_plan_loads_and_rebuilds_on_the_same_graph(tmp_path):
     identity = _identity_graph()
-    plan = _plan(identity, ALL)
+    plan = unmeasured_plan(identity, ALL)
     assert len(plan.accepted) == 4  # aggregation input/output, early start, next batch
     plan.save(tmp_path / "plan.json")
     loaded = ExecutionPlan.load(tmp_path / "plan.json")
@@ -68,12 +50,8 @@ def test_a_saved_plan_loads_and_rebuilds_on_the_same_graph(tmp_path):
     assert loaded.graph.collectives() == plan.graph.collectives()
 
 
-def _valid_plan_dict() -> dict:
-    return json.loads(json.dumps(_plan(_identity_graph(), ALL).to_dict()))
-
-
 def _edited(edit) -> bytes:
-    data = _valid_plan_dict()
+    data = plan_file_dict()
     edit(data)
     return json.dumps(data).encode()
 
@@ -121,7 +99,7 @@ def test_plan_files_that_cannot_be_decoded_are_plan_file_errors(tmp_path, conten
 
 def test_a_forged_module_path_is_refused():
     identity = _identity_graph()
-    plan = _plan(identity, ALL)
+    plan = unmeasured_plan(identity, ALL)
     plan.graph.modules[0].path = "../../../../etc/passwd"
     with pytest.raises(PlanFileError, match=r"it has modules \['\.\./\.\./\.\./\.\./etc/passwd'\]; this run's graph has"):
         _rebuild(plan, identity, ALL)
@@ -129,22 +107,22 @@ def test_a_forged_module_path_is_refused():
 
 def test_a_graph_with_passes_the_run_did_not_select_is_refused():
     identity = _identity_graph()
-    aggregation_only = _plan(identity, ["aggregation"])
+    aggregation_only = unmeasured_plan(identity, ["aggregation"])
     # the graph carries latency hiding's rewrites, the decisions and fingerprint say aggregation only
-    aggregation_only.graph = _plan(identity, ALL).graph
+    aggregation_only.graph = unmeasured_plan(identity, ALL).graph
     with pytest.raises(PlanFileError, match=r"it has the passes applied \[.*'latency_hiding: .*\]; they give "
                                             r"\['aggregation: [^\]]*'\]$"):
         _rebuild(aggregation_only, identity, ["aggregation"])
     # decisions that accept a candidate of an unselected pass, or of an unselected role of a selected one
     with pytest.raises(PlanFileError, match=f"accepts latency_hiding:early_start@{MODULE}, which is not a feasible"):
-        _rebuild(_plan(identity, ALL), identity, ["aggregation"])
+        _rebuild(unmeasured_plan(identity, ALL), identity, ["aggregation"])
     with pytest.raises(PlanFileError, match=f"accepts latency_hiding:next_batch@{MODULE}, which is not a feasible"):
-        _rebuild(_plan(identity, ["latency_hiding"]), identity, ["latency_hiding:early_start"])
+        _rebuild(unmeasured_plan(identity, ["latency_hiding"]), identity, ["latency_hiding:early_start"])
 
 
 def test_an_accepted_candidate_counts_once():
     identity = _identity_graph()
-    plan = _plan(identity, ["aggregation"])
+    plan = unmeasured_plan(identity, ["aggregation"])
     plan.decisions.append(plan.accepted[0])
     with pytest.raises(PlanFileError, match="or is accepted twice"):
         _rebuild(plan, identity, ["aggregation"])
@@ -153,49 +131,5 @@ def test_an_accepted_candidate_counts_once():
 def test_a_failed_save_leaves_no_partial_file(tmp_path):
     (tmp_path / "plan.json").mkdir()
     with pytest.raises(IsADirectoryError):
-        _plan(_identity_graph(), ALL).save(tmp_path / "plan.json")
+        unmeasured_plan(_identity_graph(), ALL).save(tmp_path / "plan.json")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
-
-
-class RecordWarnings(L.Callback):
-    """Saves the warnings each rank raised during training and which executor it ended on."""
-
-    def __init__(self, folder):
-        self.folder = folder
-
-    def on_train_start(self, trainer, pl_module):
-        self._recording = warnings.catch_warnings(record=True)
-        self._caught = self._recording.__enter__()
-        warnings.simplefilter("always")
-
-    def on_train_end(self, trainer, pl_module):
-        self._recording.__exit__(None, None, None)
-        torch.save({"executor": trainer.strategy.executor_in_use,
-                    "warnings": [str(w.message) for w in self._caught]},
-                   self.folder / f"rank{trainer.global_rank}.pt")
-
-
-@pytest.mark.parametrize("bad", ["pickle", "older_schema", "unwritable"])
-def test_training_goes_on_with_a_bad_plan_file(tmp_path, data_cache, bad):
-    plan_path = tmp_path / "plan.json"
-    if bad == "pickle":
-        plan_path.write_bytes(pickle.dumps(_valid_plan_dict()))
-    elif bad == "older_schema":  # what an earlier lightning_sparselift wrote
-        plan_path.write_text(json.dumps({**_valid_plan_dict(), "schema": "sparselift-plan/1"}))
-    else:  # a regular file where the plan's folder should be (unwritable even for root)
-        (tmp_path / "file").write_text("")
-        plan_path = tmp_path / "file" / "plan.json"
-    dm = tiny_data(data_cache, num_train=384)  # 6 steps on 2 ranks: 3 captured, 3 on the plan
-    L.seed_everything(0)
-    strategy = SparseLiftStrategy(start_method="fork", optimizations=["aggregation"], calibrate=False,
-                                  plan_path=str(plan_path))
-    t = trainer(2, strategy, callbacks=[RecordWarnings(tmp_path)], limit_val_batches=0)
-    t.fit(tiny_model(dm), dm)
-    rank0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
-    assert rank0["executor"] == "sparselift"
-    saving = [w for w in rank0["warnings"] if "could not save the execution plan" in w]
-    if bad != "unwritable":  # planned again and replaced the bad file
-        assert not saving
-        assert ExecutionPlan.load(plan_path).fingerprint.optimizations == ["aggregation"]
-    else:
-        assert len(saving) == 1 and str(plan_path) in saving[0] and "File exists" in saving[0]

@@ -1,0 +1,122 @@
+"""The lift phase: every rank lifts the captured sparse path and checks it against TorchRec's
+modules; the ranks then agree on one graph, or on keeping TorchRec's path (a module any rank
+cannot lift stays on TorchRec's path on every rank). Then the generated kernels are built on every
+rank and the graph records which groups and modules have one everywhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch import nn
+
+from lightning_sparselift.frontend.capture import SparseCapture, gather_captures
+from lightning_sparselift.frontend.check import check_against_runtime
+from lightning_sparselift.frontend.lift import LiftError, dense_parameter_bytes, lift
+from lightning_sparselift.plan.types import KernelBuild
+from lightning_sparselift.session.ranks import gather
+
+if TYPE_CHECKING:
+    from lightning_sparselift.ir import SparseGraph
+    from lightning_sparselift.runtime import InstalledExecutor
+
+
+@dataclass(frozen=True)
+class LiftOutcome:
+    """One rank's lift: its graph's fingerprint, or why it could not lift (neither: nothing was
+    left to lift)."""
+
+    fingerprint: Optional[str] = None
+    error: Optional[str] = None
+
+
+@dataclass
+class Lifted:
+    """What the ranks agreed on: the lifted graph, or why TorchRec's path is kept."""
+
+    graph: Optional[SparseGraph]
+    fallback_reason: Optional[str] = None
+
+
+def lift_on_every_rank(capture: SparseCapture, model: nn.Module, sharding_plan: Any, paths: list[str], group: Any,
+                       device: torch.device, workspace_budget_bytes: Optional[int]) -> Lifted:
+    """Lift what ``capture`` saw (every rank calls it at the same step: it exchanges the captures
+    and each rank's outcome). Raises when the ranks lifted different graphs: they would issue
+    different collectives."""
+    capture.remove()
+    captures = gather_captures(capture.result(), group)
+    failed: dict[str, str] = {}  # a module whose captured input cannot be lifted (on any rank)
+    for rank_errors in gather(capture.errors(), group):
+        for path, error in rank_errors.items():
+            failed.setdefault(path, error)
+    remaining = [p for p in paths if p not in failed]  # (the same on every rank: gathered)
+    graph, outcome = None, LiftOutcome()
+    if remaining:
+        try:
+            graph = lift(model, sharding_plan, remaining, captures, group, device, dense_parameter_bytes(model, paths))
+            graph.not_lifted.update(failed)
+            graph.workspace_budget_bytes = workspace_budget_bytes
+            check_against_runtime(graph, model)
+            outcome = LiftOutcome(fingerprint=graph.fingerprint())
+        except LiftError as error:
+            outcome = LiftOutcome(error=str(error))
+    outcomes: list[LiftOutcome] = gather(outcome, group)
+    errors = sorted({o.error for o in outcomes if o.error is not None})
+    if errors or not remaining:
+        return Lifted(None, "; ".join(sorted(set(failed.values())) + errors))
+    fingerprints = [o.fingerprint for o in outcomes]
+    if len(set(fingerprints)) > 1:
+        raise RuntimeError(f"ranks lifted different sparse graphs (fingerprints by rank: {fingerprints}); they would "
+                           f"issue different collectives. Check that every rank runs the same model and sharding "
+                           f"plan with the same input features.")
+    return Lifted(graph)
+
+
+def build_kernels(installed: InstalledExecutor, graph: SparseGraph, group: Any) -> list[KernelBuild]:
+    """Build every group's generated lookup kernel, every consumer layout and input kernel on every
+    rank (compile time stays out of the timed steps) and record in ``graph`` which groups and
+    modules have one on all ranks: the codegen pass proposes only those, so every rank plans
+    alike. Returns every rank's builds."""
+    builds = [KernelBuild(rank=rank, **b) for rank, ranks in enumerate(gather(installed.build_generated(), group))
+              for b in ranks]
+    mark_generated(graph, builds)
+    return builds
+
+
+def describe_builds(builds: list[KernelBuild], world: int) -> list[str]:
+    built = [b for b in builds if not b.note]
+    return [f"generated kernels (lookups, output layouts, input sides): {len(built)} built on {world} rank(s), "
+            f"{sum(b.cached for b in built)} from the cache, {max(b.seconds for b in built):.2f} s at most per "
+            f"kernel"] if built else []
+
+
+def mark_generated(graph: SparseGraph, builds: list[KernelBuild]) -> None:
+    """Record in ``graph`` which groups have a generated lookup kernel, and which modules a consumer
+    layout kernel and an input kernel, on every rank (``builds``: all ranks'), and why the others
+    have none."""
+    from lightning_sparselift.ir.schedule import CONSUMER_KERNEL, GENERATED_KERNEL, INPUT_KERNEL_GROUP, \
+        OUTPUT_KERNEL_GROUP
+
+    def record(module_path: str, group: int, name: str, kernels: list[str], notes: dict[str, str]) -> None:
+        ranks = [b for b in builds if b.module == module_path and b.group == group]
+        failed = [f"rank {b.rank}: {b.note}" for b in ranks if b.note]
+        if failed:
+            notes[name] = "; ".join(failed)
+        elif ranks and name not in kernels:
+            kernels.append(name)
+
+    for module in graph.modules:
+        record(module.path, OUTPUT_KERNEL_GROUP, CONSUMER_KERNEL, module.output_kernels, module.output_notes)
+        record(module.path, INPUT_KERNEL_GROUP, GENERATED_KERNEL, module.input_kernels, module.input_notes)
+        for group in module.lifted_groups:
+            record(module.path, group.index, GENERATED_KERNEL, group.lookup_kernels, group.lookup_notes)
+
+
+def describe(graph: SparseGraph, warmup_batches: int) -> list[str]:
+    """The lift's events: what was lifted and installed, what stayed on TorchRec's path."""
+    return ([f"lifted {len(graph.modules)} sparse module(s) after {warmup_batches} captured step(s); lifted executor "
+             f"installed ({len(graph.collectives())} collectives per step)"]
+            + [f"kept on TorchRec's path: module {path}: {why}" for path, why in graph.not_lifted.items()]
+            + [f"kept on TorchRec's path: {m.path} group {g.index}: {g.not_lifted}"
+               for m in graph.modules for g in m.groups if g.not_lifted])

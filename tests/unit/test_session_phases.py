@@ -1,0 +1,155 @@
+"""The session's phases in one process: the ranks' agreement on a plan file (typed outcomes), the
+plan file read on one rank, the steady-state check's verdicts, the response to drift, and the
+session stepping through verification with a fake executor. Through the strategy on 2 ranks:
+tests/ranks/test_steady_state.py, tests/ranks/test_session.py, tests/ranks/test_plan_file_fit.py."""
+
+from __future__ import annotations
+
+import json
+import types
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_sparselift.options import SessionOptions
+from lightning_sparselift.passes import select_passes
+from lightning_sparselift.plan import ExecutionPlan, PlanFingerprint
+from lightning_sparselift.plan.verification import Finding
+from lightning_sparselift.session import SparseLiftSession, drift, plan_store
+from lightning_sparselift.session.plan_store import PlanFileOutcome
+from lightning_sparselift.session.verify import PlanCheck
+
+from graph_fixtures import load, unmeasured_plan
+
+USABLE, MISSING = PlanFileOutcome("usable", "abc"), PlanFileOutcome("missing")
+
+
+def test_plan_file_agreement_from_every_ranks_outcome():
+    assert plan_store.agree([MISSING, MISSING]) == plan_store.PlanFileAgreement(False)
+    assert plan_store.agree([USABLE, USABLE]).reuse
+    drifted = PlanFileOutcome("drifted", "f1 longer; batch size 8")
+    assert plan_store.agree([drifted, drifted]) == plan_store.PlanFileAgreement(False, ["f1 longer", "batch size 8"])
+    # any disagreement plans again, naming every rank's reason
+    mixed = plan_store.agree([USABLE, MISSING, PlanFileOutcome("unusable", "bad JSON"), drifted])
+    assert not mixed.reuse and mixed.drift is None
+    assert mixed.reason == "error: bad JSON; missing; workload drift on some ranks: f1 longer; batch size 8"
+    assert plan_store.agree([USABLE, PlanFileOutcome("usable", "other")]).reason == "ranks read different plans"
+
+
+def test_a_plan_file_is_read_rebuilt_or_refused_on_one_rank(tmp_path):
+    identity = load("table_and_column_wise_2ranks")
+    optimizations = ["aggregation", "latency_hiding"]
+    plan = unmeasured_plan(identity, optimizations)
+    assert plan.accepted, "the fixture should have feasible candidates"
+    path = tmp_path / "plan.json"
+    passes = select_passes(optimizations)
+
+    assert plan_store.read(str(path), plan.fingerprint, identity, passes, 5.0).outcome == MISSING
+    plan.save(path)
+    reading = plan_store.read(str(path), plan.fingerprint, identity, passes, 5.0)
+    assert reading.outcome == PlanFileOutcome("usable", plan.graph.fingerprint())
+    assert reading.plan.graph.fingerprint() == plan.graph.fingerprint() and reading.decided_on is not None
+
+    other = PlanFingerprint(**{**vars(plan.fingerprint), "world_size": 3})
+    refused = plan_store.read(str(path), other, identity, passes, 5.0).outcome
+    assert refused.kind == "unusable" and "world_size" in refused.detail
+
+    path.write_text("{not json")
+    assert plan_store.read(str(path), plan.fingerprint, identity, passes, 5.0).outcome.kind == "unusable"
+
+
+def test_drift_is_warned_about_deferred_or_planned_again_once_per_round():
+    findings = [Finding("ebc", "f1", "bag_length", 40.0, 4.0, "f1 bags 10x longer")]
+    replan = drift.respond(findings, step=600, round_started=0, options=SessionOptions(), noted=False)
+    assert replan.action == "replan" and replan.event.findings == ["f1 bags 10x longer"]
+    assert replan.metrics(1)["sparselift/drift/step"] == 600.0
+    defer = drift.respond(findings, step=100, round_started=0, options=SessionOptions(), noted=False)
+    assert defer.action == "defer" and "deferred to step 500" in defer.event.action
+    assert drift.respond(findings, step=100, round_started=0, options=SessionOptions(), noted=True) is None
+    off = SessionOptions(replan_on_drift=False)
+    assert drift.respond(findings, step=600, round_started=0, options=off, noted=False).action == "warn"
+    assert drift.respond(findings, step=600, round_started=0, options=off, noted=True) is None
+
+
+def _window(check: PlanCheck, plan_ms: float, identity_ms: float) -> Any:
+    result = None
+    while result is None:
+        ms = plan_ms if check.next_graph() is check.plan.graph else identity_ms
+        if check.record(ms):
+            result = check.conclude()
+    return result
+
+
+@pytest.mark.parametrize("plan_ms, rolled_back", [(12.0, True), (8.0, False)])
+def test_the_steady_state_check_keeps_a_faster_plan_and_rolls_back_a_slower_one(plan_ms, rolled_back):
+    identity = load("table_and_column_wise_2ranks")
+    plan = unmeasured_plan(identity, ["aggregation", "latency_hiding"])
+    rule = SessionOptions().decision_rule
+    result = _window(PlanCheck(plan, identity, 40, rule, None), plan_ms, 10.0)
+    assert result.judged and result.verification.rolled_back is rolled_back
+    assert result.verification.verdict == ("slower" if rolled_back else "faster")
+    assert plan.verification is result.verification
+    if rolled_back:
+        assert result.plan.graph is identity and result.plan.accepted == [] and result.warning
+        assert result.plan.verification is result.verification
+        assert all("rolled back by the steady-state check" in d.reason for d in result.plan.decisions)
+    else:
+        assert result.plan is plan and result.warning is None
+    assert result.metrics["sparselift/verify/rolled_back"] == float(rolled_back)
+    assert json.dumps(result.metrics)  # plain numbers for the logger
+
+    stopped = PlanCheck(plan, identity, 40, rule, None).stop("planning again")
+    assert not stopped.judged and stopped.verification.verdict == "incomplete" and stopped.plan is plan
+
+
+class _FakeExecutor:
+    """What the session asks of an installed executor in steady state."""
+
+    def __init__(self) -> None:
+        self.used: list[Any] = []
+
+    def announce(self, batch: Any) -> None:
+        pass
+
+    def use(self, graph: Any) -> None:
+        self.used.append(graph)
+
+
+@pytest.mark.parametrize("plan_ms, rolled_back", [(12.0, True), (8.0, False)])
+def test_a_session_verifies_its_plan_on_training_steps_and_keeps_the_verdict(monkeypatch, tmp_path, plan_ms,
+                                                                              rolled_back):
+    identity = load("table_and_column_wise_2ranks")
+    plan = unmeasured_plan(identity, ["aggregation", "latency_hiding"])
+    options = SessionOptions(verify_steps=16, drift_check_every=10_000, plan_path=str(tmp_path / "plan.json"))
+    session = SparseLiftSession(nn.Linear(1, 1), None, [], None, None, options)
+    session.capture = None
+    executor = session.installed = _FakeExecutor()
+    session.identity, session.plan, session.phase = identity, plan, "done"
+    session._steady(plan, identity)  # as after a planning round
+    assert session.phase == "verify"
+
+    clock = {"now": 0.0}
+    import lightning_sparselift.session.driver as driver
+    monkeypatch.setattr(driver, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+    while session.phase == "verify":
+        session.begin_step()
+        clock["now"] += (plan_ms if executor.used[-1] is plan.graph else 10.0) / 1e3
+        session.end_step()
+    assert session.rollbacks == int(rolled_back) and len(session.verifications) == 1
+    assert executor.used[-1] is (identity if rolled_back else plan.graph)
+    assert session.plan.graph is executor.used[-1]
+    assert bool(session.warnings) is rolled_back
+    assert session.metrics["sparselift/verify/rolled_back"] == float(rolled_back)
+    saved = ExecutionPlan.load(options.plan_path)  # rank 0 saves the verdict with the plan
+    assert saved.verification.rolled_back is rolled_back
+
+
+def test_planning_again_needs_an_installed_plan():
+    session = SparseLiftSession(nn.Linear(1, 1), None, [], None, torch.device("cpu"), SessionOptions(warmup_batches=1))
+    with pytest.raises(RuntimeError, match="still in its capture phase"):
+        session.plan_again("too early")
+    session.abandon("stopped")
+    with pytest.raises(RuntimeError, match="TorchRec's path is in use"):
+        session.plan_again("nothing lifted")
