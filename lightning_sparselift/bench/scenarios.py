@@ -19,10 +19,10 @@ FAMILIES = ("dlrm", "sequence")
 
 @dataclass
 class Scenario:
-    """One benchmark shape. ``family`` ``dlrm``: :class:`~lightning_sparselift.model.DLRMModule`
+    """One benchmark shape. ``family`` ``dlrm``: :class:`~lightning_sparselift.models.DLRMModule`
     on Criteo-like data, one table per entry of ``rows``; ``sequence``:
-    :class:`~lightning_sparselift.sequence_model.SequenceRankingModule` on
-    :class:`~lightning_sparselift.sequence_data.SequenceDataModule` data, ``rows`` its categorical
+    :class:`~lightning_sparselift.models.SequenceRankingModule` on
+    :class:`~lightning_sparselift.data.SequenceDataModule` data, ``rows`` its categorical
     tables and ``sequence`` the item history (``num_items``, ``item_dim``, ``mean_history``,
     ``max_history``, ``categories``)."""
 
