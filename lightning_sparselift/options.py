@@ -22,7 +22,7 @@ class SessionOptions:
     """The compiler's options (``SparseLiftStrategy``'s arguments of the same names say what each
     does). ValueError at construction names the first one out of range."""
 
-    warmup_batches: int = 3  # captured steps on TorchRec's path (the session needs >= 1)
+    capture_steps: int = 3  # captured steps on TorchRec's path (the session needs >= 1)
     optimizations: tuple[str, ...] = field(default_factory=_all_passes)
     calibrate: bool = True
     plan_path: Optional[str] = None
@@ -42,8 +42,8 @@ class SessionOptions:
         from lightning_sparselift.runtime.codegen.lookup import check_numerics
 
         select_passes(list(self.optimizations))  # raises on unknown names
-        if int(self.warmup_batches) < 0:
-            raise ValueError(f"warmup_batches must be >= 0, got {self.warmup_batches}")
+        if int(self.capture_steps) < 0:
+            raise ValueError(f"capture_steps must be >= 0, got {self.capture_steps}")
         if self.workspace_budget_bytes is not None and not self.workspace_budget_bytes >= 0:
             raise ValueError(f"the workspace budget must be >= 0 bytes per rank or None, got "
                              f"{self.workspace_budget_bytes!r}")

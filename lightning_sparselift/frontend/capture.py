@@ -1,6 +1,6 @@
 """Capture: what the first real batches show about the sparse path.
 
-While TorchRec's own path runs the first ``warmup_batches`` training steps, a forward pre-hook on
+While TorchRec's own path runs the first ``capture_steps`` training steps, a forward pre-hook on
 every sharded EmbeddingBagCollection records its input KeyedJaggedTensor (keys, dtypes, weighted
 or not, the batch size; per feature: ids per step and bag length percentiles) and where it came
 from (the root forward's arguments, the step's batch, the batch announced as next).

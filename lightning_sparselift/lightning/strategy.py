@@ -25,6 +25,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 from typing_extensions import override
 
 from lightning_sparselift.cost.decision import DecisionRule
@@ -79,7 +80,8 @@ class SparseLiftStrategy(ProcessGroupStrategy):
             kernels on CUDA tables).
         plan_path: a JSON plan file, reused without calibration when made for the same setup and
             workload, else (over)written; a cache.
-        warmup_batches: training steps captured on TorchRec's path before lifting (>= 1).
+        capture_steps: training steps captured on TorchRec's path before lifting (>= 1).
+        warmup_batches: deprecated name of ``capture_steps``.
         verify_steps: steps alternating the installed plan with the identity plan, rolled back when
             slower beyond noise (``0``: no check).
         replan_on_drift: plan again when the workload drifts from what the plan was decided on
@@ -115,7 +117,7 @@ class SparseLiftStrategy(ProcessGroupStrategy):
         reuse_buffers: bool = True,
         numerics: str = "exact",
         plan_path: Optional[str] = None,
-        warmup_batches: int = 3,
+        capture_steps: int = 3,
         verify_steps: int = 40,
         replan_on_drift: bool = True,
         drift_ratio: float = 5.0,
@@ -126,6 +128,7 @@ class SparseLiftStrategy(ProcessGroupStrategy):
         validate_inputs: bool = True,
         allow_optimizer_state_reset: bool = False,
         non_finite: str = "raise",
+        warmup_batches: Optional[int] = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -143,9 +146,13 @@ class SparseLiftStrategy(ProcessGroupStrategy):
         if embedding_lr_schedule not in EMBEDDING_LR_SCHEDULES:
             raise ValueError(f"embedding_lr_schedule must be one of {EMBEDDING_LR_SCHEDULES}, "
                              f"got {embedding_lr_schedule!r}")
-        if int(warmup_batches) < (1 if executor == "sparselift" else 0):
-            raise ValueError(f"warmup_batches must be >= 1 with executor='sparselift' (TorchRec's path runs the "
-                             f"captured steps and the lift is checked against it), got {warmup_batches}")
+        if warmup_batches is not None:
+            rank_zero_deprecation("SparseLiftStrategy(warmup_batches=...) is deprecated: it is called capture_steps "
+                                  "(the steps captured on TorchRec's path before lifting)")
+            capture_steps = warmup_batches
+        if int(capture_steps) < (1 if executor == "sparselift" else 0):
+            raise ValueError(f"capture_steps must be >= 1 with executor='sparselift' (TorchRec's path runs the "
+                             f"captured steps and the lift is checked against it), got {capture_steps}")
         self.sharding_types = dict(sharding_types or {})
         self.embedding_optimizer = EmbeddingOptimizer.parse(embedding_optimizer)
         self.embedding_lr_schedule = embedding_lr_schedule
@@ -153,7 +160,7 @@ class SparseLiftStrategy(ProcessGroupStrategy):
         # what the compiler session runs with (validated here, once)
         self.session_options = SessionOptions.from_arguments(
             optimizations, calibration_confidence, calibration_max_pairs, calibration_min_gain,
-            calibration_min_lookup_gain, workspace_budget_mb, plan_path, warmup_batches=int(warmup_batches),
+            calibration_min_lookup_gain, workspace_budget_mb, plan_path, capture_steps=int(capture_steps),
             calibrate=bool(calibrate), reuse_buffers=bool(reuse_buffers), numerics=numerics,
             verify_steps=int(verify_steps), replan_on_drift=bool(replan_on_drift), drift_ratio=float(drift_ratio),
             min_steps_between_replans=int(min_steps_between_replans))

@@ -7,7 +7,7 @@ Call :meth:`~SparseLiftSession.begin_step` before every training step and
 the session is done (the step announces the next batch to the executor). ``SparseLiftStrategy``
 does it from its hooks, the benchmark's bare loop around its steps.
 
-The phases: the first ``warmup_batches`` steps run TorchRec's path under
+The phases: the first ``capture_steps`` steps run TorchRec's path under
 :class:`~lightning_sparselift.frontend.capture.SparseCapture`; then the ranks lift and agree on
 one graph (:mod:`.lifting`) and the lifted executor is installed with the identity plan; a saved
 plan the ranks can all use is installed without calibration (:mod:`.plan_store`), otherwise a
@@ -60,8 +60,8 @@ class SparseLiftSession:
         raises to stop the step; see :mod:`~lightning_sparselift.runtime.update_guard`)."""
         from lightning_sparselift.passes import select_passes
 
-        if options.warmup_batches < 1:
-            raise ValueError("the lifted executor needs warmup_batches >= 1: TorchRec builds its dists on the first "
+        if options.capture_steps < 1:
+            raise ValueError("the lifted executor needs capture_steps >= 1: TorchRec builds its dists on the first "
                              "forward, and the lift is checked against them")
         self.options = options
         self.model, self.sharding_plan, self.paths = model, sharding_plan, module_paths
@@ -142,7 +142,7 @@ class SparseLiftSession:
         self.steps += 1
         if self.phase == "capture":
             self._leave_capture_step()
-            if self.capture.steps < self.options.warmup_batches:
+            if self.capture.steps < self.options.capture_steps:
                 return False
             return self._lift()
         if self.phase == "plan":
@@ -208,7 +208,7 @@ class SparseLiftSession:
             self.kernel_builds = lifting.build_kernels(self.installed, graph, self.group)
             self.events += lifting.describe_builds(self.kernel_builds, self.world)
         self.identity = graph
-        self.events += lifting.describe(graph, self.options.warmup_batches)
+        self.events += lifting.describe(graph, self.options.capture_steps)
 
     # ------------------------------------------------------------------ plan
     def plan_again(self, reason: str, trigger: Optional[DriftEvent] = None) -> None:
@@ -304,7 +304,7 @@ class SparseLiftSession:
         if self.capture is not None:  # capturing, or the lift raised
             self.capture.remove()
             self.capture = None
-            self.fallback_reason = f"{why} before the {self.options.warmup_batches} capture step(s) ended"
+            self.fallback_reason = f"{why} before the {self.options.capture_steps} capture step(s) ended"
         elif self.loop is not None:
             loop, self.loop = self.loop, None
             loop.abandon(why)

@@ -113,9 +113,9 @@ def mark_generated(graph: SparseGraph, builds: list[KernelBuild]) -> None:
             record(module.path, group.index, GENERATED_KERNEL, group.lookup_kernels, group.lookup_notes)
 
 
-def describe(graph: SparseGraph, warmup_batches: int) -> list[str]:
+def describe(graph: SparseGraph, capture_steps: int) -> list[str]:
     """The lift's events: what was lifted and installed, what stayed on TorchRec's path."""
-    return ([f"lifted {len(graph.modules)} sparse module(s) after {warmup_batches} captured step(s); lifted executor "
+    return ([f"lifted {len(graph.modules)} sparse module(s) after {capture_steps} captured step(s); lifted executor "
              f"installed ({len(graph.collectives())} collectives per step)"]
             + [f"kept on TorchRec's path: module {path}: {why}" for path, why in graph.not_lifted.items()]
             + [f"kept on TorchRec's path: {m.path} group {g.index}: {g.not_lifted}"

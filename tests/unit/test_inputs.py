@@ -95,9 +95,11 @@ def test_unknown_options_and_names():
         SparseLiftStrategy(not_an_option=1)
     with pytest.raises(ValueError, match="executor"):
         SparseLiftStrategy(executor="fast")
-    with pytest.raises(ValueError, match="warmup_batches must be >= 1"):
-        SparseLiftStrategy(executor="sparselift", warmup_batches=0)
-    SparseLiftStrategy(executor="torchrec", warmup_batches=0)
+    with pytest.raises(ValueError, match="capture_steps must be >= 1"):
+        SparseLiftStrategy(executor="sparselift", capture_steps=0)
+    SparseLiftStrategy(executor="torchrec", capture_steps=0)
+    with pytest.deprecated_call(match="capture_steps"):  # the old name still works
+        assert SparseLiftStrategy(warmup_batches=5).session_options.capture_steps == 5
     with pytest.raises(ValueError, match="unknown optimization"):
         SparseLiftStrategy(optimizations=["aggregation", "teleportation"])
     with pytest.raises(ValueError, match="unknown embedding optimizer"):

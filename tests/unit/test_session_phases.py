@@ -147,7 +147,7 @@ def test_a_session_verifies_its_plan_on_training_steps_and_keeps_the_verdict(mon
 
 
 def test_planning_again_needs_an_installed_plan():
-    session = SparseLiftSession(nn.Linear(1, 1), None, [], None, torch.device("cpu"), SessionOptions(warmup_batches=1))
+    session = SparseLiftSession(nn.Linear(1, 1), None, [], None, torch.device("cpu"), SessionOptions(capture_steps=1))
     with pytest.raises(RuntimeError, match="still in its capture phase"):
         session.plan_again("too early")
     session.abandon("stopped")
