@@ -133,3 +133,15 @@ def test_a_failed_save_leaves_no_partial_file(tmp_path):
     with pytest.raises(IsADirectoryError):
         unmeasured_plan(_identity_graph(), ALL).save(tmp_path / "plan.json")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
+def test_bad_plan_files_are_refused(tmp_path):
+    (tmp_path / "garbage.json").write_text("{not json")
+    with pytest.raises(PlanFileError, match="cannot read plan"):
+        ExecutionPlan.load(tmp_path / "garbage.json")
+    (tmp_path / "other.json").write_text('{"schema": "something-else"}')
+    with pytest.raises(PlanFileError, match="not a sparselift-plan/2 plan"):
+        ExecutionPlan.load(tmp_path / "other.json")
+    (tmp_path / "partial.json").write_text('{"schema": "sparselift-plan/2", "fingerprint": {}}')
+    with pytest.raises(PlanFileError, match="malformed plan"):
+        ExecutionPlan.load(tmp_path / "partial.json")
