@@ -41,8 +41,8 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from typing_extensions import override
 from torch import Tensor
 
+from lightning_sparselift.checkpoint import io as ckpt
 from lightning_sparselift.cost.decision import DecisionRule
-from lightning_sparselift.lightning import checkpoint as ckpt
 from lightning_sparselift.lightning import console
 from lightning_sparselift.lightning.launcher import DenseOnlyMultiProcessingLauncher
 from lightning_sparselift.lightning.lookahead import LookaheadLoader

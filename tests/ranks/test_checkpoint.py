@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from helpers import DumpLocalState, load_dumps, tiny_data, tiny_model, trainer
 from lightning_sparselift import SparseLiftStrategy
-from lightning_sparselift.lightning import checkpoint as ckpt
+from lightning_sparselift.checkpoint import io as ckpt
 
 
 def _strategy(**kwargs):

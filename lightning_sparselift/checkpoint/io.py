@@ -64,7 +64,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from lightning_sparselift.lightning.state_json import StateEncoder, decode_state
+from lightning_sparselift.checkpoint.state_json import StateEncoder, decode_state
 
 META_FILE = "sparselift.meta.json"
 TENSORS_FILE = "sparselift.tensors.pt"
