@@ -124,6 +124,12 @@ def find_sparse_modules(model: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
+def dense_state_dict(module: nn.Module, sparse_prefixes: list[str]) -> dict[str, torch.Tensor]:
+    """Plain-tensor entries of ``module.state_dict()`` outside the embedding modules."""
+    return {k: v for k, v in module.state_dict().items()
+            if type(v) is torch.Tensor and not any(k == p or k.startswith(p + ".") for p in sparse_prefixes)}
+
+
 def _tables_module(module: nn.Module) -> nn.Module:
     """The collection that owns the tables: the module itself, or the collection a
     feature-processed / managed-collision collection wraps."""

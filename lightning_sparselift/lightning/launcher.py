@@ -16,11 +16,7 @@ import torch
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 
-
-def dense_state_dict(module: torch.nn.Module, sparse_prefixes: list[str]) -> dict[str, torch.Tensor]:
-    """Plain-tensor entries of ``module.state_dict()`` outside the embedding modules."""
-    return {k: v for k, v in module.state_dict().items()
-            if type(v) is torch.Tensor and not any(k == p or k.startswith(p + ".") for p in sparse_prefixes)}
+from lightning_sparselift.sharding import dense_state_dict
 
 
 class DenseOnlyMultiProcessingLauncher(_MultiProcessingLauncher):

@@ -28,8 +28,10 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 from typing_extensions import override
 
+from lightning_sparselift.checkpoint import compatibility
+from lightning_sparselift.checkpoint import folder as checkpoint_folder
+from lightning_sparselift.checkpoint import io as ckpt
 from lightning_sparselift.cost.decision import DecisionRule
-from lightning_sparselift.lightning import checkpoint as ckpt
 from lightning_sparselift.lightning.batch_counts import check_equal_batch_counts
 from lightning_sparselift.lightning.lookahead import LookaheadLoader
 from lightning_sparselift.lightning.processes import ProcessGroupStrategy
@@ -444,14 +446,14 @@ class SparseLiftStrategy(ProcessGroupStrategy):
         pass  # loaded in load_checkpoint
 
     def _fingerprint(self) -> dict[str, Any]:
-        return ckpt.model_fingerprint(self._dmp, self._tables, self.sparse_module_paths)
+        return compatibility.model_fingerprint(self._dmp, self._tables, self.sparse_module_paths)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("SparseLiftStrategy.save_checkpoint does not take storage_options")
         # every rank writes into a new folder named by rank 0, which renames it into place once complete
-        path, folder = self.on_rank_zero(ckpt.start_save, Path(filepath))
+        path, folder = self.on_rank_zero(checkpoint_folder.start_save, Path(filepath))
         lightning_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         optimizer = self.optimizers[0] if self.optimizers else None
         ckpt.write_shards(folder, self._dmp, optimizer, self.global_rank)
@@ -475,7 +477,7 @@ class SparseLiftStrategy(ProcessGroupStrategy):
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            ckpt.remove(Path(filepath))
+            checkpoint_folder.remove(Path(filepath))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

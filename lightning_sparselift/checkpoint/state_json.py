@@ -3,8 +3,10 @@
 JSON has no tuples, no dict keys other than strings, no tensors; Lightning's loop, scheduler and
 callback states use all three. They become tagged objects (``{"$sparselift": "tuple", ...}``;
 tensors by index into the list, which is saved with ``torch.save`` and read back weights-only),
-so they come back exactly. Anything else (an arbitrary object) would need pickling, and
-unpickling can run code: its dict entry is left out and named.
+so they come back exactly; subclasses (Lightning's ``AttributeDict``, an ``IntEnum``) come back
+as their base type. Anything else (an arbitrary object) would need pickling, and unpickling can
+run code: its dict entry is left out and named (raising instead would make a model whose
+hyper-parameters hold, say, a function impossible to checkpoint at all).
 """
 
 from __future__ import annotations
