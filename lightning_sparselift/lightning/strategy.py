@@ -33,9 +33,8 @@ from lightning_sparselift.checkpoint import folder as checkpoint_folder
 from lightning_sparselift.checkpoint import io as ckpt
 from lightning_sparselift.cost.decision import DecisionRule
 from lightning_sparselift.lightning.batch_counts import check_equal_batch_counts
-from lightning_sparselift.lightning.lookahead import LookaheadLoader
 from lightning_sparselift.lightning.processes import ProcessGroupStrategy
-from lightning_sparselift.lightning.report import report_events, report_metrics, report_round
+from lightning_sparselift.lightning.session_connector import SessionConnector
 from lightning_sparselift.lightning.signals import SignalConnector
 from lightning_sparselift.lightning.step_check import NON_FINITE_POLICIES, StepCheck
 from lightning_sparselift.options import SessionOptions
@@ -176,9 +175,7 @@ class SparseLiftStrategy(ProcessGroupStrategy):
         # initial LRs, the reference of embedding_lr_schedule="follow_dense"
         self._dense_base_lr = 1.0
         self._embedding_base_lrs: list[float] = []
-        self._session: Optional[SparseLiftSession] = None  # kept once done (its executor and plan)
-        self._lookahead: Optional[LookaheadLoader] = None  # the training dataloader, read one batch ahead
-        self._next_batch: Any = None  # the batch after the one being moved to the device for training
+        self._sessions = SessionConnector()
 
     @classmethod
     @override
@@ -242,7 +239,7 @@ class SparseLiftStrategy(ProcessGroupStrategy):
     def session(self) -> Optional[SparseLiftSession]:
         """SparseLift's compiler session (None with ``executor="torchrec"`` and before the first fit);
         kept once done, with its executor and plan."""
-        return self._session
+        return self._sessions.session
 
     @property
     def sparse_graph(self) -> Optional[SparseGraph]:
@@ -254,37 +251,35 @@ class SparseLiftStrategy(ProcessGroupStrategy):
     def lifted_executor(self) -> Optional[InstalledExecutor]:
         """The installed :class:`~lightning_sparselift.runtime.InstalledExecutor` (None until a
         plan is installed, or when TorchRec's path is in use)."""
-        return self._session.installed if self.execution_plan is not None else None
+        return self.session.installed if self.execution_plan is not None else None
 
     @property
     def execution_plan(self) -> Optional[ExecutionPlan]:
         """The installed :class:`~lightning_sparselift.plan.ExecutionPlan` (None until a plan is
         installed, or when TorchRec's path is in use)."""
-        return self._session.plan if self._session is not None else None
+        return self.session.plan if self.session is not None else None
 
     @property
     def executor_fallback_reason(self) -> Optional[str]:
         """Why TorchRec's path was kept (None while the lifted executor runs or before the session decided)."""
-        return self._session.fallback_reason if self._session is not None else None
+        return self.session.fallback_reason if self.session is not None else None
 
     @property
     def executor_in_use(self) -> str:
         """``sparselift`` once the lifted executor is installed (calibration included), else ``torchrec``."""
-        return "sparselift" if self._session is not None and self._session.installed is not None else "torchrec"
+        return "sparselift" if self.session is not None and self.session.installed is not None else "torchrec"
 
     # ------------------------------------------------------------------ the SparseLift session
     @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if self.executor == "sparselift" and trainer is not None and trainer.training:
-            self._lookahead = LookaheadLoader(dataloader)
-            return self._lookahead
+            return self._sessions.read_ahead(dataloader)
         return dataloader
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
-        # the loop passes the batch exactly as the training loader yielded it, so the lookahead knows what follows
-        self._next_batch = self._lookahead.after(batch) if self._lookahead is not None else None
+        self._sessions.moving(batch)
         return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
@@ -294,26 +289,13 @@ class SparseLiftStrategy(ProcessGroupStrategy):
         if self._step_check is None:
             self._step_check = StepCheck(self.check_group, self.non_finite, self.lightning_module,
                                          self.sparse_module_paths)
-        # an installed executor is kept across fits; a session that kept TorchRec's path tries again
-        if self.executor == "sparselift" and (self._session is None or self._session.installed is None):
-            from lightning_sparselift.session import SparseLiftSession
-
-            self._session = SparseLiftSession(self.lightning_module, self._dmp.plan, self.sparse_module_paths,
-                                              torch.distributed.group.WORLD, self.root_device, self.session_options,
-                                              self.check_group, self._step_check.before_update)
+        if self.executor == "sparselift":
+            self._sessions.open(self.lightning_module, self._dmp.plan, self.sparse_module_paths, self.root_device,
+                                self.session_options, self.check_group, self._step_check.before_update)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._session is None:
-            return
-        if batch_idx == 0:
-            # the previous epoch's last step may have announced a batch it never reached
-            # (limit_train_batches, on_train_batch_start returning -1): an epoch starts from scratch
-            self._discard_started_work()
-        # announced as the loader yields it: the transfer hooks run once, when its step comes
-        # (capture checked that the model receives exactly these features, else the schedule is
-        # not proposed; the executor moves them to its device)
-        self._session.begin_step(batch, self._next_batch)
+        self._sessions.begin_step(batch, batch_idx)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -323,7 +305,7 @@ class SparseLiftStrategy(ProcessGroupStrategy):
         output = super().training_step(*args, **kwargs)
         output = self._step_check.verdict(output, batch_idx, self.lightning_module.trainer.global_step)
         if not self.lightning_module.automatic_optimization:
-            self._end_step()  # the user's optimizer steps ran inside training_step
+            self._sessions.end_step(self.lightning_module)  # the user's optimizer steps ran inside training_step
         return output
 
     @property
@@ -331,42 +313,15 @@ class SparseLiftStrategy(ProcessGroupStrategy):
         """Training steps skipped on every rank (empty batches everywhere; ``non_finite='skip'``)."""
         return self._step_check.skipped if self._step_check is not None else 0
 
-    def _end_step(self) -> None:
-        """The step's forward, backward and optimizer step ran: the session records it and
-        advances; its progress is reported from here (a hook where Lightning allows logging)."""
-        if self._session is None:
-            return
-        finished = self._session.end_step()
-        report_events(self._session)
-        module = self.lightning_module
-        progress = self._session.calibration_progress
-        if progress is not None:
-            module.log("sparselift/calibration_step", float(progress[0]), prog_bar=True, rank_zero_only=True)
-        if finished:
-            report_round(self._session, module)
-        report_metrics(self._session, module)
-
-    def _stop_session(self, why: str) -> None:
-        """Training stopped: a session still running keeps what it has (see ``abandon``)."""
-        if self._session is not None and not self._session.done:
-            self._session.abandon(why)
-            report_events(self._session)
-
-    def _discard_started_work(self) -> None:
-        """Complete and drop what the lifted executor started for a step that will not run (the
-        batch announced last was never trained on: training ended, or the epoch was cut short)."""
-        if self._session is not None and self._session.installed is not None:
-            self._session.installed.discard()
-
     @override
     def on_train_end(self) -> None:
-        self._stop_session(f"training ended after {self.lightning_module.trainer.global_step} step(s)")
-        self._discard_started_work()
+        self._sessions.stop(f"training ended after {self.lightning_module.trainer.global_step} step(s)")
+        self._sessions.discard_started_work()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         # no discard: it would wait for collectives that ranks which stopped may never join
-        self._stop_session(f"training stopped by {type(exception).__name__}")
+        self._sessions.stop(f"training stopped by {type(exception).__name__}")
 
     @property
     def fused_optimizer(self) -> Any:
@@ -402,7 +357,7 @@ class SparseLiftStrategy(ProcessGroupStrategy):
 
         output = super().optimizer_step(optimizer, checked_closure, model, **kwargs)
         if self.lightning_module.automatic_optimization:
-            self._end_step()  # the closure ran the step's forward and backward
+            self._sessions.end_step(self.lightning_module)  # the closure ran the step's forward and backward
         return output
 
     def _follow_dense_lr(self) -> None:

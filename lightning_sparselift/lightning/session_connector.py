@@ -1,0 +1,84 @@
+"""What the strategy's hooks do for the compiler session (one job, as Lightning's connectors):
+open it when training starts, begin and end each training step, hand it the batch after the one
+being trained (the training loader read one batch ahead), report what it decided, and stop it when
+training stops before it finished."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+
+from lightning_sparselift.lightning.lookahead import LookaheadLoader
+from lightning_sparselift.lightning.report import report_events, report_metrics, report_round
+from lightning_sparselift.options import SessionOptions
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_sparselift.session import SparseLiftSession
+
+
+class SessionConnector:
+    def __init__(self) -> None:
+        self.session: Optional[SparseLiftSession] = None  # kept once done (its executor and plan)
+        self._lookahead: Optional[LookaheadLoader] = None  # the training dataloader, read one batch ahead
+        self._next_batch: Any = None  # the batch after the one being moved to the device for training
+
+    def read_ahead(self, dataloader: object) -> LookaheadLoader:
+        """The training loader, read one batch ahead (for the ``next_batch`` schedule)."""
+        self._lookahead = LookaheadLoader(dataloader)
+        return self._lookahead
+
+    def moving(self, batch: Any) -> None:
+        """``batch`` (exactly as the training loader yielded it) is moved to the device for its step."""
+        self._next_batch = self._lookahead.after(batch) if self._lookahead is not None else None
+
+    def open(self, module: pl.LightningModule, sharding_plan: Any, paths: list[str], device: torch.device,
+             options: SessionOptions, check_group: Any, before_update: Callable[[], None]) -> None:
+        """Training starts: an installed executor is kept across fits; a session that kept TorchRec's
+        path tries again."""
+        if self.session is not None and self.session.installed is not None:
+            return
+        from lightning_sparselift.session import SparseLiftSession
+
+        self.session = SparseLiftSession(module, sharding_plan, paths, torch.distributed.group.WORLD, device, options,
+                                         check_group, before_update)
+
+    def begin_step(self, batch: Any, batch_idx: int) -> None:
+        if self.session is None:
+            return
+        if batch_idx == 0:
+            # the previous epoch's last step may have announced a batch it never reached
+            # (limit_train_batches, on_train_batch_start returning -1): an epoch starts from scratch
+            self.discard_started_work()
+        # announced as the loader yields it: the transfer hooks run once, when its step comes
+        # (capture checked that the model receives exactly these features, else the schedule is
+        # not proposed; the executor moves them to its device)
+        self.session.begin_step(batch, self._next_batch)
+
+    def end_step(self, module: pl.LightningModule) -> None:
+        """The step's forward, backward and optimizer step ran: the session records it and
+        advances; its progress is reported from here (a hook where Lightning allows logging)."""
+        if self.session is None:
+            return
+        finished = self.session.end_step()
+        report_events(self.session)
+        progress = self.session.calibration_progress
+        if progress is not None:
+            module.log("sparselift/calibration_step", float(progress[0]), prog_bar=True, rank_zero_only=True)
+        if finished:
+            report_round(self.session, module)
+        report_metrics(self.session, module)
+
+    def stop(self, why: str) -> None:
+        """Training stopped: a session still running keeps what it has (see ``abandon``)."""
+        if self.session is not None and not self.session.done:
+            self.session.abandon(why)
+            report_events(self.session)
+
+    def discard_started_work(self) -> None:
+        """Complete and drop what the lifted executor started for a step that will not run (the
+        batch announced last was never trained on: training ended, or the epoch was cut short)."""
+        if self.session is not None and self.session.installed is not None:
+            self.session.installed.discard()
