@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from lightning_sparselift.bench import scenarios
 from lightning_sparselift.bench.runner import BenchConfig, _data, _write_atomically, spawn_workers
-from lightning_sparselift.bench.systems import BenchEnv, SparseLift, TorchRecSparseDist, _shard
+from lightning_sparselift.bench.systems.base import BenchEnv, SparseLift, TorchRecSparseDist, _shard
 
 SYSTEMS = ("torchrec", "sparselift")
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from lightning_sparselift.bench import scenarios
 from lightning_sparselift.bench.measure import StepClock, quantiles, record_collectives
-from lightning_sparselift.bench.systems import (
+from lightning_sparselift.bench.systems.base import (
     ABLATIONS, ALL_SYSTEMS, LIGHTNING_SYSTEM, SYSTEMS, BenchEnv, System, bench_strategy_kwargs,
 )
 
@@ -218,7 +218,7 @@ def _lightning_run(worker: _Worker) -> None:
 
     from lightning_sparselift import SparseLiftStrategy
     from lightning_sparselift.bench.measure import StageTimer
-    from lightning_sparselift.bench.systems import lightning_env, session_report, time_early_starts
+    from lightning_sparselift.bench.systems.base import lightning_env, session_report, time_early_starts
     cfg, env = worker.config, worker.env
     name = LIGHTNING_SYSTEM
     k, warm, rounds, bd = cfg.steps_per_round, cfg.warmup_steps, cfg.rounds, cfg.breakdown_steps

@@ -1,0 +1,1 @@
+"""The systems the benchmark compares (``base``: all of them, split by family next)."""
