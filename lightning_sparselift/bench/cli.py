@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from lightning_sparselift.bench import scenarios
-from lightning_sparselift.bench.systems.base import ALL_SYSTEMS
+from lightning_sparselift.bench.systems import ALL_SYSTEMS
 
 
 def _writable(path: Optional[str]) -> Optional[Path]:
