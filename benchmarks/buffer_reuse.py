@@ -18,7 +18,7 @@ from two_ranks import bench_env, mirrored_steps, print_pairs, spawn, warmed_up
 
 
 def _worker(rank: int, scenario: str, pairs: int, run: int, optimizations: list[str]) -> None:
-    from lightning_sparselift.bench.systems import SparseLift
+    from lightning_sparselift.bench.systems.sparselift import SparseLift
 
     system = SparseLift(bench_env(rank, scenario), {"optimizations": optimizations, "calibrate": False})
     step = warmed_up(system)

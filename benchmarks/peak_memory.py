@@ -47,7 +47,8 @@ def _state_mb(module: torch.nn.Module) -> float:
 
 
 def _worker(rank: int, scenario: str, name: str, steps: int) -> None:
-    from lightning_sparselift.bench.systems import SYSTEMS as BENCH_SYSTEMS, SparseLift
+    from lightning_sparselift.bench.systems import SYSTEMS as BENCH_SYSTEMS
+    from lightning_sparselift.bench.systems.sparselift import SparseLift
 
     env = bench_env(rank, scenario)
     loaded = _resident_mb()

@@ -52,7 +52,7 @@ def _without(session: Any, role: str) -> Any:
 
 
 def _worker(rank: int, scenario: str, pairs: int, run: int, optimizations: list[str], buckets: int) -> None:
-    from lightning_sparselift.bench.systems import SparseLift
+    from lightning_sparselift.bench.systems.sparselift import SparseLift
 
     pipelined = f"subgraph_parallelism:pipelined{buckets}"
     system = SparseLift(bench_env(rank, scenario), {"optimizations": [*optimizations, pipelined], "calibrate": False})

@@ -54,7 +54,9 @@ def _instrument(session: Any, acc: dict[str, float]) -> None:
 
 
 def _worker(rank: int, scenario: str, steps: int, optimizations: list[str]) -> None:
-    from lightning_sparselift.bench.systems import DenseOnly, SparseLift, TorchRecSparseDist
+    from lightning_sparselift.bench.systems.dense_only import DenseOnly
+    from lightning_sparselift.bench.systems.sparselift import SparseLift
+    from lightning_sparselift.bench.systems.torchrec import TorchRecSparseDist
 
     env = bench_env(rank, scenario)
     results = {}

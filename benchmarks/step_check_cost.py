@@ -52,7 +52,7 @@ class CheckedSteps:
 
 
 def _worker(rank: int, scenario: str, compare: str, pairs: int, run: int) -> None:
-    from lightning_sparselift.bench.systems import SparseLift
+    from lightning_sparselift.bench.systems.sparselift import SparseLift
     from lightning_sparselift.runtime.update_guard import no_check
 
     system = SparseLift(bench_env(rank, scenario), {"calibrate": False})

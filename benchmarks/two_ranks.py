@@ -34,7 +34,7 @@ def bench_env(rank: int, scenario: str) -> Any:
     """The bench's environment of ``scenario`` for ``rank`` (its data generated or cached)."""
     from lightning_sparselift.bench import scenarios
     from lightning_sparselift.bench.runner import BenchConfig, _data
-    from lightning_sparselift.bench.systems import BenchEnv
+    from lightning_sparselift.bench.systems.base import BenchEnv
 
     loaded = scenarios.load(scenario)
     return BenchEnv(loaded, rank, 2, _data(BenchConfig(scenario=scenario, world_size=2), loaded).split("train"))

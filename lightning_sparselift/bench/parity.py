@@ -15,7 +15,9 @@ import torch.distributed as dist
 
 from lightning_sparselift.bench import scenarios
 from lightning_sparselift.bench.runner import BenchConfig, _data, _write_atomically, spawn_workers
-from lightning_sparselift.bench.systems import BenchEnv, SparseLift, TorchRecSparseDist, _shard
+from lightning_sparselift.bench.systems.base import BenchEnv, build_sharded
+from lightning_sparselift.bench.systems.sparselift import SparseLift
+from lightning_sparselift.bench.systems.torchrec import TorchRecSparseDist
 
 SYSTEMS = ("torchrec", "sparselift")
 
@@ -34,7 +36,7 @@ def _evaluate(env: BenchEnv, trained: torch.nn.Module, val) -> dict[str, float]:
     inputs in the trained module's sharded forwards)."""
     from torchmetrics.functional.classification import binary_auroc, binary_average_precision
 
-    model, _, _, _ = _shard(env, validate_inputs=False)
+    model, _, _, _ = build_sharded(env, validate_inputs=False)
     model.load_state_dict(trained.state_dict())
     b, w = env.batch_size, env.world_size
     preds, labels = [], []

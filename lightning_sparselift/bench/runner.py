@@ -25,8 +25,11 @@ import torch.distributed as dist
 
 from lightning_sparselift.bench import scenarios
 from lightning_sparselift.bench.measure import StepClock, quantiles, record_collectives
-from lightning_sparselift.bench.systems import (
-    ABLATIONS, ALL_SYSTEMS, LIGHTNING_SYSTEM, SYSTEMS, BenchEnv, System, bench_strategy_kwargs,
+from lightning_sparselift.bench.systems import ALL_SYSTEMS, SYSTEMS
+from lightning_sparselift.bench.systems.base import BenchEnv, System
+from lightning_sparselift.bench.systems.lightning import LIGHTNING_SYSTEM, lightning_env
+from lightning_sparselift.bench.systems.sparselift import (
+    ABLATIONS, bench_strategy_kwargs, session_report, time_early_starts,
 )
 
 DEFAULT_SYSTEMS = ["dlrm-baseline", "torchrec-base", "torchrec", "dense-only", "sparselift", LIGHTNING_SYSTEM]
@@ -218,7 +221,6 @@ def _lightning_run(worker: _Worker) -> None:
 
     from lightning_sparselift import SparseLiftStrategy
     from lightning_sparselift.bench.measure import StageTimer
-    from lightning_sparselift.bench.systems import lightning_env, session_report, time_early_starts
     cfg, env = worker.config, worker.env
     name = LIGHTNING_SYSTEM
     k, warm, rounds, bd = cfg.steps_per_round, cfg.warmup_steps, cfg.rounds, cfg.breakdown_steps

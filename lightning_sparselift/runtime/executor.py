@@ -10,6 +10,7 @@ are bit-identical. Which exchanges and kernels run is decided once, in :meth:`us
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -88,6 +89,8 @@ class ModuleExecutor:
         self.concatenated_steps = 0  # calls whose output the model concatenated for free (the consumer layout)
         # called with (module path, features) on every training call of the module (the session's drift watch)
         self.observer: Optional[Callable[[str, Any], None]] = None
+        # entered around every early start (the bench times them: they run before the module's call)
+        self.start_region: Callable[[], AbstractContextManager[Any]] = nullcontext
         # called in backward before the module's gradients go on to any exchange or update, whatever the schedule
         self.before_update: UpdateCheck = no_check
         # by group and buckets: built once, kept across plan switches
@@ -215,17 +218,18 @@ class ModuleExecutor:
     def start(self, features: Any) -> None:
         """The root forward began: run this step's input distribution and lookups now and leave
         the output all-to-alls in flight; the module's call with the same ``features`` finishes it."""
-        if self._started is not None and same_features(self._started.features, features):
-            # the root forward ran again on the same input: Lightning calls the LightningModule for
-            # its forward redirection and again in training_step (with DDP's copy of the batch)
-            return
-        self._discard_started()
-        self._run_pre_hooks(features)
-        self._check(features)
-        ran = self._run(features, early=True)
-        self.early_starts += 1
-        if ran is not None:  # (None: uneven batch sizes; the call hands the step to TorchRec)
-            self._started = _Started(features, *ran)
+        with self.start_region():
+            if self._started is not None and same_features(self._started.features, features):
+                # the root forward ran again on the same input: Lightning calls the LightningModule for
+                # its forward redirection and again in training_step (with DDP's copy of the batch)
+                return
+            self._discard_started()
+            self._run_pre_hooks(features)
+            self._check(features)
+            ran = self._run(features, early=True)
+            self.early_starts += 1
+            if ran is not None:  # (None: uneven batch sizes; the call hands the step to TorchRec)
+                self._started = _Started(features, *ran)
 
     def announce(self, features: Any) -> None:
         """The features the next training step will pass (None: unknown). When the schedule

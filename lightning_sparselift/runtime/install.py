@@ -5,6 +5,7 @@ plans hands each executor its module's new schedule."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -97,6 +98,13 @@ class InstalledExecutor:
         (None: stop)."""
         for executor in self.executors.values():
             executor.observer = observer
+
+    def wrap_early_starts(self, region: Optional[Callable[[], AbstractContextManager[Any]]]) -> None:
+        """Run every early start (a step's input distribution, lookups and output all-to-all
+        issue, begun when the root forward starts) inside ``region()`` (None: stop): the bench
+        counts them as sparse forward, though they run before the module's call."""
+        for executor in self.executors.values():
+            executor.start_region = region or nullcontext
 
     def guard_updates(self, check: UpdateCheck) -> None:
         """Call ``check`` in every lifted module's backward before its gradients reach an exchange

@@ -35,9 +35,9 @@ class PooledLayout:
     """The layout of one (possibly merged) table/column-wise output all-to-all: every rank's
     pooled [world*B, D_local] blocks go back to the ranks that own the samples (per destination:
     its B rows of every group, group after group); the gradients take the reverse path and are
-    divided by world size, as TorchRec's backward all-to-all does. ``raw``: what arrived is
-    handed on as it is (the consumer layout unpacks it) and the gradient comes laid out as the
-    send buffer."""
+    divided by world size, as TorchRec's backward all-to-all does (``divide_grads``; the
+    reference DLRM's does not). ``raw``: what arrived is handed on as it is (the consumer layout
+    unpacks it) and the gradient comes laid out as the send buffer."""
 
     dims: list[list[int]]  # per group: output columns of each rank
     batch_size: int
@@ -46,6 +46,7 @@ class PooledLayout:
     rank: int
     buffers: ExchangeBuffers
     raw: bool = False
+    divide_grads: bool = True
 
     @property
     def world(self) -> int:
@@ -98,13 +99,15 @@ class PooledLayout:
     def unpack_grads(self, received: Tensor) -> list[Tensor]:
         b, world = self.batch_size, self.world
         if len(self.dims) == 1:  # one group: the sources' blocks are already its rows, in order
-            return [received.view(world * b, self.dims[0][self.rank]).div_(world)]
-        local_sizes = [b * d[self.rank] for d in self.dims]
-        per_group: list[list[Tensor]] = [[] for _ in self.dims]
-        for chunk in received.split([sum(local_sizes)] * world):
-            for g, piece in enumerate(chunk.split(local_sizes)):
-                per_group[g].append(piece.view(b, self.dims[g][self.rank]))
-        return [torch.cat(p).div_(world) for p in per_group]
+            grads = [received.view(world * b, self.dims[0][self.rank])]
+        else:
+            local_sizes = [b * d[self.rank] for d in self.dims]
+            per_group: list[list[Tensor]] = [[] for _ in self.dims]
+            for chunk in received.split([sum(local_sizes)] * world):
+                for g, piece in enumerate(chunk.split(local_sizes)):
+                    per_group[g].append(piece.view(b, self.dims[g][self.rank]))
+            grads = [torch.cat(p) for p in per_group]
+        return [g.div_(world) for g in grads] if self.divide_grads else grads
 
 
 @dataclass
