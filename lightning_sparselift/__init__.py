@@ -17,7 +17,7 @@ _LAZY = {
     "RecModule": "lightning_sparselift.models",
     "SequenceRankingModule": "lightning_sparselift.models",
     "SequenceDataModule": "lightning_sparselift.data",
-    "EmbeddingOptimizer": "lightning_sparselift.sharding",
+    "EmbeddingOptimizer": "lightning_sparselift.embedding_optimizer",
 }
 
 __all__ = ["SparseLiftStrategy", "__version__", *_LAZY]

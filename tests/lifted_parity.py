@@ -295,7 +295,8 @@ def install_forced(model: nn.Module, sharded: Any, capture: Any, world: int, dev
 
 def sharded_model(case: dict[str, Any], variant: dict[str, Any], world: int, device: torch.device) -> tuple[nn.Module, Any]:
     """The case's model from seed 0, sharded: (the model, ``shard_model``'s result)."""
-    from lightning_sparselift.sharding import EmbeddingOptimizer, shard_model
+    from lightning_sparselift.embedding_optimizer import EmbeddingOptimizer
+    from lightning_sparselift.sharding import shard_model
 
     torch.manual_seed(0)
     model = ParityModel(variant["weighted"], variant["two_modules"], case.get("mean", ()), "sequence" in variant)

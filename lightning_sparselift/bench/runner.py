@@ -27,10 +27,8 @@ from lightning_sparselift.bench import scenarios
 from lightning_sparselift.bench.measure import StepClock, quantiles, record_collectives
 from lightning_sparselift.bench.systems import ALL_SYSTEMS, SYSTEMS
 from lightning_sparselift.bench.systems.base import BenchEnv, System
-from lightning_sparselift.bench.systems.lightning import LIGHTNING_SYSTEM, lightning_env
-from lightning_sparselift.bench.systems.sparselift import (
-    ABLATIONS, bench_strategy_kwargs, session_report, time_early_starts,
-)
+from lightning_sparselift.bench.systems.lightning import LIGHTNING_SYSTEM, run_in_trainer
+from lightning_sparselift.bench.systems.sparselift import ABLATIONS
 
 DEFAULT_SYSTEMS = ["dlrm-baseline", "torchrec-base", "torchrec", "dense-only", "sparselift", LIGHTNING_SYSTEM]
 
@@ -213,100 +211,6 @@ class _Worker:
         return merged
 
 
-def _lightning_run(worker: _Worker) -> None:
-    """Runs the whole schedule inside one ``Trainer.fit`` of ``sparselift-lightning``: the
-    other systems' rounds run between its blocks, from a callback."""
-    import lightning.pytorch as L
-    from torch.utils.data import DataLoader
-
-    from lightning_sparselift import SparseLiftStrategy
-    from lightning_sparselift.bench.measure import StageTimer
-    cfg, env = worker.config, worker.env
-    name = LIGHTNING_SYSTEM
-    k, warm, rounds, bd = cfg.steps_per_round, cfg.warmup_steps, cfg.rounds, cfg.breakdown_steps
-    # timed steps start once `warm` steps ran and the strategy's own warmup (capture, calibration) ended
-    total = warm + _MAX_EXTRA_WARMUP + rounds * k + bd + 1
-    timer, clock, warm_clock = StageTimer(), StepClock(), StepClock()
-    worker.clocks[name], worker.warmup[name] = clock, warm_clock
-
-    class Interleave(L.Callback):
-        def __init__(self) -> None:
-            self.clock = StepClock()  # the step in progress
-            self.profile: Any = None
-            self.step_cm: Any = None
-            self.offset: Optional[int] = None
-
-        def on_train_start(self, trainer, module) -> None:
-            timer.attach(module.model.sparse_arch)
-            module.model.register_forward_pre_hook(lambda *_: timer.forward_start())
-            worker.warmup_all()
-
-        def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-            session = trainer.strategy.session
-            if self.offset is None and batch_idx >= warm and (session is None or session.done):
-                self.offset = batch_idx  # the first timed step: start the other systems' round 0 first
-                if trainer.strategy.lifted_executor is not None:
-                    time_early_starts(trainer.strategy.lifted_executor, timer)
-                worker.round(0)
-                dist.barrier(group=worker.control)
-            i = self.timed_index(batch_idx)
-            if i >= rounds * k:
-                if i < rounds * k + bd:
-                    self.step_cm = timer.step()
-                    self.step_cm.__enter__()
-                else:
-                    self.profile = record_collectives()
-                    self.log = self.profile.__enter__()
-            self.clock.begin()
-
-        def timed_index(self, batch_idx: int) -> int:
-            return -1 if self.offset is None else batch_idx - self.offset
-
-        def on_before_backward(self, trainer, module, loss) -> None:
-            timer.forward_end(loss)
-
-        def on_after_backward(self, trainer, module) -> None:
-            timer.backward_end()
-
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-            i = self.timed_index(batch_idx)
-            if i < 0:
-                self.clock.end(into=warm_clock)
-            elif i < rounds * k:
-                self.clock.end(into=clock)
-            if self.step_cm is not None:
-                self.step_cm.__exit__(None, None, None)
-                self.step_cm = None
-            if self.profile is not None:
-                self.profile.__exit__(None, None, None)
-                worker.result[name]["collectives_per_step"] = self.log.summary()
-                worker.result[name]["top_ops"] = self.log.top_ops
-                worker.result[name]["stages_ms"] = timer.summary()
-                self.profile = None
-                trainer.should_stop = True
-            done = i + 1
-            if 0 < done <= rounds * k and done % k == 0:
-                worker.rounds.setdefault(name, []).append(clock.wall_ms[-k:])
-                if done < rounds * k:
-                    worker.round(done // k)
-                dist.barrier(group=worker.control)
-
-    lightning_env(worker.rank, cfg.world_size)
-    torch.manual_seed(cfg.seed)
-    module = worker.scenario.module()
-    batches = [env.local_batch(i) for i in range(total)]
-    strategy = SparseLiftStrategy(**bench_strategy_kwargs(env))
-    start = time.perf_counter()
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=cfg.world_size, max_steps=total,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                        use_distributed_sampler=False, callbacks=[Interleave()])
-    worker.result[name]["setup_s"] = None
-    trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None, collate_fn=lambda b: b))
-    worker.result[name]["fit_s"] = time.perf_counter() - start
-    worker.result[name].update(session_report(strategy.session))
-
-
 def _worker_main(rank: int, config: BenchConfig, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if config.pin_cores:
@@ -317,7 +221,7 @@ def _worker_main(rank: int, config: BenchConfig, port: int, out: str) -> None:
     worker = _Worker(rank, config)
     worker.setup()
     if LIGHTNING_SYSTEM in config.systems:
-        worker._guard(LIGHTNING_SYSTEM, "Trainer.fit", lambda: _lightning_run(worker))
+        worker._guard(LIGHTNING_SYSTEM, "Trainer.fit", lambda: run_in_trainer(worker, _MAX_EXTRA_WARMUP))
     # Without Lightning driving the schedule (absent, or failed part way), finish it here.
     if not worker.warmup:
         worker.warmup_all()

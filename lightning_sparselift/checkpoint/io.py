@@ -2,11 +2,11 @@
 ``SparseLiftStrategy`` calls, as Lightning's ``CheckpointIO`` keeps a checkpoint's I/O apart from
 the strategy.
 
-Saving: rank 0 names the new folder (:func:`~lightning_sparselift.checkpoint.folder.start_save`),
+:func:`save`: rank 0 names the new folder (:func:`~lightning_sparselift.checkpoint.folder.start_save`),
 every rank writes its part (:func:`write_shards`), rank 0 adds Lightning's state and commits the
-folder (:func:`commit`). Loading: rank 0 checks the folder and reads the metadata
-(:func:`read_meta`), every rank reads its part (:func:`load`). The strategy shares rank 0's
-outcome with the other ranks.
+folder (:func:`commit`). :func:`restore`: rank 0 checks the folder and reads the metadata
+(:func:`read_meta`), every rank reads its part (:func:`load`). Rank 0's outcome, result or error,
+reaches every rank (``Ranks.on_rank_zero``).
 
 Nothing in a checkpoint is unpickled beyond plain data: the metadata is JSON
 (:mod:`~lightning_sparselift.checkpoint.state_json`), and every pickle is read safely first
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -25,11 +25,43 @@ from torch import nn
 
 from lightning_sparselift.checkpoint import rank_state
 from lightning_sparselift.checkpoint.compatibility import check_same_model, resets_embedding_state
-from lightning_sparselift.checkpoint.folder import CheckpointError, read_record
+from lightning_sparselift.checkpoint.folder import CheckpointError, read_record, start_save
 from lightning_sparselift.checkpoint.folder import commit as commit_folder
 from lightning_sparselift.checkpoint.layout import META_FILE, TENSORS_FILE
 from lightning_sparselift.checkpoint.safe_load import check_dcp_files, load_plain_tensors
 from lightning_sparselift.checkpoint.state_json import StateEncoder, decode_state
+
+
+class Ranks(Protocol):
+    """What saving and restoring need of the training's processes (the strategy has it)."""
+
+    global_rank: int
+
+    def on_rank_zero(self, fn: Callable[..., Any], *args: Any) -> Any: ...
+
+    def barrier(self, name: Optional[str] = None) -> None: ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
+
+def save(ranks: Ranks, filepath: Path, checkpoint: dict[str, Any], dmp: nn.Module, optimizer: Optional[Any],
+         fingerprint: dict[str, Any], plan: dict[str, Any]) -> None:
+    """Every rank writes into a new folder named by rank 0, which renames it into place once complete."""
+    path, folder = ranks.on_rank_zero(start_save, filepath)
+    lightning_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    write_shards(folder, dmp, optimizer, ranks.global_rank)
+    ranks.barrier()  # every rank's files are on disk before rank 0 checksums them
+    ranks.on_rank_zero(commit, folder, path, lightning_state, fingerprint, plan, optimizer is not None)
+
+
+def restore(ranks: Ranks, filepath: Path, dmp: nn.Module, optimizer: Optional[Any], fingerprint: dict[str, Any],
+            plan: dict[str, Any], allow_optimizer_state_reset: bool) -> dict[str, Any]:
+    """Lightning's state (its ``state_dict`` empty: the weights are loaded into ``dmp`` here)."""
+    path = Path(ranks.broadcast(str(filepath)))
+    lightning_state, info = ranks.on_rank_zero(read_meta, path)
+    load(path, dmp, optimizer, info, ranks.global_rank, fingerprint, plan, allow_optimizer_state_reset)
+    lightning_state["state_dict"] = {}
+    return lightning_state
 
 
 # ---------------------------------------------------------------------------------------- save

@@ -1,16 +1,9 @@
-"""``SparseLiftStrategy``: the Lightning glue.
-
-It shards every TorchRec ``EmbeddingBagCollection``, ``EmbeddingCollection`` and
-``FeatureProcessedEmbeddingBagCollection`` of the LightningModule with
-``DistributedModelParallel`` (tables placed by TorchRec's planner, or by a constructed plan
-where the planner cannot place them), keeps the dense part data-parallel, runs the embedding
-optimizer fused into backward next to the user's dense optimizer, and saves sharded checkpoints.
-With ``executor="sparselift"`` (the default) its hooks drive the
-:class:`~lightning_sparselift.session.SparseLiftSession` (capture -> lift -> plan -> install) on
-the first training steps, and the lifted executor runs the plan for the rest of the run:
-``on_train_start`` opens the session, ``on_train_batch_start`` begins each step (announcing the
-batch after it), ``optimizer_step`` ends it (``training_step`` with manual optimization), and
-``on_train_end`` / ``on_exception`` stop a session that has not finished.
+"""``SparseLiftStrategy``: the Lightning glue. It shards the LightningModule's TorchRec embedding
+modules with ``DistributedModelParallel``, keeps the dense part data-parallel, runs the embedding
+optimizer fused into backward beside the dense one, saves sharded checkpoints, and (with
+``executor="sparselift"``) drives the compiler session from its hooks
+(:mod:`~lightning_sparselift.lightning.session_connector`): the lifted executor runs the plan for
+the rest of the run. Processes and process groups: :mod:`~lightning_sparselift.lightning.processes`.
 """
 
 from __future__ import annotations
@@ -32,13 +25,15 @@ from lightning_sparselift.checkpoint import compatibility
 from lightning_sparselift.checkpoint import folder as checkpoint_folder
 from lightning_sparselift.checkpoint import io as ckpt
 from lightning_sparselift.cost.decision import DecisionRule
+from lightning_sparselift.embedding_optimizer import EmbeddingLRSchedule, EmbeddingOptimizer, combine_optimizers
 from lightning_sparselift.lightning.batch_counts import check_equal_batch_counts
 from lightning_sparselift.lightning.processes import ProcessGroupStrategy
 from lightning_sparselift.lightning.session_connector import SessionConnector
 from lightning_sparselift.lightning.signals import SignalConnector
 from lightning_sparselift.lightning.step_check import NON_FINITE_POLICIES, StepCheck
+from lightning_sparselift.lightning.trainer_support import check_trainer
 from lightning_sparselift.options import SessionOptions
-from lightning_sparselift.sharding import EmbeddingOptimizer, combine_optimizers, plan_summary, shard_model
+from lightning_sparselift.sharding import plan_summary, shard_model
 
 if TYPE_CHECKING:
     from lightning_sparselift.ir import SparseGraph
@@ -47,7 +42,6 @@ if TYPE_CHECKING:
     from lightning_sparselift.session import SparseLiftSession
 
 EXECUTORS = ("torchrec", "sparselift")
-EMBEDDING_LR_SCHEDULES = ("constant", "follow_dense")
 
 
 class SparseLiftStrategy(ProcessGroupStrategy):
@@ -60,7 +54,7 @@ class SparseLiftStrategy(ProcessGroupStrategy):
             tables are placed by TorchRec's planner.
         embedding_optimizer: the optimizer fused into the tables' backward: ``sgd``, ``adagrad``,
             ``rowwise_adagrad``, ``adam`` (CPU: generated kernel only), a dict
-            (``{"name": ..., "lr": ...}``) or an :class:`~lightning_sparselift.sharding.EmbeddingOptimizer`.
+            (``{"name": ..., "lr": ...}``) or an :class:`~lightning_sparselift.embedding_optimizer.EmbeddingOptimizer`.
         embedding_lr_schedule: ``constant``, or ``follow_dense`` (scaled by the dense optimizer's
             current/initial LR every step).
         executor: ``sparselift`` (default: capture, lift, run the lifted executor, bit-identical;
@@ -144,9 +138,6 @@ class SparseLiftStrategy(ProcessGroupStrategy):
             raise TypeError(f"sharding_types must be a dict table -> type, got {type(sharding_types).__name__}")
         if non_finite not in NON_FINITE_POLICIES:
             raise ValueError(f"non_finite must be one of {NON_FINITE_POLICIES}, got {non_finite!r}")
-        if embedding_lr_schedule not in EMBEDDING_LR_SCHEDULES:
-            raise ValueError(f"embedding_lr_schedule must be one of {EMBEDDING_LR_SCHEDULES}, "
-                             f"got {embedding_lr_schedule!r}")
         if warmup_batches is not None:
             rank_zero_deprecation("SparseLiftStrategy(warmup_batches=...) is deprecated: it is called capture_steps "
                                   "(the steps captured on TorchRec's path before lifting)")
@@ -156,7 +147,7 @@ class SparseLiftStrategy(ProcessGroupStrategy):
                              f"captured steps and the lift is checked against it), got {capture_steps}")
         self.sharding_types = dict(sharding_types or {})
         self.embedding_optimizer = EmbeddingOptimizer.parse(embedding_optimizer)
-        self.embedding_lr_schedule = embedding_lr_schedule
+        self.embedding_lr = EmbeddingLRSchedule(embedding_lr_schedule)
         self.executor = executor
         # what the compiler session runs with (validated here, once)
         self.session_options = SessionOptions.from_arguments(
@@ -172,9 +163,6 @@ class SparseLiftStrategy(ProcessGroupStrategy):
         self._dmp: Optional[torch.nn.Module] = None
         self._tables: dict[str, Any] = {}
         self.sparse_module_paths: list[str] = []
-        # initial LRs, the reference of embedding_lr_schedule="follow_dense"
-        self._dense_base_lr = 1.0
-        self._embedding_base_lrs: list[float] = []
         self._sessions = SessionConnector()
 
     @classmethod
@@ -205,14 +193,7 @@ class SparseLiftStrategy(ProcessGroupStrategy):
         # handler that starts no collective (see lightning_sparselift.lightning.signals)
         if not isinstance(trainer._signal_connector, SignalConnector):
             trainer._signal_connector = SignalConnector(trainer)
-        if trainer.accumulate_grad_batches != 1:
-            raise MisconfigurationException(
-                f"SparseLiftStrategy cannot accumulate gradients (accumulate_grad_batches="
-                f"{trainer.accumulate_grad_batches}): the embedding optimizer is fused into backward and updates "
-                f"the tables at every backward pass. Use a larger batch size instead.")
-        if type(self.precision_plugin) is not Precision:
-            raise MisconfigurationException(f"SparseLiftStrategy supports only precision='32-true', got "
-                                            f"{type(self.precision_plugin).__name__}")
+        check_trainer(trainer, self.precision_plugin)
         if self._dmp is None:
             self._dmp = self._shard(self.lightning_module)
         self.model = self._dmp
@@ -340,14 +321,12 @@ class SparseLiftStrategy(ProcessGroupStrategy):
                 f"SparseLiftStrategy needs configure_optimizers to return exactly one (dense) optimizer, got "
                 f"{len(self.optimizers)}; the embedding optimizer is configured on the strategy")
         dense = self.optimizers[0]
-        self._dense_base_lr = dense.param_groups[0]["lr"]
-        self._embedding_base_lrs = [g["lr"] for g in self._dmp.fused_optimizer.param_groups]
+        self.embedding_lr.start(dense, self._dmp.fused_optimizer)
         self.optimizers = [combine_optimizers(self._dmp, dense)]
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        if self.embedding_lr_schedule == "follow_dense":
-            self._follow_dense_lr()
+        self._follow_dense_lr()
 
         def checked_closure() -> Any:  # (the closure runs forward and backward; the update follows it)
             result = closure()
@@ -361,10 +340,7 @@ class SparseLiftStrategy(ProcessGroupStrategy):
         return output
 
     def _follow_dense_lr(self) -> None:
-        dense = dict(self.optimizers[0].optimizers)["dense"]
-        factor = dense.param_groups[0]["lr"] / self._dense_base_lr
-        for group, base in zip(self._dmp.fused_optimizer.param_groups, self._embedding_base_lrs):
-            group["lr"] = base * factor
+        self.embedding_lr.step(dict(self.optimizers[0].optimizers)["dense"], self._dmp.fused_optimizer)
 
     # ------------------------------------------------------------------ uneven data guard
     def _check_equal_batch_counts(self, stage: str) -> None:
@@ -407,27 +383,18 @@ class SparseLiftStrategy(ProcessGroupStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("SparseLiftStrategy.save_checkpoint does not take storage_options")
-        # every rank writes into a new folder named by rank 0, which renames it into place once complete
-        path, folder = self.on_rank_zero(checkpoint_folder.start_save, Path(filepath))
-        lightning_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        optimizer = self.optimizers[0] if self.optimizers else None
-        ckpt.write_shards(folder, self._dmp, optimizer, self.global_rank)
-        self.barrier()  # every rank's files are on disk before rank 0 checksums them
-        self.on_rank_zero(ckpt.commit, folder, path, lightning_state, self._fingerprint(),
-                           plan_summary(self._dmp.plan), optimizer is not None)
+        ckpt.save(self, Path(filepath), checkpoint, self._dmp, self.optimizers[0] if self.optimizers else None,
+                  self._fingerprint(), plan_summary(self._dmp.plan))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         # weights_only changes nothing: a checkpoint's metadata is JSON and weights-only tensors
-        path = Path(self.broadcast(str(checkpoint_path)))
-        lightning_state, info = self.on_rank_zero(ckpt.read_meta, path)
         optimizer = self.optimizers[0] if self.optimizers else None
-        ckpt.load(path, self._dmp, optimizer, info, self.global_rank, self._fingerprint(),
-                  plan_summary(self._dmp.plan), self.allow_optimizer_state_reset)
-        lightning_state["state_dict"] = {}
-        if optimizer is not None and self.embedding_lr_schedule == "follow_dense":
+        state = ckpt.restore(self, Path(checkpoint_path), self._dmp, optimizer, self._fingerprint(),
+                             plan_summary(self._dmp.plan), self.allow_optimizer_state_reset)
+        if optimizer is not None:
             self._follow_dense_lr()
-        return lightning_state
+        return state
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -1,21 +1,14 @@
-"""The SparseLift compiler session, driven one training step at a time: capture -> lift -> plan
--> install -> verify -> steady state, and again from the lifted graph when asked
-(:meth:`SparseLiftSession.plan_again`) or when the workload drifts.
+"""The SparseLift compiler session, driven one training step at a time through its phases:
+capture (TorchRec's path under :class:`~lightning_sparselift.frontend.capture.SparseCapture`) ->
+lift (:mod:`.lifting`) -> plan (a reusable saved plan, :mod:`.plan_store`, or a planning round,
+:class:`~lightning_sparselift.plan.planner.PlanningLoop`) -> install -> verify (:mod:`.verify`) ->
+steady state (:mod:`.drift`); again from the lifted graph on :meth:`SparseLiftSession.plan_again`.
 
 Call :meth:`~SparseLiftSession.begin_step` before every training step and
 :meth:`~SparseLiftSession.end_step` once its forward, backward and optimizer step ran, also once
-the session is done (the step announces the next batch to the executor). ``SparseLiftStrategy``
-does it from its hooks, the benchmark's bare loop around its steps.
-
-The phases: the first ``capture_steps`` steps run TorchRec's path under
-:class:`~lightning_sparselift.frontend.capture.SparseCapture`; then the ranks lift and agree on
-one graph (:mod:`.lifting`) and the lifted executor is installed with the identity plan; a saved
-plan the ranks can all use is installed without calibration (:mod:`.plan_store`), otherwise a
-planning round (:class:`~lightning_sparselift.plan.planner.PlanningLoop`) calibrates the selected
-passes' candidates on real training steps; the round's plan is installed, saved to ``plan_path``,
-checked against the identity plan in steady state (:mod:`.verify`) and watched for workload drift
-(:mod:`.drift`). Every decision is the same on every rank: inputs are all-gathered, measurements
-reduced.
+the session is done (the step announces the next batch to the executor): the strategy does it
+from its hooks, the benchmark around its steps. Every decision is the same on every rank: inputs
+are all-gathered, measurements reduced.
 """
 
 from __future__ import annotations
@@ -36,7 +29,6 @@ from lightning_sparselift.runtime import InstalledExecutor, install
 from lightning_sparselift.runtime.update_guard import UpdateCheck, no_check
 from lightning_sparselift.session import drift, lifting, plan_store
 from lightning_sparselift.session.compiler_time import CompilerTime
-from lightning_sparselift.session.ranks import gather
 from lightning_sparselift.session.verify import PlanCheck, VerificationResult
 
 if TYPE_CHECKING:
@@ -254,7 +246,7 @@ class SparseLiftSession:
             plan.kernel_builds = self.kernel_builds
             self.plan_reused = True
             self.installed.use(plan.graph)
-            self._record_bucket_builds(plan)
+            plan.kernel_builds = plan.kernel_builds + lifting.bucket_builds(self.installed, self.group)
             self.events.append(f"reusing the plan at {self.options.plan_path} (no calibration): "
                                f"{len(plan.accepted)} optimization(s), {len(plan.graph.collectives())} collectives "
                                f"per step")
@@ -273,17 +265,11 @@ class SparseLiftSession:
             return True
         return False
 
-    def _record_bucket_builds(self, plan: ExecutionPlan) -> None:
-        """Add to ``plan`` the kernels in buckets every rank built for it or its trials (every rank
-        installs a plan at the same step)."""
-        plan.kernel_builds = plan.kernel_builds + [KernelBuild(rank=rank, **b) for rank, ranks in enumerate(
-            gather(self.installed.take_bucket_builds(), self.group)) for b in ranks]
-
     def _finish(self) -> None:
         loop, self.loop = self.loop, None
         plan = self.plan = loop.plan
         self.installed.use(plan.graph)
-        self._record_bucket_builds(plan)
+        plan.kernel_builds = plan.kernel_builds + lifting.bucket_builds(self.installed, self.group)
         self.phase = "done"
         saved = f"; saved to {self.options.plan_path}" if self.options.plan_path else ""
         if self.options.plan_path and self.rank == 0:

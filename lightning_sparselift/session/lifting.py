@@ -84,6 +84,13 @@ def build_kernels(installed: InstalledExecutor, graph: SparseGraph, group: Any) 
     return builds
 
 
+def bucket_builds(installed: InstalledExecutor, group: Any) -> list[KernelBuild]:
+    """The kernels in buckets every rank built since the last call (for a plan or its trials: every
+    rank installs a plan at the same step)."""
+    return [KernelBuild(rank=rank, **b) for rank, ranks in enumerate(gather(installed.take_bucket_builds(), group))
+            for b in ranks]
+
+
 def describe_builds(builds: list[KernelBuild], world: int) -> list[str]:
     built = [b for b in builds if not b.note]
     return [f"generated kernels (lookups, output layouts, input sides): {len(built)} built on {world} rank(s), "

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from helpers import free_port
-from lightning_sparselift.sharding import EmbeddingOptimizer
+from lightning_sparselift.embedding_optimizer import EmbeddingOptimizer
 
 
 class _WithBuffer(nn.Module):

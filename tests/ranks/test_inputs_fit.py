@@ -76,7 +76,8 @@ def _bounds_check_worker(rank: int, port: int, out: str) -> None:
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    from lightning_sparselift.sharding import EmbeddingOptimizer, shard_model
+    from lightning_sparselift.embedding_optimizer import EmbeddingOptimizer
+    from lightning_sparselift.sharding import shard_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=1)

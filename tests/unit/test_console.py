@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from lightning_sparselift.models import DLRMModule
-from lightning_sparselift.sharding import EmbeddingOptimizer, build_sharding_plan
+from lightning_sparselift.embedding_optimizer import EmbeddingOptimizer
+from lightning_sparselift.sharding import build_sharding_plan
 
 
 def _dlrm(sizes: list[int], **kwargs) -> DLRMModule:

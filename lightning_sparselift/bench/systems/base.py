@@ -148,7 +148,8 @@ def build_sharded(env: BenchEnv, validate_inputs: bool, sharding_types: Optional
                   ) -> tuple[nn.Module, Any, nn.Module, list[str]]:
     """The scenario's model sharded by TorchRec's DMP: (the DMP, its combined optimizer, the
     :class:`WithLoss` it wraps, the sparse modules' paths)."""
-    from lightning_sparselift.sharding import EmbeddingOptimizer, combine_optimizers, shard_model
+    from lightning_sparselift.embedding_optimizer import EmbeddingOptimizer, combine_optimizers
+    from lightning_sparselift.sharding import shard_model
 
     wrapped = WithLoss(build_rec_model(env.scenario, env.seed))
     sharded = shard_model(wrapped, env.world_size, torch.device("cpu"), sharding_types,
