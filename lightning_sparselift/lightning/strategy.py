@@ -139,8 +139,7 @@ class SparseLiftStrategy(ProcessGroupStrategy):
         if non_finite not in NON_FINITE_POLICIES:
             raise ValueError(f"non_finite must be one of {NON_FINITE_POLICIES}, got {non_finite!r}")
         if warmup_batches is not None:
-            rank_zero_deprecation("SparseLiftStrategy(warmup_batches=...) is deprecated: it is called capture_steps "
-                                  "(the steps captured on TorchRec's path before lifting)")
+            rank_zero_deprecation("SparseLiftStrategy(warmup_batches=...) is deprecated: it is now capture_steps")
             capture_steps = warmup_batches
         if int(capture_steps) < (1 if executor == "sparselift" else 0):
             raise ValueError(f"capture_steps must be >= 1 with executor='sparselift' (TorchRec's path runs the "
@@ -173,16 +172,6 @@ class SparseLiftStrategy(ProcessGroupStrategy):
         for method in ("spawn", "fork"):
             strategy_registry.register(f"{cls.strategy_name}_{method}", cls, start_method=method,
                                        description=f"SparseLift with the {method} launcher", override=True)
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False
 
     # ------------------------------------------------------------------ sharding
     @override
@@ -224,25 +213,22 @@ class SparseLiftStrategy(ProcessGroupStrategy):
 
     @property
     def sparse_graph(self) -> Optional[SparseGraph]:
-        """The lifted :class:`~lightning_sparselift.ir.SparseGraph` the executor runs, after the
-        plan's passes (None until a plan is installed, or when TorchRec's path is in use)."""
+        """The plan's :class:`~lightning_sparselift.ir.SparseGraph` (None: no plan yet, or TorchRec's path)."""
         return self.lifted_executor.graph if self.lifted_executor is not None else None
 
     @property
     def lifted_executor(self) -> Optional[InstalledExecutor]:
-        """The installed :class:`~lightning_sparselift.runtime.InstalledExecutor` (None until a
-        plan is installed, or when TorchRec's path is in use)."""
+        """The :class:`~lightning_sparselift.runtime.InstalledExecutor` (None: no plan yet, or TorchRec's path)."""
         return self.session.installed if self.execution_plan is not None else None
 
     @property
     def execution_plan(self) -> Optional[ExecutionPlan]:
-        """The installed :class:`~lightning_sparselift.plan.ExecutionPlan` (None until a plan is
-        installed, or when TorchRec's path is in use)."""
+        """The installed :class:`~lightning_sparselift.plan.ExecutionPlan` (None: no plan yet, or TorchRec's path)."""
         return self.session.plan if self.session is not None else None
 
     @property
     def executor_fallback_reason(self) -> Optional[str]:
-        """Why TorchRec's path was kept (None while the lifted executor runs or before the session decided)."""
+        """Why TorchRec's path was kept (None: the lifted executor runs, or not decided yet)."""
         return self.session.fallback_reason if self.session is not None else None
 
     @property
@@ -265,7 +251,7 @@ class SparseLiftStrategy(ProcessGroupStrategy):
 
     @override
     def on_train_start(self) -> None:
-        self._check_equal_batch_counts("fit")
+        check_equal_batch_counts(self.lightning_module.trainer, "fit", self.root_device, self.world_size)
         # every rank checks the batch and the loss before backward applies any (fused) update
         if self._step_check is None:
             self._step_check = StepCheck(self.check_group, self.non_finite, self.lightning_module,
@@ -342,23 +328,30 @@ class SparseLiftStrategy(ProcessGroupStrategy):
     def _follow_dense_lr(self) -> None:
         self.embedding_lr.step(dict(self.optimizers[0].optimizers)["dense"], self._dmp.fused_optimizer)
 
-    # ------------------------------------------------------------------ uneven data guard
-    def _check_equal_batch_counts(self, stage: str) -> None:
-        check_equal_batch_counts(self.lightning_module.trainer, stage, self.root_device, self.world_size)
-
+    # ------------------------------------------------------------------ the same batch count on every rank
     @override
     def on_validation_start(self) -> None:
-        self._check_equal_batch_counts("validate")
+        check_equal_batch_counts(self.lightning_module.trainer, "validate", self.root_device, self.world_size)
 
     @override
     def on_test_start(self) -> None:
-        self._check_equal_batch_counts("test")
+        check_equal_batch_counts(self.lightning_module.trainer, "test", self.root_device, self.world_size)
 
     @override
     def on_predict_start(self) -> None:
-        self._check_equal_batch_counts("predict")
+        check_equal_batch_counts(self.lightning_module.trainer, "predict", self.root_device, self.world_size)
 
     # ------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # (the model is sharded in setup: a checkpoint is loaded into its shards)
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # (loaded with the weights, in load_checkpoint)
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # The weights go into the DCP shards in save_checkpoint.
