@@ -31,7 +31,7 @@ from lightning_sparselift.lightning.processes import ProcessGroupStrategy
 from lightning_sparselift.lightning.session_connector import SessionConnector
 from lightning_sparselift.lightning.signals import SignalConnector
 from lightning_sparselift.lightning.step_check import NON_FINITE_POLICIES, StepCheck
-from lightning_sparselift.lightning.trainer_support import check_trainer
+from lightning_sparselift.lightning.trainer_support import check_accumulation, check_trainer
 from lightning_sparselift.options import SessionOptions
 from lightning_sparselift.sharding import plan_summary, shard_model
 
@@ -182,7 +182,7 @@ class SparseLiftStrategy(ProcessGroupStrategy):
         # handler that starts no collective (see lightning_sparselift.lightning.signals)
         if not isinstance(trainer._signal_connector, SignalConnector):
             trainer._signal_connector = SignalConnector(trainer)
-        check_trainer(trainer, self.precision_plugin)
+        check_trainer(trainer, self.lightning_module, self.precision_plugin)
         if self._dmp is None:
             self._dmp = self._shard(self.lightning_module)
         self.model = self._dmp
@@ -262,6 +262,7 @@ class SparseLiftStrategy(ProcessGroupStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        check_accumulation(self.lightning_module.trainer)
         self._sessions.begin_step(batch, batch_idx)
 
     @override
@@ -270,10 +271,7 @@ class SparseLiftStrategy(ProcessGroupStrategy):
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", -1)
         self._step_check.inspect(batch)
         output = super().training_step(*args, **kwargs)
-        output = self._step_check.verdict(output, batch_idx, self.lightning_module.trainer.global_step)
-        if not self.lightning_module.automatic_optimization:
-            self._sessions.end_step(self.lightning_module)  # the user's optimizer steps ran inside training_step
-        return output
+        return self._step_check.verdict(output, batch_idx, self.lightning_module.trainer.global_step)
 
     @property
     def skipped_steps(self) -> int:
@@ -321,8 +319,7 @@ class SparseLiftStrategy(ProcessGroupStrategy):
             return result
 
         output = super().optimizer_step(optimizer, checked_closure, model, **kwargs)
-        if self.lightning_module.automatic_optimization:
-            self._sessions.end_step(self.lightning_module)  # the closure ran the step's forward and backward
+        self._sessions.end_step(self.lightning_module)  # the closure ran the step's forward and backward
         return output
 
     def _follow_dense_lr(self) -> None:

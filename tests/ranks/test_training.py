@@ -147,6 +147,37 @@ def test_accumulate_grad_batches_is_refused(data_cache):
         t.fit(tiny_model(dm), dm)
 
 
+def test_an_accumulation_set_later_is_refused_where_it_takes_effect(tmp_path, data_cache):
+    """Lightning's scheduler is refused at setup; a factor any callback sets when an epoch starts,
+    before that epoch's first step (the fused tables would update every micro-batch)."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    dm = tiny_data(data_cache)
+    with pytest.raises(Exception, match=r"cannot accumulate gradients \(GradientAccumulationScheduler\(\{0: 1, 1: 2\}\)\)"):
+        trainer(1, callbacks=[GradientAccumulationScheduler({0: 1, 1: 2})], max_epochs=2).fit(tiny_model(dm), dm)
+
+    class AccumulateFromEpoch1(L.Callback):  # (the rank process writes what it saw: fork launcher)
+        def on_train_epoch_start(self, trainer, pl_module):
+            trainer.accumulate_grad_batches = 1 if trainer.current_epoch == 0 else 2
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            (tmp_path / f"step{trainer.global_step}-accumulating{trainer.accumulate_grad_batches}").touch()
+
+    t = trainer(1, callbacks=[AccumulateFromEpoch1()], max_epochs=2, limit_train_batches=3)
+    with pytest.raises(Exception, match=r"cannot accumulate gradients \(accumulate_grad_batches=2\)"):
+        t.fit(tiny_model(dm), dm)
+    # epoch 0's three steps ran, none of epoch 1's
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step{i}-accumulating1" for i in (1, 2, 3)]
+
+
+def test_manual_optimization_is_refused(data_cache):
+    dm = tiny_data(data_cache)
+    model = tiny_model(dm)
+    model.automatic_optimization = False
+    with pytest.raises(Exception, match=r"does not support manual optimization \(automatic_optimization=False\)"):
+        trainer(1).fit(model, dm)
+
+
 def test_embedding_lr_follows_dense_schedule(tmp_path, data_cache):
     dm = tiny_data(data_cache)
 
