@@ -24,6 +24,13 @@ def report_events(session: "SparseLiftSession") -> None:
     session.warnings.clear()
 
 
+def log_metrics(module: "pl.LightningModule", metrics: dict[str, float], prog_bar: bool = False) -> None:
+    """To the Lightning logger from rank zero; nothing under ``Trainer(barebones=True)``, which
+    turns logging off (and warns at every ``self.log``, which the user's model never called)."""
+    if not module.trainer.barebones:
+        module.log_dict(metrics, prog_bar=prog_bar, rank_zero_only=True)
+
+
 def report_metrics(session: "SparseLiftSession", module: "pl.LightningModule") -> None:
     """The session's metrics not logged yet (steady-state checks, drift, the compiler's share of
     the run: ``sparselift/verify/...``, ``sparselift/drift/...``, ``sparselift/calibration_fraction``,
@@ -34,7 +41,7 @@ def report_metrics(session: "SparseLiftSession", module: "pl.LightningModule") -
     metrics, session.metrics = session.metrics, {}
     if metrics.get("sparselift/verify/rolled_back") and session.plan is not None:
         metrics.update(decision_metrics(session.plan))  # the candidates rolled back: no longer accepted
-    module.log_dict(metrics, rank_zero_only=True)
+    log_metrics(module, metrics)
     if "sparselift/verify/verdict" in metrics and session.plan is not None:
         _save_next_to_logs(session, module)
 
@@ -63,7 +70,7 @@ def report_round(session: "SparseLiftSession", module: "pl.LightningModule") -> 
                "sparselift/planning_s": plan.planning_s,
                "sparselift/plan_reused": float(session.plan_reused)}
     metrics.update(decision_metrics(plan))
-    module.log_dict(metrics, rank_zero_only=True)
+    log_metrics(module, metrics)
     _save_next_to_logs(session, module)
 
 

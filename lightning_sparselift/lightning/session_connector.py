@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from lightning_sparselift.lightning.lookahead import LookaheadLoader
-from lightning_sparselift.lightning.report import report_events, report_metrics, report_round
+from lightning_sparselift.lightning.report import log_metrics, report_events, report_metrics, report_round
 from lightning_sparselift.options import SessionOptions
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ class SessionConnector:
         report_events(self.session)
         progress = self.session.calibration_progress
         if progress is not None:
-            module.log("sparselift/calibration_step", float(progress[0]), prog_bar=True, rank_zero_only=True)
+            log_metrics(module, {"sparselift/calibration_step": float(progress[0])}, prog_bar=True)
         if finished:
             report_round(self.session, module)
         report_metrics(self.session, module)

@@ -230,3 +230,34 @@ def test_uneven_user_dataloaders_raise_instead_of_hanging(data_cache):
     t = trainer(2, use_distributed_sampler=False, limit_train_batches=2)
     with pytest.raises(Exception, match="different numbers of validate batches"):
         t.fit(tiny_model(dm), dm)
+
+
+def test_barebones_makes_the_strategy_log_nothing(tmp_path, data_cache):
+    """Under Trainer(barebones=True) Lightning warns at every self.log; a model that never logs gets no
+    such warning from the strategy's own metrics (calibration progress, the round's decisions)."""
+    import warnings
+
+    from lightning_sparselift.models import DLRMModule
+
+    class Quiet(DLRMModule):
+        def training_step(self, batch, batch_idx):
+            return self._loss(self(batch), batch)
+
+    class RecordWarnings(L.Callback):  # (the rank process writes what it saw: fork launcher)
+        def on_train_start(self, trainer, pl_module):
+            self._recording = warnings.catch_warnings(record=True)
+            self._caught = self._recording.__enter__()
+            warnings.simplefilter("always")
+
+        def on_train_end(self, trainer, pl_module):
+            self._recording.__exit__(None, None, None)
+            torch.save([str(w.message) for w in self._caught], tmp_path / "warnings.pt")
+
+    dm = tiny_data(data_cache, num_train=384)
+    model = tiny_model(dm)
+    model.__class__ = Quiet
+    strategy = SparseLiftStrategy(start_method="fork", optimizations=["aggregation"], calibrate=False)
+    trainer(1, strategy, callbacks=[RecordWarnings()], barebones=True, enable_progress_bar=None,
+            enable_model_summary=None, limit_val_batches=0).fit(model, dm)
+    caught = torch.load(tmp_path / "warnings.pt")
+    assert not [w for w in caught if "self.log()" in w], caught
