@@ -235,10 +235,13 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
     generated kernel (False: TorchRec and fbgemm alone, which have no CPU Adam: ValueError)."""
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     from lightning_sparselift.torchrec_parts import DenseDataParallelWrapper
 
     modules = find_sparse_modules(module)
+    # plain weighted EBCs take weights from the batch (a feature-processed one computes its own)
+    weighted = {path for path, m in modules.items() if type(m) is EmbeddingBagCollection and m.is_weighted()}
     if not modules:
         raise ValueError(f"SparseLiftStrategy found no torchrec EmbeddingBagCollection or EmbeddingCollection in "
                          f"{type(module).__name__}; it shards recommendation models whose sparse features go through "
@@ -273,7 +276,7 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
                     if any(p.sharding_type in kinds for p in tables_plan.values())}
 
         install_input_checks(module, sorted(modules), tables, input_check_group, having("row_wise", "table_row_wise"),
-                             having("data_parallel"), _pooling_data_parallel(modules, plan))
+                             having("data_parallel"), _pooling_data_parallel(modules, plan), weighted)
     return ShardedModel(dmp, tables, sorted(modules))
 
 

@@ -29,10 +29,11 @@ class SparseInputError(ValueError):
 
 
 def kjt_problem(kjt: Any, rows_per_feature: dict[str, int], variable_batch_ok: bool = True,
-                single_id: frozenset[str] = frozenset()) -> Optional[str]:
+                single_id: frozenset[str] = frozenset(), weighted: bool = False) -> Optional[str]:
     """What is wrong with ``kjt`` as the input of a module whose features have these row counts
     (None: nothing). ``variable_batch_ok``: whether the module takes a variable batch per feature;
-    ``single_id``: features whose bags must hold exactly one id."""
+    ``single_id``: features whose bags must hold exactly one id; ``weighted``: the module weights
+    every id (``EmbeddingBagCollection(is_weighted=True)``)."""
     keys = list(kjt.keys())
     if not variable_batch_ok and kjt.variable_stride_per_key():
         return ("the KeyedJaggedTensor has a variable batch per feature (VBE), which TorchRec's data-parallel lookup "
@@ -60,6 +61,10 @@ def kjt_problem(kjt: Any, rows_per_feature: dict[str, int], variable_batch_ok: b
         return f"the KeyedJaggedTensor's lengths add up to {total} but it holds {values.numel()} ids"
     if weights is not None and weights.numel() != values.numel():
         return f"the KeyedJaggedTensor holds {values.numel()} ids but {weights.numel()} weights"
+    if weighted and weights is None:  # (TorchRec's lookup would silently pool the ids unweighted)
+        return ("the module is weighted (EmbeddingBagCollection(is_weighted=True)) but the KeyedJaggedTensor has no "
+                "weights: pass one weight per id (KeyedJaggedTensor(..., weights=...)), or build the collection with "
+                "is_weighted=False")
     for key in sorted(single_id & set(keys)):
         bags = kjt[key].lengths()
         if bool((bags != 1).any()):
@@ -87,8 +92,8 @@ def kjt_problem(kjt: Any, rows_per_feature: dict[str, int], variable_batch_ok: b
 
 
 def check_kjt(module_path: str, kjt: Any, rows_per_feature: dict[str, int], variable_batch_ok: bool = True,
-              single_id: frozenset[str] = frozenset()) -> None:
-    problem = kjt_problem(kjt, rows_per_feature, variable_batch_ok, single_id)
+              single_id: frozenset[str] = frozenset(), weighted: bool = False) -> None:
+    problem = kjt_problem(kjt, rows_per_feature, variable_batch_ok, single_id, weighted)
     if problem is not None:
         raise SparseInputError(f"{module_path}: {problem}")
 
@@ -156,9 +161,10 @@ class InputCheck:
     Every rank passes the same objects around, so all ranks decide alike."""
 
     def __init__(self, path: str, rows_per_feature: dict[str, int], group: Any, row_wise: bool,
-                 data_parallel: bool = False, single_id_on_cpu: frozenset[str] = frozenset()) -> None:
+                 data_parallel: bool = False, single_id_on_cpu: frozenset[str] = frozenset(),
+                 weighted: bool = False) -> None:
         self.path, self.rows, self.group, self.row_wise = path, rows_per_feature, group, row_wise
-        self.data_parallel, self.single_id_on_cpu = data_parallel, single_id_on_cpu
+        self.data_parallel, self.single_id_on_cpu, self.weighted = data_parallel, single_id_on_cpu, weighted
         self._checked: Optional[tuple] = None  # the identity (see _identity) of the KJT checked last
         self._started: Optional[tuple[tuple, RankComparison]] = None  # a check started ahead of its call
 
@@ -182,7 +188,7 @@ class InputCheck:
         elif self._compares_ranks():
             RankComparison(kjt, self._problem(kjt), self.group).finish(self.path, uneven_batches_ok)
         else:
-            check_kjt(self.path, kjt, self.rows, *self._rules(kjt))
+            check_kjt(self.path, kjt, self.rows, *self._rules(kjt), self.weighted)
         self._checked = identity
 
     def _rules(self, kjt: Any) -> tuple[bool, frozenset[str]]:
@@ -191,7 +197,7 @@ class InputCheck:
         return not (self.data_parallel and cpu), self.single_id_on_cpu if cpu else frozenset()
 
     def _problem(self, kjt: Any) -> Optional[str]:
-        return kjt_problem(kjt, self.rows, *self._rules(kjt))
+        return kjt_problem(kjt, self.rows, *self._rules(kjt), self.weighted)
 
     def _compares_ranks(self) -> bool:
         return dist.is_initialized() and dist.get_world_size(self.group) > 1
@@ -208,14 +214,14 @@ def _same_identity(a: tuple, b: tuple) -> bool:
 
 def install_input_checks(model: nn.Module, module_paths: list[str], tables: dict[str, Any], group: Any,
                          row_wise_paths: set[str], data_parallel_paths: set[str],
-                         single_id_on_cpu: dict[str, frozenset[str]]) -> None:
+                         single_id_on_cpu: dict[str, frozenset[str]], weighted_paths: set[str]) -> None:
     """Register an :class:`InputCheck` on each (sharded) embedding module at ``module_paths``.
     ``row_wise_paths`` are the modules with row-wise sharded tables (one batch size on all ranks
     in training), ``data_parallel_paths`` those with data-parallel tables (no variable batch per
     feature on CPU), ``single_id_on_cpu`` per module the features whose bags must hold one id on
-    CPU."""
+    CPU, ``weighted_paths`` the modules that weight every id (their KJTs must carry weights)."""
     for path in module_paths:
         rows = {f: t.id_bound for t in tables.values() if t.module_path == path for f in t.feature_names}
         check = InputCheck(path, rows, group, path in row_wise_paths, path in data_parallel_paths,
-                           single_id_on_cpu.get(path, frozenset()))
+                           single_id_on_cpu.get(path, frozenset()), path in weighted_paths)
         model.get_submodule(path).register_forward_pre_hook(check, with_kwargs=True)

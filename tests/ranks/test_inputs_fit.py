@@ -34,6 +34,15 @@ def test_out_of_range_ids_fail_in_training(data_cache):
         t.fit(tiny_model(dm), dm)
 
 
+def test_a_weighted_collection_fed_no_weights_is_an_input_error(data_cache):
+    """Not a lifting fallback on which TorchRec's path trains the collection unweighted."""
+    dm = tiny_data(data_cache)  # (its KJTs carry no weights)
+    model = tiny_model(dm)
+    model.model.sparse_arch.embedding_bag_collection._is_weighted = True  # as EmbeddingBagCollection(is_weighted=True)
+    with pytest.raises(Exception, match=r"the module is weighted .* has no weights"):
+        trainer(2, limit_val_batches=0).fit(model, dm)
+
+
 def test_kjt_keys_differ_from_model_features(data_cache):
     dm = tiny_data(data_cache)
     # the data has features cat_0..cat_5, the model is built for other names

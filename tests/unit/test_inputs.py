@@ -69,6 +69,17 @@ def test_malformed_kjts():
                                            lengths=torch.ones(3, dtype=torch.int32)), ROWS)
 
 
+def test_a_weighted_module_needs_weights():
+    """TorchRec would pool the ids of a weighted collection without weights, silently unweighted."""
+    with pytest.raises(SparseInputError, match=r"ebc: the module is weighted .* has no weights"):
+        check_kjt("ebc", _kjt(["a", "b"], [0, 4], [1, 1]), ROWS, weighted=True)
+    weighted = KeyedJaggedTensor.from_lengths_sync(keys=["a", "b"], values=torch.tensor([0, 4]),
+                                                   lengths=torch.tensor([1, 1], dtype=torch.int32),
+                                                   weights=torch.tensor([0.5, 2.0]))
+    check_kjt("ebc", weighted, ROWS, weighted=True)
+    check_kjt("ebc", weighted, ROWS)  # (an unweighted module ignores weights, as TorchRec's does)
+
+
 @pytest.mark.parametrize("values, match", [([0, 5], r"id 5 of feature 'b'.*\[0, 5\)"),
                                            ([-1, 0], r"id -1 of feature 'a'.*\[0, 10\)")])
 def test_ids_out_of_range(values, match):
