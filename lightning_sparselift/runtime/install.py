@@ -76,6 +76,10 @@ class InstalledExecutor:
             out += [dict(module=path, group=group, **_built(make)) for group, make in builds]
         return out
 
+    def torchrec_calls(self) -> int:
+        """Calls of the lifted modules that ran TorchRec's path (the ranks' batch sizes differed)."""
+        return sum(e.torchrec_steps for e in self.executors.values())
+
     def take_bucket_builds(self) -> list[dict[str, Any]]:
         """The generated kernels in buckets built on this rank since the last call (as
         :meth:`build_generated`'s, with ``"buckets"``)."""

@@ -74,6 +74,8 @@ class SparseLiftSession:
         self.kernel_builds: list[KernelBuild] = []  # the generated kernels built before planning, every rank's
         self.time = CompilerTime()
         self.steps = 0  # training steps ended since the session began
+        self.torchrec_path_steps = 0  # of those after the lift, the ones a lifted module ran on TorchRec's path
+        self._torchrec_calls = 0  # the executor's count of such calls when the step began
         # reported to the caller, which takes them
         self.events: list[str] = []
         self.metrics: dict[str, float] = {}  # for the logger
@@ -115,6 +117,7 @@ class SparseLiftSession:
             return
         if self.installed is not None:
             self.installed.announce(next_batch)
+            self._torchrec_calls = self.installed.torchrec_calls()
         if self.phase == "plan":
             self.installed.use(self.loop.next_graph())
             self.installed.clock.start_step()
@@ -137,6 +140,8 @@ class SparseLiftSession:
             if self.capture.steps < self.options.capture_steps:
                 return False
             return self._lift()
+        if self.installed is not None and self.installed.torchrec_calls() > self._torchrec_calls:
+            self._ran_torchrec_path()
         if self.phase == "plan":
             regions = self.installed.clock.end_step()
             self.installed.use(self.loop.incumbent)
@@ -152,6 +157,15 @@ class SparseLiftSession:
             if self._check.record((time.perf_counter() - self._step_start) * 1e3):
                 self._verified(self._check.conclude())
         return self._watch_step()
+
+    def _ran_torchrec_path(self) -> None:
+        """The step ran TorchRec's path in a lifted module: counted, logged, warned about once."""
+        self.torchrec_path_steps += 1
+        self.metrics["sparselift/torchrec_path_steps"] = float(self.torchrec_path_steps)
+        if self.torchrec_path_steps == 1:
+            self.warnings.append(f"SparseLift: training step {self.steps} ran TorchRec's path: the ranks passed "
+                                 f"different batch sizes (a short last batch, or per-rank batch sizes); such steps are "
+                                 f"counted in sparselift/torchrec_path_steps")
 
     def _drop_step(self) -> None:
         """Close a step begun but never ended: it did not train (Lightning skips the batch when
@@ -379,17 +393,7 @@ class SparseLiftSession:
 
     # ------------------------------------------------------------------ report
     def explain(self) -> str:
-        """The installed plan explained, then what happened to it in steady state: its steady-state
-        checks, rollbacks, workload drift and re-planning, and what the compiler cost so far."""
-        if self.plan is None:
-            return f"SparseLift session in its {self.phase} phase" + (
-                f"; TorchRec's path kept: {self.fallback_reason}" if self.fallback_reason else "")
-        lines = [self.plan.explain()]
-        if self.trigger is not None:
-            lines.append(f"planned because of the workload drift at step {self.trigger.step} ({self.trigger.action})"
-                         if self.trigger in self.drift_events else f"planned because of {self.trigger.describe()}")
-        lines += [f"verification {i + 1}: {v.describe()}" for i, v in enumerate(self.verifications)]
-        lines += [f"drift: {e.describe()}" for e in self.drift_events]
-        lines.append(f"compiler time so far: {self.time.describe(self.steps)}; {self.rollbacks} rollback(s), "
-                     f"{self.replans} re-plan(s) on drift")
-        return "\n".join(lines)
+        """The installed plan explained, then what happened to it in steady state (see :mod:`.explain`)."""
+        from lightning_sparselift.session.explain import explain
+
+        return explain(self)

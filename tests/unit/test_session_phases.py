@@ -109,9 +109,13 @@ class _FakeExecutor:
 
     def __init__(self) -> None:
         self.used: list[Any] = []
+        self.torchrec_path_calls = 0
 
     def announce(self, batch: Any) -> None:
         pass
+
+    def torchrec_calls(self) -> int:
+        return self.torchrec_path_calls
 
     def use(self, graph: Any) -> None:
         self.used.append(graph)
@@ -153,3 +157,22 @@ def test_planning_again_needs_an_installed_plan():
     session.abandon("stopped")
     with pytest.raises(RuntimeError, match="TorchRec's path is in use"):
         session.plan_again("nothing lifted")
+
+
+def test_steps_on_torchrecs_path_are_counted_logged_and_warned_about_once():
+    identity = load("table_and_column_wise_2ranks")
+    session = SparseLiftSession(nn.Linear(1, 1), None, [], None, torch.device("cpu"),
+                                SessionOptions(drift_check_every=10_000))
+    session.capture = None
+    executor = session.installed = _FakeExecutor()
+    session.identity, session.phase = identity, "done"
+    session.plan = unmeasured_plan(identity, [])
+    for uneven in (False, True, False, True, True):
+        session.begin_step()
+        executor.torchrec_path_calls += uneven  # (the module's call handed the step to TorchRec)
+        session.end_step()
+        executor.torchrec_path_calls += 1  # an evaluation call between steps: not a training step
+    assert session.torchrec_path_steps == 3
+    assert session.metrics["sparselift/torchrec_path_steps"] == 3.0
+    assert len(session.warnings) == 1 and "training step 2 ran TorchRec's path" in session.warnings[0]
+    assert "3 training step(s) ran TorchRec's path" in session.explain()
