@@ -69,17 +69,14 @@ class SparseLiftSession:
         self.plan: Optional[ExecutionPlan] = None  # the plan installed last
         self.loop: Optional[PlanningLoop] = None  # the planning round in progress
         self.fallback_reason: Optional[str] = None
-        self.lift_seconds = 0.0
-        self.plan_reused = False
+        self.lift_seconds, self.plan_reused = 0.0, False
         self.kernel_builds: list[KernelBuild] = []  # the generated kernels built before planning, every rank's
         self.time = CompilerTime()
         self.steps = 0  # training steps ended since the session began
         self.torchrec_path_steps = 0  # of those after the lift, the ones a lifted module ran on TorchRec's path
         self._torchrec_calls = 0  # the executor's count of such calls when the step began
-        # reported to the caller, which takes them
-        self.events: list[str] = []
-        self.metrics: dict[str, float] = {}  # for the logger
-        self.warnings: list[str] = []
+        # reported to the caller, which takes them (metrics: for the logger)
+        self.events, self.warnings, self.metrics = [], [], {}
         # steady state
         self.verification: Optional[PlanVerification] = None  # the installed plan's last steady-state check
         self.verifications: list[PlanVerification] = []  # every steady-state check, in order
@@ -91,8 +88,7 @@ class SparseLiftSession:
         self._round_started = 0  # self.steps when the last planning round began
         self._drift_noted = False  # a deferred / ignored drift was reported this round
         self._capture_step: Optional[ContextManager[None]] = None  # the captured step in progress
-        self._in_step = False
-        self._step_start = 0.0  # (verify: the step's wall time)
+        self._in_step, self._step_start = False, 0.0  # (_step_start: a verify step's wall time)
 
     @property
     def done(self) -> bool:
@@ -140,11 +136,15 @@ class SparseLiftSession:
             if self.capture.steps < self.options.capture_steps:
                 return False
             return self._lift()
-        if self.installed is not None and self.installed.torchrec_calls() > self._torchrec_calls:
+        # (a step a lifted module handed to TorchRec is not measured: the same graph runs again)
+        on_torchrec = self.installed is not None and self.installed.torchrec_calls() > self._torchrec_calls
+        if on_torchrec:
             self._ran_torchrec_path()
         if self.phase == "plan":
             regions = self.installed.clock.end_step()
             self.installed.use(self.loop.incumbent)
+            if on_torchrec:
+                return False
             self.loop.feedback(**regions)
             if self.loop.done:
                 self._finish()
@@ -154,18 +154,19 @@ class SparseLiftSession:
             return False
         if self.phase == "verify":
             self.installed.use(self.plan.graph)
-            if self._check.record((time.perf_counter() - self._step_start) * 1e3):
+            if not on_torchrec and self._check.record((time.perf_counter() - self._step_start) * 1e3):
                 self._verified(self._check.conclude())
         return self._watch_step()
 
     def _ran_torchrec_path(self) -> None:
-        """The step ran TorchRec's path in a lifted module: counted, logged, warned about once."""
+        """The step ran TorchRec's path in a lifted module (every rank alike: they exchanged their
+        batch sizes): counted, logged, warned about once."""
         self.torchrec_path_steps += 1
         self.metrics["sparselift/torchrec_path_steps"] = float(self.torchrec_path_steps)
         if self.torchrec_path_steps == 1:
             self.warnings.append(f"SparseLift: training step {self.steps} ran TorchRec's path: the ranks passed "
                                  f"different batch sizes (a short last batch, or per-rank batch sizes); such steps are "
-                                 f"counted in sparselift/torchrec_path_steps")
+                                 f"counted in sparselift/torchrec_path_steps, and calibration does not measure them")
 
     def _drop_step(self) -> None:
         """Close a step begun but never ended: it did not train (Lightning skips the batch when

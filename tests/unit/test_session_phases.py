@@ -117,6 +117,12 @@ class _FakeExecutor:
     def torchrec_calls(self) -> int:
         return self.torchrec_path_calls
 
+    @property
+    def clock(self) -> Any:  # a calibration step's regions, all 10 ms
+        return types.SimpleNamespace(start_step=lambda: None, end_step=lambda: {
+            "step_ms": 10.0, "sparse_ms": 10.0, "lookup_ms": 10.0, "lookup_wall_ms": 10.0, "step_cpu_ms": 10.0,
+            "input_ms": 10.0})
+
     def use(self, graph: Any) -> None:
         self.used.append(graph)
 
@@ -176,3 +182,27 @@ def test_steps_on_torchrecs_path_are_counted_logged_and_warned_about_once():
     assert session.metrics["sparselift/torchrec_path_steps"] == 3.0
     assert len(session.warnings) == 1 and "training step 2 ran TorchRec's path" in session.warnings[0]
     assert "3 training step(s) ran TorchRec's path" in session.explain()
+
+
+def test_calibration_does_not_measure_a_step_on_torchrecs_path():
+    from lightning_sparselift.plan import Planner
+    from lightning_sparselift.plan.planner import PlanningLoop
+
+    identity = load("table_and_column_wise_2ranks")
+    session = SparseLiftSession(nn.Linear(1, 1), None, [], None, torch.device("cpu"), SessionOptions())
+    session.capture = None
+    executor = session.installed = _FakeExecutor()
+    session.identity = identity
+    planner = Planner(select_passes(["latency_hiding:early_start"]), None, True, SessionOptions().decision_rule)
+    session.loop = PlanningLoop(planner, unmeasured_plan(identity, []).fingerprint, identity, None, session.events)
+    session.loop.propose()
+    session.phase = "plan"
+    progress = [session.calibration_progress[0]]
+    for uneven in (False, True, True, False):
+        session.begin_step()
+        executor.torchrec_path_calls += uneven
+        session.end_step()
+        progress.append(session.calibration_progress[0])
+    assert progress == [0, 1, 1, 1, 2]  # the two steps on TorchRec's path left the calibration where it was
+    began = executor.used[0::2]  # (each step uses its graph, then the incumbent again between steps)
+    assert began[1] is began[2] is began[3]  # the graph of step 2 ran again in steps 3 and 4
