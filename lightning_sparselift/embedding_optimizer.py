@@ -100,18 +100,21 @@ class EmbeddingLRSchedule:
         if kind not in EMBEDDING_LR_SCHEDULES:
             raise ValueError(f"embedding_lr_schedule must be one of {EMBEDDING_LR_SCHEDULES}, got {kind!r}")
         self.kind = kind
+        self._dense: Any = None
+        self._fused: Any = None
         self._dense_base = 1.0
         self._embedding_bases: list[float] = []
 
     def start(self, dense: torch.optim.Optimizer, fused: Any) -> None:
-        """The optimizers' initial LRs: the reference of ``follow_dense``."""
+        """The optimizers of this fit, and their initial LRs: the reference of ``follow_dense``."""
+        self._dense, self._fused = dense, fused
         self._dense_base = dense.param_groups[0]["lr"]
         self._embedding_bases = [g["lr"] for g in fused.param_groups]
 
-    def step(self, dense: torch.optim.Optimizer, fused: Any) -> None:
+    def step(self) -> None:
         """Before an update (and after a resume): set the embedding LR the schedule gives now."""
         if self.kind != "follow_dense":
             return
-        factor = dense.param_groups[0]["lr"] / self._dense_base
-        for group, base in zip(fused.param_groups, self._embedding_bases):
+        factor = self._dense.param_groups[0]["lr"] / self._dense_base
+        for group, base in zip(self._fused.param_groups, self._embedding_bases):
             group["lr"] = base * factor

@@ -310,7 +310,7 @@ class SparseLiftStrategy(ProcessGroupStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        self._follow_dense_lr()
+        self.embedding_lr.step()
 
         def checked_closure() -> Any:  # (the closure runs forward and backward; the update follows it)
             result = closure()
@@ -321,9 +321,6 @@ class SparseLiftStrategy(ProcessGroupStrategy):
         output = super().optimizer_step(optimizer, checked_closure, model, **kwargs)
         self._sessions.end_step(self.lightning_module)  # the closure ran the step's forward and backward
         return output
-
-    def _follow_dense_lr(self) -> None:
-        self.embedding_lr.step(dict(self.optimizers[0].optimizers)["dense"], self._dmp.fused_optimizer)
 
     # ------------------------------------------------------------------ the same batch count on every rank
     @override
@@ -383,7 +380,7 @@ class SparseLiftStrategy(ProcessGroupStrategy):
         state = ckpt.restore(self, Path(checkpoint_path), self._dmp, optimizer, self._fingerprint(),
                              plan_summary(self._dmp.plan), self.allow_optimizer_state_reset)
         if optimizer is not None:
-            self._follow_dense_lr()
+            self.embedding_lr.step()
         return state
 
     @override
