@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 from lightning_sparselift.ir import SparseGraph
 from lightning_sparselift.passes import select_passes
@@ -25,12 +26,14 @@ def load(name: str) -> SparseGraph:
     return SparseGraph.from_dict(json.loads((FIXTURES / f"{name}.json").read_text()))
 
 
-def unmeasured_plan(identity: SparseGraph, optimizations: list[str]) -> ExecutionPlan:
+def unmeasured_plan(identity: SparseGraph, optimizations: list[str],
+                    fingerprint: Optional[PlanFingerprint] = None) -> ExecutionPlan:
     """What a run with calibrate=False plans: every feasible candidate of ``optimizations`` applied
-    and accepted, in the planner's order."""
+    and accepted, in the planner's order (``fingerprint``: the plan's; default: made up from the graph)."""
     planner = Planner(select_passes(optimizations), None, calibrate=False)
-    fingerprint = PlanFingerprint(identity.fingerprint(), "sharding", identity.world_size, "gloo", {},
-                                  sorted(optimizations))
+    if fingerprint is None:
+        fingerprint = PlanFingerprint(identity.fingerprint(), "sharding", identity.world_size, "gloo", {},
+                                      sorted(optimizations))
     plan = ExecutionPlan(fingerprint, identity)
     feasible, plan.decisions = planner.propose(identity)
     for candidate in feasible:

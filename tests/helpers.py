@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -134,3 +135,22 @@ class GraphReport(L.Callback):
                                     "explain": graph.explain()} if graph else {})}
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / f"graph{trainer.global_rank}.json").write_text(json.dumps(report))
+
+
+class RecordWarnings(L.Callback):
+    """Saves the warnings each rank raised during training and which executor it ended on, to
+    ``folder/rank<r>.pt`` (the rank processes' callbacks are copies: the fork launcher)."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def on_train_start(self, trainer, pl_module):
+        self._recording = warnings.catch_warnings(record=True)
+        self._caught = self._recording.__enter__()
+        warnings.simplefilter("always")
+
+    def on_train_end(self, trainer, pl_module):
+        self._recording.__exit__(None, None, None)
+        torch.save({"executor": trainer.strategy.executor_in_use,
+                    "warnings": [str(w.message) for w in self._caught]},
+                   self.folder / f"rank{trainer.global_rank}.pt")

@@ -34,16 +34,10 @@ class VerificationResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def _predicted(plan: ExecutionPlan) -> Optional[float]:
-    accepted = plan.accepted
-    return sum(d.predicted_ms for d in accepted) if accepted and all(
-        d.predicted_ms is not None for d in accepted) else None
-
-
-def _calibrated(plan: ExecutionPlan) -> Optional[float]:
-    accepted = plan.accepted
-    return sum(d.measured_ms for d in accepted) if accepted and all(
-        d.measured_ms is not None for d in accepted) else None
+def _accepted_sum(plan: ExecutionPlan, field: str) -> Optional[float]:
+    """The accepted decisions' ``predicted_ms`` or ``measured_ms`` added up (None: any lacks it)."""
+    values = [getattr(d, field) for d in plan.accepted]
+    return sum(values) if values and None not in values else None
 
 
 class PlanCheck:
@@ -53,6 +47,9 @@ class PlanCheck:
                  check_group: Any) -> None:
         self.plan, self.identity, self.rule, self.check_group = plan, identity, rule, check_group
         self.check = SteadyStateCheck(steps, settle_steps_for(plan.graph))
+        # what calibration expected of the plan: its accepted candidates' predictions and measurements
+        self.predicted_ms = _accepted_sum(plan, "predicted_ms")
+        self.calibrated_ms = _accepted_sum(plan, "measured_ms")
         self.started = time.perf_counter()
 
     def announcement(self) -> str:
@@ -71,8 +68,8 @@ class PlanCheck:
         """Stopped before the window ended: not judged, the plan stays."""
         check = self.check
         verification = PlanVerification(check.recorded, check.settle_steps, 0, 0, self.rule.confidence,
-                                        _predicted(self.plan), _calibrated(self.plan), None, None, None, None,
-                                        "incomplete", False, note=f"stopped: {why}")
+                                        self.predicted_ms, self.calibrated_ms, None, None, None, None, "incomplete",
+                                        False, note=f"stopped: {why}")
         self.plan.verification = verification
         return VerificationResult(verification, False, self.plan, time.perf_counter() - self.started, 0.0,
                                   f"steady-state check stopped after {check.recorded} of {check.planned} steps ({why}); "
@@ -88,8 +85,8 @@ class PlanCheck:
                    for i in range(len(measurement.observations_ms[0]))]
         finite = e.increment_ms == e.increment_ms  # not NaN
         verification = PlanVerification(
-            check.planned, check.settle_steps, e.pairs, e.outliers, self.rule.confidence, _predicted(plan),
-            _calibrated(plan), e.increment_ms if finite else None, list(e.interval_ms), e.noise_ms,
+            check.planned, check.settle_steps, e.pairs, e.outliers, self.rule.confidence, self.predicted_ms,
+            self.calibrated_ms, e.increment_ms if finite else None, list(e.interval_ms), e.noise_ms,
             median(t0 for t0, _ in slowest) if slowest else None, e.verdict, e.verdict == "slower", slowest)
         plan.verification = verification
         summary = verification.describe()

@@ -6,34 +6,15 @@ from __future__ import annotations
 
 import json
 import pickle
-import warnings
 
 import lightning.pytorch as L
 import pytest
 import torch
 
 from graph_fixtures import plan_file_dict
-from helpers import tiny_data, tiny_model, trainer
+from helpers import RecordWarnings, tiny_data, tiny_model, trainer
 from lightning_sparselift import SparseLiftStrategy
 from lightning_sparselift.plan import ExecutionPlan
-
-
-class RecordWarnings(L.Callback):
-    """Saves the warnings each rank raised during training and which executor it ended on."""
-
-    def __init__(self, folder):
-        self.folder = folder
-
-    def on_train_start(self, trainer, pl_module):
-        self._recording = warnings.catch_warnings(record=True)
-        self._caught = self._recording.__enter__()
-        warnings.simplefilter("always")
-
-    def on_train_end(self, trainer, pl_module):
-        self._recording.__exit__(None, None, None)
-        torch.save({"executor": trainer.strategy.executor_in_use,
-                    "warnings": [str(w.message) for w in self._caught]},
-                   self.folder / f"rank{trainer.global_rank}.pt")
 
 
 @pytest.mark.parametrize("bad", ["pickle", "older_schema", "unwritable"])

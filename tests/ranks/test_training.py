@@ -5,7 +5,7 @@ import pytest
 import torch
 from torchmetrics.functional.classification import binary_auroc
 
-from helpers import DumpLocalState, load_dumps, tiny_data, tiny_model, trainer
+from helpers import DumpLocalState, RecordWarnings, load_dumps, tiny_data, tiny_model, trainer
 from lightning_sparselift import SparseLiftStrategy
 
 TABLES = ["t_cat_0", "t_cat_1", "t_cat_2", "t_cat_3", "t_cat_4", "t_cat_5"]
@@ -235,29 +235,17 @@ def test_uneven_user_dataloaders_raise_instead_of_hanging(data_cache):
 def test_barebones_makes_the_strategy_log_nothing(tmp_path, data_cache):
     """Under Trainer(barebones=True) Lightning warns at every self.log; a model that never logs gets no
     such warning from the strategy's own metrics (calibration progress, the round's decisions)."""
-    import warnings
-
     from lightning_sparselift.models import DLRMModule
 
     class Quiet(DLRMModule):
         def training_step(self, batch, batch_idx):
             return self._loss(self(batch), batch)
 
-    class RecordWarnings(L.Callback):  # (the rank process writes what it saw: fork launcher)
-        def on_train_start(self, trainer, pl_module):
-            self._recording = warnings.catch_warnings(record=True)
-            self._caught = self._recording.__enter__()
-            warnings.simplefilter("always")
-
-        def on_train_end(self, trainer, pl_module):
-            self._recording.__exit__(None, None, None)
-            torch.save([str(w.message) for w in self._caught], tmp_path / "warnings.pt")
-
     dm = tiny_data(data_cache, num_train=384)
     model = tiny_model(dm)
     model.__class__ = Quiet
     strategy = SparseLiftStrategy(start_method="fork", optimizations=["aggregation"], calibrate=False)
-    trainer(1, strategy, callbacks=[RecordWarnings()], barebones=True, enable_progress_bar=None,
+    trainer(1, strategy, callbacks=[RecordWarnings(tmp_path)], barebones=True, enable_progress_bar=None,
             enable_model_summary=None, limit_val_batches=0).fit(model, dm)
-    caught = torch.load(tmp_path / "warnings.pt")
+    caught = torch.load(tmp_path / "rank0.pt")["warnings"]
     assert not [w for w in caught if "self.log()" in w], caught

@@ -17,7 +17,7 @@ from lightning_sparselift.passes import select_passes
 from lightning_sparselift.plan import ExecutionPlan, PlanFingerprint, Planner
 from lightning_sparselift.plan.cli import BAD_FILE, DIFFERENT, IDENTICAL, diff, explain, main
 
-from graph_fixtures import EBC, load
+from graph_fixtures import EBC, load, unmeasured_plan
 
 ALL = ["aggregation", "latency_hiding"]
 VERSIONS = {"torch": "2.13.0", "torchrec": "1.8.0"}
@@ -29,15 +29,8 @@ def _fingerprint(identity: SparseGraph, optimizations: list[str]) -> PlanFingerp
 
 
 def _unmeasured(optimizations: list[str], fixture: str = "table_and_column_wise_2ranks") -> ExecutionPlan:
-    """What a run with calibrate=False plans: every feasible candidate applied, in the planner's order."""
     identity = load(fixture)
-    planner = Planner(select_passes(optimizations), None, calibrate=False)
-    plan = ExecutionPlan(_fingerprint(identity, optimizations), identity)
-    feasible, plan.decisions = planner.propose(identity)
-    for candidate in feasible:
-        plan.graph = planner.apply(plan.graph, candidate)
-        plan.decisions.append(planner.decide(candidate, None))
-    return plan
+    return unmeasured_plan(identity, optimizations, _fingerprint(identity, optimizations))
 
 
 def _measured(measured_ms: dict[str, float]) -> ExecutionPlan:
