@@ -1,7 +1,10 @@
-"""Cost: analytical priors that order candidates (:mod:`.priors`) and the measured increments
-that decide them (:mod:`.calibration`)."""
+"""Cost: analytical priors that order candidates (:mod:`.priors`), the clocks and protocols that
+measure them (:mod:`.calibration`), the designs that measure several at once (:mod:`.design`) and
+the rule that decides them (:mod:`.decision`)."""
 
-from lightning_sparselift.cost.calibration import CalibrationProtocol, Calibrator, Measurement, RegionClock
+from lightning_sparselift.cost.calibration import CalibrationProtocol, Measurement, RegionClock
+from lightning_sparselift.cost.design import FactorialDesign
 from lightning_sparselift.cost.priors import AlphaBeta, LookupModel, Priors, measure_priors
 
-__all__ = ["AlphaBeta", "CalibrationProtocol", "Calibrator", "LookupModel", "Measurement", "Priors", "RegionClock", "measure_priors"]
+__all__ = ["AlphaBeta", "CalibrationProtocol", "FactorialDesign", "LookupModel", "Measurement", "Priors", "RegionClock",
+           "measure_priors"]

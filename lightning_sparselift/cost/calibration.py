@@ -1,29 +1,27 @@
 """Measured increments: candidates are decided by F(T1) - F(T0), the change of a measured region
 when the candidate is applied on top of the incumbent plan (the paper's lookahead calibration).
 
-A :class:`Calibrator` runs one candidate's protocol step by step: ``warmup_pairs`` unmeasured
-pairs, then at least ``measured_pairs`` measured pairs (more while the decision rule finds the
-candidate undecided, up to its budget), a pair being one real training step on the incumbent
-(T0) and one with the candidate (T1). A schedule whose effect spans two steps (work for step i+1
-started during step i) needs ``settle_steps``: each observed step is preceded by that many
-unmeasured steps on the same plan, so it sees the plan's steady state. Every rank measures;
-:func:`judge_pairs` makes the decision the same everywhere (see
-:mod:`~lightning_sparselift.cost.decision`).
+Here: the clocks that measure a step's regions (:class:`RegionClock`), how a pass's candidates
+are measured (:class:`CalibrationProtocol`: ``warmup_pairs`` unmeasured blocks, the region, and
+``settle_steps`` for a schedule whose effect spans two steps, e.g. work for step i+1 started
+during step i: each observed step is preceded by that many unmeasured steps on the same plan, so
+it sees the plan's steady state), and paired steps of two plans judged across ranks
+(:class:`PairedSteps`, :func:`judge_pairs`: the steady-state check). Candidates are measured
+several at once by :mod:`~lightning_sparselift.cost.design`; every rank measures, and the
+decision is the same everywhere (see :mod:`~lightning_sparselift.cost.decision`).
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-from lightning_sparselift.cost.decision import (
-    NEGLIGIBLE_FROM_PAIRS, DecisionRule, PairedEstimate, look_points, paired_estimate,
-)
+from lightning_sparselift.cost.decision import DecisionRule, PairedEstimate, paired_estimate
 
 
 class RegionClock:
@@ -140,11 +138,11 @@ class RegionClock:
 
 @dataclass
 class CalibrationProtocol:
-    """How a pass's candidates are measured: the paper's Table 5 budgets (warmup excluded) are the
-    minimum; an undecided candidate gets more measured pairs, up to the session's budget."""
+    """How a pass's candidates are measured (in a
+    :class:`~lightning_sparselift.cost.design.FactorialDesign`, possibly with other passes'): the
+    paper's Table 5 warmup, then as many measured blocks as the decision rule needs."""
 
-    warmup_pairs: int = 1
-    measured_pairs: int = 2
+    warmup_pairs: int = 1  # unmeasured blocks first
     # what F measures: "sparse" (the executor's regions), "step" (the whole step's wall time),
     # "step_cpu" (the whole step on the training thread's CPU clock on CPU, its wall time on CUDA:
     # for candidates whose effect is compute on that thread anywhere in the step, e.g. copies the
@@ -156,17 +154,6 @@ class CalibrationProtocol:
     # change only its compute)
     region: str = "sparse"
     settle_steps: int = 0  # unmeasured steps on the same plan before each observed one
-    # every other pair runs T1 first (T0 T1, T1 T0, ...: the paper's ref -> gen -> gen -> ref), so a
-    # drift across the pairs (e.g. caches warming to a new kernel) cancels instead of biasing
-    mirrored: bool = False
-
-    @property
-    def steps(self) -> int:
-        """Steps of the minimum budget."""
-        return self.steps_for(self.measured_pairs)
-
-    def steps_for(self, measured_pairs: int) -> int:
-        return 2 * (self.warmup_pairs + measured_pairs) * (1 + self.settle_steps)
 
 
 @dataclass
@@ -184,20 +171,17 @@ class PairedSteps:
     plan a steady-state check verifies): ``warmup_pairs`` unmeasured pairs, then measured ones,
     each half a run of ``1 + settle_steps`` steps whose last step is observed."""
 
-    def __init__(self, warmup_pairs: int, settle_steps: int, mirrored: bool = False) -> None:
-        self.warmup_pairs, self.settle_steps, self.mirrored = warmup_pairs, settle_steps, mirrored
+    def __init__(self, warmup_pairs: int, settle_steps: int) -> None:
+        self.warmup_pairs, self.settle_steps = warmup_pairs, settle_steps
         # per step: (runs T1, observed)
         self._schedule: list[tuple[bool, bool]] = []
         self._steps = 0
-        self._pairs_added = 0
         self._observed: list[tuple[bool, float, float]] = []  # (ran T1, F, the step's wall ms)
 
     def add_pairs(self, pairs: int) -> None:
         run = 1 + self.settle_steps
-        for k in range(self._pairs_added, self._pairs_added + pairs):
-            order = (True, False) if self.mirrored and k % 2 else (False, True)
-            self._schedule += [(uses, i == run - 1) for uses in order for i in range(run)]
-        self._pairs_added += pairs
+        for _ in range(pairs):
+            self._schedule += [(uses, i == run - 1) for uses in (False, True) for i in range(run)]
 
     def next_uses_candidate(self) -> Optional[bool]:
         """Whether the next step runs T1 (True) or T0 (False); None once the scheduled steps ran."""
@@ -240,43 +224,6 @@ class PairedSteps:
         return [pair[0][2] for pair in self._measured()]
 
 
-class Calibrator(PairedSteps):
-    """One candidate's pairs; at each of its look points
-    (:func:`~lightning_sparselift.cost.decision.look_points`) the caller takes a :meth:`measurement`
-    and, while it is undecided and the budget allows, :meth:`extend`\\ s it."""
-
-    def __init__(self, protocol: CalibrationProtocol, rule: DecisionRule) -> None:
-        super().__init__(protocol.warmup_pairs, protocol.settle_steps, protocol.mirrored)
-        self.protocol = protocol
-        self.rule = rule
-        self.looks = look_points(protocol.measured_pairs, max(rule.max_pairs, protocol.measured_pairs), rule.confidence)
-        self._look = 0
-        self.add_pairs(protocol.warmup_pairs + self.looks[0])
-
-    @property
-    def can_extend(self) -> bool:
-        return self._look + 1 < len(self.looks)
-
-    def extend(self) -> None:
-        """Schedule the pairs up to the next look point."""
-        self._look += 1
-        self.add_pairs(self.looks[self._look] - self.looks[self._look - 1])
-
-    def measurement(self, group: Any) -> Measurement:
-        """Every rank's pairs (a collective over ``group``), judged on the slowest rank's; a faster
-        one stays undecided before the rule's ``accept_from_pairs`` (while the budget allows more);
-        an undecided candidate is ``negligible`` once it has :data:`NEGLIGIBLE_FROM_PAIRS` pairs and
-        its estimate is not even half the smallest gain accepted."""
-        measurement = judge_pairs(self.pairs(), group, self.rule, len(self.looks), self.incumbent_steps(),
-                                  self.rule.min_gain_for(self.protocol.region))
-        e = measurement.estimate
-        if e.verdict == "faster" and self.looks[self._look] < self.rule.accept_from_pairs and self.can_extend:
-            e = measurement.estimate = replace(e, verdict="undecided")
-        if e.verdict == "undecided" and e.pairs >= NEGLIGIBLE_FROM_PAIRS and e.increment_ms > e.threshold_ms / 2:
-            measurement.estimate = replace(e, verdict="negligible")
-        return measurement
-
-
 def judge_pairs(pairs: list[list[float]], group: Any, rule: DecisionRule, looks: int,
                 incumbent_steps: Optional[list[float]] = None, min_gain: Optional[float] = None) -> Measurement:
     """All ranks' [F(T0), F(T1)] pairs gathered; per pair, each arm's slowest rank; the increment
@@ -285,16 +232,20 @@ def judge_pairs(pairs: list[list[float]], group: Any, rule: DecisionRule, looks:
     ``min_gain``, by default the rule's for whole steps)."""
     steps = incumbent_steps if incumbent_steps is not None else [t0 for t0, _ in pairs]
     local = torch.tensor([[t0, t1, s] for (t0, t1), s in zip(pairs, steps)], dtype=torch.float64).reshape(-1, 3)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        # NCCL exchanges only CUDA tensors
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-        sent = local.to(device) if device is not None else local
-        gathered = [torch.empty_like(sent) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, sent, group=group)
-        gathered = [g.cpu() for g in gathered]
-    else:
-        gathered = [local]
+    gathered = gather_ranks(local, group)
     slowest = torch.stack(gathered).amax(dim=0)
     estimate = paired_estimate(slowest[:, 0].tolist(), slowest[:, 1].tolist(), rule.confidence, looks,
                                rule.min_gain if min_gain is None else min_gain, slowest[:, 2].tolist())
     return Measurement([g[:, :2].tolist() for g in gathered], estimate)
+
+
+def gather_ranks(local: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """Every rank's ``local`` (the same shape everywhere), on the CPU, in rank order."""
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
+        return [local]
+    # NCCL exchanges only CUDA tensors
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    sent = local.to(device) if device is not None else local
+    gathered = [torch.empty_like(sent) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, sent, group=group)
+    return [g.cpu() for g in gathered]

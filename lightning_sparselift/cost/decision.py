@@ -10,8 +10,9 @@ their pairwise averages) and its interval's two ends are one-sided Wilcoxon sign
 (heavy-tailed: ~10% of pairs differ by more than 15 ms on an 80 ms step) they reject a candidate
 without effect far more reliably than a t interval at the same power (replayed on 150 measured
 pairs each of early start, next batch and an A/A trial on dlrm: 0.1-0.4% false acceptances against
-0.5-2%). The error rate is split over the looks a sequential calibration takes (Bonferroni), so
-adding pairs until a candidate is decided does not inflate it. A candidate is faster when its
+0.5-2%). The error rate is split over the looks a sequential calibration takes (Bonferroni, each
+look's share in proportion to its pairs, so the last look, which decides the hard cases, keeps
+most of it), so adding pairs until a candidate is decided does not inflate it. A candidate is faster when its
 upper bound is below minus the smallest gain worth a plan change, slower when its lower bound is
 above zero, else undecided (more pairs, or, once the budget is spent, rejected: do no harm). The
 smallest gain is a fraction of the incumbent's step whatever region measures the candidate (1% of
@@ -29,7 +30,7 @@ would spend steps on a candidate that cannot win).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from statistics import median
 from typing import Literal, Optional
@@ -53,7 +54,7 @@ NEGLIGIBLE_FROM_PAIRS = 48
 # the regions that time only one part's own compute (see CalibrationProtocol.region)
 KERNEL_REGIONS = ("lookup", "lookup_wall", "input")
 
-Verdict = Literal["faster", "slower", "undecided", "negligible"]
+Verdict = Literal["faster", "slower", "undecided", "negligible", "futile"]
 
 
 @dataclass(frozen=True)
@@ -61,15 +62,15 @@ class DecisionRule:
     """How sure a decision must be: the interval's ``confidence`` over the whole sequential
     calibration, and the measured pairs one candidate may use before it is rejected undecided."""
 
-    # at 0.95, 1 of 12 sparse-heavy calibrations (2 commits, 2 loops) accepted early start, whose
-    # effect there is nil (+4.4 to -5.7 ms, mean +0.3): five candidates per calibration give a plan
-    # five chances; at 0.99 injected timings without effect were accepted 0/400 (0.95: 5/400)
-    confidence: float = 0.99
-    # at confidence 0.99, enough for an effect of ~6% of the step (early start on dlrm: -4.5 ms on
-    # 75 ms) to be accepted as often as 192 pairs did at 0.95 (injected timings, 200 seeds: 178 vs
-    # 173 at 10 ms noise, 199-200 at 6 ms); the pairs a candidate uses are far fewer: ~90 for that
-    # one, 80 or more for one without effect (~150 on average on injected timings, 115 before)
-    max_pairs: int = 256
+    # measured together (cost/design.py), many candidates share their steps, so a round's budget is
+    # set by the hardest one. Injected timings (test_decision.py's: 6 ms step noise with heavy
+    # tails; one candidate, 200 seeds): at 0.95 and 128 pairs (119 within the round's 240 steps)
+    # a -4.5 ms effect was accepted 200 times and one without effect 3 times; at 96 pairs 196 and
+    # 5; at 0.99 / 64 pairs 31 of 40 at -4.5 ms. The smallest gain below keeps a candidate without
+    # effect from passing at the nominal rate
+    confidence: float = 0.95
+    # measured blocks (pairs) one design may use before its undecided candidates are rejected
+    max_pairs: int = 128
     # the smallest improvement accepted, as a fraction of the incumbent's step, for candidates
     # measured on the whole step or the sparse regions: on dlrm (10 calibrations each) at 0.005
     # early start (-3.4 to -14 ms) was accepted 10/10 and next batch (~1 ms) 0/10; at 0.002 next
@@ -81,7 +82,11 @@ class DecisionRule:
     # [-0.293, -0.170])
     min_lookup_gain: float = 0.001
     # no candidate is accepted at fewer measured pairs (its first look then only rejects)
-    accept_from_pairs: int = 16
+    accept_from_pairs: int = 12
+    # the calibration steps one planning round may use in all (its designs' budgets shrink to fit;
+    # candidates no design could fit are not calibrated): the demo's 300 steps leave room for the
+    # steady-state check after it
+    max_steps: int = 240
 
     def __post_init__(self) -> None:
         if not 0.5 <= self.confidence < 1:
@@ -92,6 +97,8 @@ class DecisionRule:
                 raise ValueError(f"{name} is a fraction of the incumbent's step in [0, 1), got {getattr(self, name)}")
         if self.accept_from_pairs < 1:
             raise ValueError(f"accept_from_pairs must be >= 1, got {self.accept_from_pairs}")
+        if self.max_steps < 0:
+            raise ValueError(f"the calibration budget must be >= 0 steps, got {self.max_steps}")
 
     def min_gain_for(self, region: str) -> float:
         """The smallest gain accepted for a candidate measured on ``region`` (see
@@ -125,6 +132,7 @@ class PairedEstimate:
     outliers: int  # pairs left out
     verdict: Verdict
     threshold_ms: float = 0.0  # minus the smallest gain accepted (the upper bound must be below it)
+    resolvable_ms: Optional[float] = None  # (futile) the smallest effect the whole budget would resolve
 
 
 @lru_cache(maxsize=None)
@@ -167,26 +175,47 @@ def paired_estimate(t0: list[float], t1: list[float], confidence: float, looks: 
     step's wall time when the observations measure a region of it; default: they are the steps)."""
     if len(t0) != len(t1) or (incumbent_steps is not None and len(incumbent_steps) != len(t0)):
         raise ValueError(f"{len(t0)} incumbent and {len(t1)} candidate observations do not pair up")
-    if not 0 < confidence < 1 or looks < 1:
-        raise ValueError(f"confidence must be in (0, 1) and looks >= 1, got {confidence}, {looks}")
     bad = _outliers(t0, t1) if t0 else []
     steps = incumbent_steps if incumbent_steps is not None else t0
     kept = [(a, b) for (a, b, out) in zip(t0, t1, bad) if not out]
     kept_steps = [s for s, out in zip(steps, bad) if not out]
-    noise = robust_sigma([a for a, _ in kept])
-    if not kept:
-        return PairedEstimate(math.nan, (-math.inf, math.inf), noise, 0, len(bad), "undecided")
-    estimate, low, high = signed_rank_bounds([b - a for a, b in kept], (1 - confidence) / looks)
-    threshold = -min_gain * median(kept_steps)
-    verdict: Verdict = "faster" if high < threshold else "slower" if low > 0 else "undecided"
-    return PairedEstimate(estimate, (low, high), noise, len(kept), len(bad) - len(kept), verdict, threshold)
+    threshold = -min_gain * median(kept_steps) if kept else 0.0
+    if not 0 < confidence < 1 or looks < 1:
+        raise ValueError(f"confidence must be in (0, 1) and looks >= 1, got {confidence}, {looks}")
+    return increment_estimate([b - a for a, b in kept], (1 - confidence) / looks, threshold,
+                              robust_sigma([a for a, _ in kept]), sum(bad))
+
+
+def increment_estimate(diffs: list[float], alpha: float, threshold_ms: float, noise_ms: float,
+                       outliers: int = 0) -> PairedEstimate:
+    """The increment from paired differences (outliers already left out), its bounds at level
+    ``1 - alpha`` each: faster when the upper bound is below ``threshold_ms`` (minus the smallest
+    gain accepted), slower when the lower bound is above zero."""
+    if not diffs:
+        return PairedEstimate(math.nan, (-math.inf, math.inf), noise_ms, 0, outliers, "undecided", threshold_ms)
+    estimate, low, high = signed_rank_bounds(diffs, alpha)
+    verdict: Verdict = "faster" if high < threshold_ms else "slower" if low > 0 else "undecided"
+    return PairedEstimate(estimate, (low, high), noise_ms, len(diffs), outliers, verdict, threshold_ms)
+
+
+def judged(e: PairedEstimate, pairs_at_look: int, rule: DecisionRule, can_extend: bool) -> PairedEstimate:
+    """A sequential calibration's verdict at one look: no acceptance before the rule's
+    ``accept_from_pairs`` (while more pairs can come); an undecided candidate is ``negligible``
+    once its interval lies above the smallest gain (it is surely smaller than worth a change) or,
+    from :data:`NEGLIGIBLE_FROM_PAIRS` pairs on, its estimate is not even half that gain."""
+    if e.verdict == "faster" and pairs_at_look < rule.accept_from_pairs and can_extend:
+        e = replace(e, verdict="undecided")
+    if e.verdict == "undecided" and (e.interval_ms[0] > e.threshold_ms or (
+            e.pairs >= NEGLIGIBLE_FROM_PAIRS and e.increment_ms > e.threshold_ms / 2)):
+        e = replace(e, verdict="negligible")
+    return e
 
 
 def look_points(min_pairs: int, max_pairs: int, confidence: float) -> list[int]:
     """The pair counts at which a sequential calibration decides or goes on: from the fewest
-    pairs that can be bounded at the per-look error rate (or ``min_pairs``, if more), doubling
-    (few looks keep each one's error share large), and the budget. Raises when ``max_pairs``
-    cannot be bounded at ``confidence``."""
+    pairs that can be bounded at the first look's error rate (:func:`look_alphas`; or
+    ``min_pairs``, if more), doubling (few looks keep each one's error share large), and the
+    budget. Raises when ``max_pairs`` cannot be bounded at ``confidence``."""
     first = max(min_pairs, 1)
     while True:
         points = [first]
@@ -194,7 +223,7 @@ def look_points(min_pairs: int, max_pairs: int, confidence: float) -> list[int]:
             points.append(points[-1] * 2)
         if max_pairs > points[-1]:
             points.append(max_pairs)
-        need = bounding_pairs((1 - confidence) / len(points))
+        need = bounding_pairs(look_alphas(points, confidence)[0])
         if first >= need:
             return points
         if need > max_pairs:
@@ -204,3 +233,8 @@ def look_points(min_pairs: int, max_pairs: int, confidence: float) -> list[int]:
                              f"the signed-rank bound needs at least {bounding_pairs(1 - confidence)} pairs at one "
                              f"look, more with several (raise calibration_max_pairs)")
         first = need
+
+
+def look_alphas(points: list[int], confidence: float) -> list[float]:
+    """Each look's share of the error rate ``1 - confidence``: in proportion to its pairs."""
+    return [(1 - confidence) * n / sum(points) for n in points]

@@ -64,7 +64,9 @@ class SparseLiftStrategy(ProcessGroupStrategy):
         calibrate: measure every feasible candidate on real training steps (default); ``False``
             applies every feasible one unmeasured.
         calibration_confidence: the confidence of the signed-rank bounds a candidate is accepted by.
-        calibration_max_pairs: measured pairs an undecided candidate may use before it is rejected.
+        calibration_max_pairs: measured blocks (pairs) one design may use before its undecided
+            candidates are rejected.
+        calibration_max_steps: the calibration steps one planning round may use in all.
         calibration_min_gain: the smallest improvement, as a fraction of the step, a candidate
             measured on whole steps or sparse regions must show.
         calibration_min_lookup_gain: the same for candidates measured on lookups or the input side.
@@ -106,6 +108,7 @@ class SparseLiftStrategy(ProcessGroupStrategy):
         calibrate: bool = True,
         calibration_confidence: float = DecisionRule.confidence,
         calibration_max_pairs: int = DecisionRule.max_pairs,
+        calibration_max_steps: int = DecisionRule.max_steps,
         calibration_min_gain: float = DecisionRule.min_gain,
         calibration_min_lookup_gain: float = DecisionRule.min_lookup_gain,
         workspace_budget_mb: Optional[float] = None,
@@ -150,7 +153,7 @@ class SparseLiftStrategy(ProcessGroupStrategy):
         self.executor = executor
         # what the compiler session runs with (validated here, once)
         self.session_options = SessionOptions.from_arguments(
-            optimizations, calibration_confidence, calibration_max_pairs, calibration_min_gain,
+            optimizations, calibration_confidence, calibration_max_pairs, calibration_max_steps, calibration_min_gain,
             calibration_min_lookup_gain, workspace_budget_mb, plan_path, capture_steps=int(capture_steps),
             calibrate=bool(calibrate), reuse_buffers=bool(reuse_buffers), numerics=numerics,
             verify_steps=int(verify_steps), replan_on_drift=bool(replan_on_drift), drift_ratio=float(drift_ratio),

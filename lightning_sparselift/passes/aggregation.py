@@ -45,7 +45,7 @@ _ROLES = {"input": ("input_splits", "input_lengths", "input_values", "input_weig
 class CommunicationAggregation(OptimizationPass):
     name = "aggregation"
     roles = ("input", "output")
-    protocol = CalibrationProtocol(warmup_pairs=1, measured_pairs=2, region="sparse")
+    protocol = CalibrationProtocol(warmup_pairs=1, region="sparse")
 
     def check(self, graph: SparseGraph, module: LiftedModule, role: str) -> tuple[list[str], dict[str, float]]:
         s = module.schedule

@@ -60,7 +60,7 @@ from lightning_sparselift.passes.base import Candidate, OptimizationPass
 class CodeGeneration(OptimizationPass):
     name = "codegen"
     roles = ("lookup", "output", "input")
-    protocol = CalibrationProtocol(warmup_pairs=1, measured_pairs=2, region="lookup", settle_steps=0, mirrored=True)
+    protocol = CalibrationProtocol(warmup_pairs=1, region="lookup", settle_steps=0)
     uses_generated_kernels = True
 
     def protocol_for(self, role: str) -> CalibrationProtocol:

@@ -57,7 +57,7 @@ _HIDDEN_ROLES = {"early_start": ("output_pooled", "grad_pooled", "output_sequenc
 class LatencyHiding(OptimizationPass):
     name = "latency_hiding"
     roles = ("early_start", "next_batch")
-    protocol = CalibrationProtocol(warmup_pairs=1, measured_pairs=2, region="step", settle_steps=1)
+    protocol = CalibrationProtocol(warmup_pairs=1, region="step", settle_steps=1)
 
     def protocol_for(self, role: str) -> CalibrationProtocol:
         # an early start acts within its step: every step can be observed, no settle step needed

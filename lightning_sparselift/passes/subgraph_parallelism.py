@@ -180,8 +180,7 @@ def _exchange_bytes(graph: SparseGraph, module: LiftedModule, group: ShardingGro
 class SubgraphParallelism(OptimizationPass):
     name = "subgraph_parallelism"
     roles = tuple(_role(f, g) for f in (CONCURRENT, PIPELINED) for g in BUCKET_COUNTS)
-    protocol = CalibrationProtocol(warmup_pairs=1, measured_pairs=2, region="lookup_wall", settle_steps=0,
-                                   mirrored=True)
+    protocol = CalibrationProtocol(warmup_pairs=1, region="lookup_wall", settle_steps=0)
     uses_generated_kernels = True
     runs_after = ("codegen",)
 
@@ -189,7 +188,7 @@ class SubgraphParallelism(OptimizationPass):
         # pipelining hides exchanges behind compute: only the whole step's wall time sees it (its
         # waits are idle time), within the step
         if _family(role) == PIPELINED:
-            return CalibrationProtocol(warmup_pairs=1, measured_pairs=2, region="step", settle_steps=0)
+            return CalibrationProtocol(warmup_pairs=1, region="step", settle_steps=0)
         return self.protocol
 
     def candidates(self, graph: SparseGraph) -> list[Candidate]:

@@ -23,11 +23,13 @@ graphs; the loop never touches the runtime::
 from __future__ import annotations
 
 import time
+import zlib
 from statistics import median
 from typing import TYPE_CHECKING, Any, Optional
 
-from lightning_sparselift.cost.calibration import Calibrator, Measurement
-from lightning_sparselift.cost.decision import DecisionRule
+from lightning_sparselift.cost.calibration import CalibrationProtocol, Measurement
+from lightning_sparselift.cost.decision import DecisionRule, bounding_pairs
+from lightning_sparselift.cost.design import MAX_FACTORS, Factor, FactorialDesign, fewest_steps
 from lightning_sparselift.cost.priors import Priors
 from lightning_sparselift.passes import Candidate, InfeasibleCandidate, OptimizationPass
 from lightning_sparselift.plan.types import Decision, ExecutionPlan, PlanFileError, PlanFingerprint
@@ -44,8 +46,9 @@ class Planner:
         self.calibrate = calibrate
         self.rule = rule
 
-    def calibrator(self, candidate: Candidate) -> Calibrator:
-        return Calibrator(self.passes[candidate.pass_name].protocol_for(candidate.role), self.rule)
+    def protocol(self, candidate: Candidate) -> CalibrationProtocol:
+        """How ``candidate`` is measured (its pass's protocol for its role)."""
+        return self.passes[candidate.pass_name].protocol_for(candidate.role)
 
     def propose(self, graph: SparseGraph) -> tuple[list[Candidate], list[Decision]]:
         """Feasible candidates in the order to try them (a pass after the passes it runs after;
@@ -63,7 +66,7 @@ class Planner:
                     rejected.append(Decision(candidate.id, p.name, candidate.module, candidate.role, False,
                                              candidate.reasons, None, None, None, False,
                                              "infeasible: " + "; ".join(candidate.reasons)))
-        feasible.sort(key=lambda c: (self._stage(c.pass_name),
+        feasible.sort(key=lambda c: (self.stage(c.pass_name),
                                      self.predict_ms(c) if self.predict_ms(c) is not None else 0.0))
         for c in feasible:
             if c.follows not in selected:  # (a rung selected without the one before it stands alone)
@@ -96,10 +99,10 @@ class Planner:
                 place(c)
         return ordered, rejected
 
-    def _stage(self, name: str) -> int:
+    def stage(self, name: str) -> int:
         """0 for a pass that runs after no selected pass, else one more than those it runs after."""
         after = [a for a in self.passes[name].runs_after if a in self.passes]
-        return 1 + max(self._stage(a) for a in after) if after else 0
+        return 1 + max(self.stage(a) for a in after) if after else 0
 
     def predict_ms(self, candidate: Candidate) -> Optional[float]:
         if self.priors is None:
@@ -114,22 +117,40 @@ class Planner:
             return Decision(candidate.id, candidate.pass_name, candidate.module, candidate.role, True, [], predicted,
                             None, None, True, "accepted without calibration (calibrate=False)")
         e = measurement.estimate
-        low, high = e.interval_ms
-        evidence = (f"{e.increment_ms:+.3f} ms, {self.rule.confidence:.0%} bounds [{low:+.3f}, {high:+.3f}] over "
-                    f"{e.pairs} pairs (noise {e.noise_ms:.3f} ms" + (f", {e.outliers} outlier pair(s) left out)"
-                                                                    if e.outliers else ")"))
+        evidence = self._evidence(measurement)
+        short = (f"its interval lies above the smallest gain accepted ({e.threshold_ms:+.3f} ms)"
+                 if e.interval_ms[0] > e.threshold_ms else
+                 f"the estimate is not half the smallest gain accepted ({e.threshold_ms:+.3f} ms), so more pairs "
+                 f"would not make it win")
         reason = {"faster": f"faster: {evidence}", "slower": f"slower: {evidence}",
-                  "negligible": f"negligible: {evidence}; the estimate is not half the smallest gain accepted "
-                                f"({e.threshold_ms:+.3f} ms), so more pairs would not make it win; rejected",
+                  "negligible": f"negligible: {evidence}; {short}; rejected",
+                  "futile": f"futile: {evidence}; neither it nor the prediction ({predicted:+.3f} ms) reaches "
+                            f"{e.resolvable_ms:+.3f} ms, the smallest effect the design's budget would resolve; "
+                            f"rejected" if e.resolvable_ms is not None and predicted is not None else "",
                   "undecided": f"undecided after the pair budget: {evidence}; rejected (do no harm)"}[e.verdict]
-        return Decision(candidate.id, candidate.pass_name, candidate.module, candidate.role, True, [], predicted,
-                        measurement.observations_ms, e.increment_ms, e.verdict == "faster", reason,
-                        [low, high], self.rule.confidence, e.noise_ms, e.pairs, e.outliers)
+        return self._measured(candidate, measurement, e.verdict == "faster", reason)
 
-    def undecided(self, candidate: Candidate, why: str) -> Decision:
-        """The decision for a feasible candidate the loop stopped before calibrating: not accepted."""
+    def undecided(self, candidate: Candidate, why: str, measured: Optional[Measurement] = None) -> Decision:
+        """The decision for a feasible candidate the loop stopped before deciding: not accepted,
+        with what was ``measured`` of it so far, if anything."""
+        if measured is not None:
+            return self._measured(candidate, measured, False,
+                                  f"not calibrated: {why}; measured so far: {self._evidence(measured)}")
         return Decision(candidate.id, candidate.pass_name, candidate.module, candidate.role, True, [],
                         self.predict_ms(candidate), None, None, False, f"not calibrated: {why}")
+
+    def _evidence(self, measurement: Measurement) -> str:
+        e = measurement.estimate
+        low, high = e.interval_ms
+        return (f"{e.increment_ms:+.3f} ms, {self.rule.confidence:.0%} bounds [{low:+.3f}, {high:+.3f}] over "
+                f"{e.pairs} pairs (noise {e.noise_ms:.3f} ms" + (f", {e.outliers} outlier pair(s) left out)"
+                                                                if e.outliers else ")"))
+
+    def _measured(self, candidate: Candidate, measurement: Measurement, accepted: bool, reason: str) -> Decision:
+        e = measurement.estimate
+        return Decision(candidate.id, candidate.pass_name, candidate.module, candidate.role, True, [],
+                        self.predict_ms(candidate), measurement.observations_ms, e.increment_ms, accepted, reason,
+                        list(e.interval_ms), self.rule.confidence, e.noise_ms, e.pairs, e.outliers)
 
     def apply(self, graph: SparseGraph, candidate: Candidate) -> SparseGraph:
         return self.passes[candidate.pass_name].apply(graph, candidate)
@@ -167,9 +188,13 @@ def _difference(theirs: SparseGraph, ours: SparseGraph) -> str:
 
 class PlanningLoop:
     """One planning round from ``identity`` (the lifted graph before any pass): propose, then
-    calibrate every feasible candidate on real training steps, one after the other, each on top
-    of the incumbent (the identity graph with the candidates accepted so far). Every rank runs
-    the same loop on the same steps; the measurements are reduced across ``group``, so every
+    calibrate the feasible candidates on real training steps, several at once: the candidates at
+    the head of the queue that can be measured together (the same stage and settle steps, not a
+    sweep's later rung, every combination of them feasible; at most
+    :data:`~lightning_sparselift.cost.design.MAX_FACTORS`) are the factors of one
+    :class:`~lightning_sparselift.cost.design.FactorialDesign` on top of the incumbent (the
+    identity graph with the candidates accepted so far). Every rank runs the same loop on the same
+    steps with the same seeded design; the measurements are reduced across ``group``, so every
     decision is the same everywhere."""
 
     def __init__(self, planner: Planner, fingerprint: PlanFingerprint, identity: SparseGraph, group: Any,
@@ -179,11 +204,13 @@ class PlanningLoop:
         priors = planner.priors.to_dict() if planner.priors is not None else None
         self.plan = ExecutionPlan(fingerprint, identity, priors=priors)  # its graph is the incumbent once done
         self.incumbent = identity
-        self.trial: Optional[SparseGraph] = None  # the incumbent with the candidate being calibrated
         self.events = events if events is not None else []  # what happened, for the caller to report
         self.done = False
-        self._queue: list[Candidate] = []  # feasible candidates still to calibrate, the first one in calibration
-        self._calibrator: Optional[Calibrator] = None
+        self._queue: list[Candidate] = []  # feasible candidates not decided yet, the design's among them
+        self._round: list[Candidate] = []  # the factors of the design in progress
+        self._design: Optional[FactorialDesign] = None
+        self._graphs: dict[tuple[bool, ...], SparseGraph] = {}  # per assignment of the design's factors
+        self._measured: dict[str, Measurement] = {}  # per factor of the design: its last look's measurement
         self._calibration_start = 0.0
         self._ran: list[tuple[SparseGraph, float]] = []  # per calibration step: the graph it ran, its wall ms
         self._accepted: dict[str, bool] = {}  # per candidate decided or passed over: whether it was accepted
@@ -210,76 +237,145 @@ class PlanningLoop:
         self._queue = feasible
         self.plan.planning_s += time.perf_counter() - start
         self._calibration_start = time.perf_counter()
-        self._next_candidate()
+        self._next_round()
+
+    @property
+    def trials(self) -> list[Candidate]:
+        """The candidates the design in progress varies."""
+        return list(self._round)
 
     def next_graph(self) -> SparseGraph:
-        """The graph the next training step runs (T1: the trial, or T0: the incumbent)."""
-        return self.trial if self._calibrator.next_uses_candidate() else self.incumbent
+        """The graph the next training step runs: the incumbent with the factors the design applies
+        in that step."""
+        return self._graphs[self._design.next_assignment()]
 
     def feedback(self, step_ms: float, sparse_ms: float, lookup_ms: Optional[float] = None,
                  lookup_wall_ms: Optional[float] = None, step_cpu_ms: Optional[float] = None,
                  input_ms: Optional[float] = None) -> None:
         """The measurement of the step that ran :meth:`next_graph`: its whole wall time, the
         executor's measured regions, its lookup regions (on the lookup clock, and in wall time),
-        the whole step on the training thread's clock and the input side on the lookup clock (the
-        candidate's protocol says which one counts). Decides the candidate once its protocol is
-        done (a collective over ``group``)."""
-        calibrator = self._calibrator
-        self._ran.append((self.trial if calibrator.next_uses_candidate() else self.incumbent, step_ms))
-        measured = {"step": step_ms, "sparse": sparse_ms, "lookup": lookup_ms, "lookup_wall": lookup_wall_ms,
-                    "step_cpu": step_cpu_ms, "input": input_ms}[calibrator.protocol.region]
-        if measured is None:
-            raise ValueError(f"{calibrator.protocol.region!r} calibration needs that region's time, which this step "
-                             f"did not report")
-        calibrator.record(measured, step_ms)
+        the whole step on the training thread's clock and the input side on the lookup clock (each
+        factor's protocol says which one counts). At each of the design's looks (a collective over
+        ``group``) decides the factors whose verdict is in."""
+        design = self._design
+        self._ran.append((self.next_graph(), step_ms))
+        design.record({"step": step_ms, "sparse": sparse_ms, "lookup": lookup_ms, "lookup_wall": lookup_wall_ms,
+                       "step_cpu": step_cpu_ms, "input": input_ms})
         self.plan.calibration_steps += 1
-        if not calibrator.done:
+        if not design.done:
             return
-        measurement = calibrator.measurement(self.group)
-        if measurement.estimate.verdict == "undecided" and calibrator.can_extend:
-            calibrator.extend()  # every rank judged the same pairs: every rank extends
-            return
-        self._decide(measurement)
+        for j, measurement in enumerate(design.look(self.group)):
+            if measurement is None:
+                continue
+            self._measured[self._round[j].id] = measurement
+            if measurement.estimate.verdict != "undecided" or not design.can_extend:
+                self._decide(j, measurement)
+        if all(f.fixed is not None for f in design.factors):
+            self._end_round()
+        else:
+            design.extend()  # every rank judged the same observations: every rank extends
 
     @property
     def progress(self) -> Optional[tuple[int, int]]:
-        """(steps calibrated, steps planned) while calibrating."""
+        """(steps calibrated, steps planned) while calibrating: the design's scheduled steps and the
+        fewest of each design still to come."""
         if self.done:
             return None
-        remaining = sum(self.planner.calibrator(c).planned for c in self._queue[1:]) \
-            + self._calibrator.planned - self._calibrator.recorded
+        remaining = self._design.planned - self._design.recorded + sum(self._heads(self._round).values())
         return self.plan.calibration_steps, self.plan.calibration_steps + remaining
 
+    def _heads(self, members: list[Candidate]) -> dict[str, int]:
+        """The queued candidates (but ``members``) that will start a design of their own, with that
+        design's fewest steps (:func:`~lightning_sparselift.cost.design.fewest_steps`)."""
+        heads: dict[str, int] = {}
+        starters: list[Candidate] = []
+        for c in self._queue:
+            if c not in members and not any(self._joins(h, c) for h in starters):
+                starters.append(c)
+                protocol = self.planner.protocol(c)
+                heads[c.id] = fewest_steps(self.planner.rule, protocol.warmup_pairs, protocol.settle_steps)
+        return heads
+
     def abandon(self, why: str) -> None:
-        """Stop before every candidate is decided: the incumbent is the plan, the candidates left
-        are recorded as not calibrated (``why``)."""
-        self.plan.decisions.extend(self.planner.undecided(c, why) for c in self._queue)
-        self._queue, self._calibrator, self.trial = [], None, None
+        """Stop before every candidate is decided: the incumbent with the factors accepted so far is
+        the plan, the candidates left are recorded as not calibrated (``why``), with what was
+        measured of them so far."""
+        if self._design is not None:
+            self.incumbent = self._graphs[tuple(f.fixed is True for f in self._design.factors)]
+            left = [c for c, f in zip(self._round, self._design.factors) if f.fixed is None]
+            self._queue = left + [c for c in self._queue if c not in self._round]
+        self.plan.decisions.extend(self.planner.undecided(c, why, self._measured.get(c.id)) for c in self._queue)
+        self._queue, self._round, self._design, self._graphs = [], [], None, {}
         self.plan.graph = self.incumbent
         self.done = True
 
-    def _next_candidate(self) -> None:
+    def _joins(self, head: Candidate, c: Candidate) -> bool:
+        """Whether ``c`` can be a factor of the design that ``head`` starts."""
+        return (c is not head and head.follows is None and c.follows is None
+                and self.planner.stage(head.pass_name) == self.planner.stage(c.pass_name)
+                and self.planner.protocol(head).settle_steps == self.planner.protocol(c).settle_steps)
+
+    def _next_round(self) -> None:
+        """Start the next design: the queue's first candidate, and those after it that can join it
+        in every combination."""
         while self._queue and self._passed_over(self._queue[0]):
             self._queue.pop(0)
+        while self._queue and self._apply(self._queue[0]) is None:
+            self._queue.pop(0)  # (infeasible on the incumbent: recorded)
+            while self._queue and self._passed_over(self._queue[0]):
+                self._queue.pop(0)
         if not self._queue:
             self._finish()
             return
-        candidate = self._queue[0]
-        protocol = self.planner.passes[candidate.pass_name].protocol_for(candidate.role)
-        self.trial = self._apply(candidate)
-        if self.trial is None:
-            self._queue.pop(0)
-            self._next_candidate()
+        head = self._queue[0]
+        members, graphs = [head], {(False,): self.incumbent, (True,): self._apply(head)}
+        for c in self._queue[1:]:
+            if len(members) == MAX_FACTORS:
+                break
+            if self._joins(head, c) and not self._passed_over(c, record=False):
+                combined = self._combine(graphs, c)
+                if combined is not None:
+                    members.append(c)
+                    graphs = combined
+        protocol = self.planner.protocol(head)
+        rule = self.planner.rule
+        left = rule.max_steps - self.plan.calibration_steps - sum(self._heads(members).values())
+        blocks = min(rule.max_pairs, left // (2 * (1 + protocol.settle_steps)) - protocol.warmup_pairs)
+        if blocks < bounding_pairs(1 - rule.confidence):
+            why = f"the calibration budget ({rule.max_steps} steps, calibration_max_steps) is spent"
+            self.plan.decisions.extend(self.planner.undecided(c, why) for c in self._queue)
+            self._queue = []
+            self._finish()
             return
-        self._calibrator = self.planner.calibrator(candidate)
-        predicted = self.planner.predict_ms(candidate)
-        steps = f"{self._calibrator.planned} steps, up to {protocol.steps_for(self._calibrator.looks[-1])}"
-        self.events.append(f"calibrating {candidate.id} ({steps}; predicted {predicted:+.3f} ms)"
-                           if predicted is not None else f"calibrating {candidate.id} ({steps})")
+        self._round, self._graphs, self._measured = members, graphs, {}
+        self._design = FactorialDesign([Factor(self.planner.protocol(c).region,
+                                               rule.min_gain_for(self.planner.protocol(c).region),
+                                               self.planner.predict_ms(c)) for c in members],
+                                       rule, zlib.crc32(",".join(c.id for c in members).encode()),
+                                       protocol.warmup_pairs, protocol.settle_steps, blocks)
+        steps = f"{self._design.planned} steps, up to {self._design.budget_steps}"
+        for c in members:
+            predicted = self.planner.predict_ms(c)
+            together = f"; with {len(members) - 1} other candidate(s) in the same steps" if len(members) > 1 else ""
+            self.events.append(f"calibrating {c.id} ({steps}"
+                               + (f"; predicted {predicted:+.3f} ms" if predicted is not None else "") + together + ")")
 
-    def _passed_over(self, candidate: Candidate) -> bool:
-        """Whether a sweep's rung is not tried (recorded as such): the rung it follows was not
-        accepted, or the sweep improved in the other direction."""
+    def _combine(self, graphs: dict[tuple[bool, ...], SparseGraph],
+                 candidate: Candidate) -> Optional[dict[tuple[bool, ...], SparseGraph]]:
+        """Every combination of the design's factors, with and without ``candidate``; None when one
+        of them is infeasible."""
+        out = {}
+        for key, graph in graphs.items():
+            try:
+                out[key + (True,)] = self.planner.apply(graph, candidate)
+            except InfeasibleCandidate:
+                return None
+            out[key + (False,)] = graph
+        return out
+
+    def _passed_over(self, candidate: Candidate, record: bool = True) -> bool:
+        """Whether a sweep's rung is not tried (recorded as such unless ``record`` is False): the
+        rung it follows was not accepted, or the sweep improved in the other direction."""
         why = None
         if candidate.follows is not None and candidate.when == "accepted" and not self._accepted.get(candidate.follows):
             why = f"the sweep stopped: {candidate.follows} was not accepted"
@@ -287,8 +383,9 @@ class PlanningLoop:
             why = f"the sweep went the other way: {candidate.unless} was accepted"
         if why is None:
             return False
-        self._accepted[candidate.id] = False
-        self.plan.decisions.append(self.planner.undecided(candidate, why))
+        if record:
+            self._accepted[candidate.id] = False
+            self.plan.decisions.append(self.planner.undecided(candidate, why))
         return True
 
     def _apply(self, candidate: Candidate) -> Optional[SparseGraph]:
@@ -303,16 +400,44 @@ class PlanningLoop:
                                                 False, f"infeasible after the candidates accepted before it: {error}"))
             return None
 
-    def _decide(self, measurement: Measurement) -> None:
-        candidate = self._queue.pop(0)
+    def _decide(self, j: int, measurement: Measurement) -> None:
+        """The design's factor ``j`` is decided: recorded, and fixed for the blocks that follow."""
+        candidate = self._round[j]
         decision = self.planner.decide(candidate, measurement)
         self.plan.decisions.append(decision)
         self._accepted[candidate.id] = decision.accepted
-        if decision.accepted:
-            self.incumbent = self.trial
+        self._design.fix(j, decision.accepted)
+        self._queue.remove(candidate)
         self.events.append(f"{candidate.id}: {'accepted' if decision.accepted else 'rejected'}, {decision.reason}")
-        self._calibrator, self.trial = None, None
-        self._next_candidate()
+
+    def _end_round(self) -> None:
+        """Every factor is decided: two accepted ones whose interaction surely takes back the
+        smaller one's gain keep only the larger; the incumbent takes the accepted ones."""
+        design, decisions = self._design, {d.candidate: d for d in self.plan.decisions}
+        accepted = [j for j, f in enumerate(design.factors) if f.fixed]
+        for j in accepted:
+            for k in accepted:
+                if k <= j or not (design.factors[j].fixed and design.factors[k].fixed):
+                    continue
+                both = design.interaction(j, k)
+                gains = {i: -decisions[self._round[i].id].measured_ms for i in (j, k)}
+                if both is None or not (both.interval_ms[0] > 0 and both.ms > min(gains.values())):
+                    continue
+                smaller = min(gains, key=gains.get)
+                other = self._round[k if smaller == j else j]
+                decision = decisions[self._round[smaller].id]
+                decision.accepted = False
+                decision.reason += (f"; but with {other.id} the step gains {both.ms:+.3f} ms back "
+                                    f"({self.planner.rule.confidence:.0%} bounds [{both.interval_ms[0]:+.3f}, "
+                                    f"{both.interval_ms[1]:+.3f}] over {both.blocks} blocks), more than this one "
+                                    f"gains alone: rejected")
+                self._accepted[self._round[smaller].id] = False
+                design.factors[smaller].fixed = False
+                self.events.append(f"{self._round[smaller].id}: rejected, it interacts with {other.id} "
+                                   f"({both.ms:+.3f} ms together)")
+        self.incumbent = self._graphs[tuple(bool(f.fixed) for f in design.factors)]
+        self._round, self._design, self._graphs, self._measured = [], None, {}, {}
+        self._next_round()
 
     def _finish(self) -> None:
         plan = self.plan

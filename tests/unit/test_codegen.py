@@ -309,23 +309,6 @@ def test_codegen_applies_on_one_rank_without_exchanges():
     assert "lookup=generated" in applied.explain()
 
 
-def test_codegen_is_calibrated_ref_gen_gen_ref_over_whole_steps():
-    from lightning_sparselift.cost.calibration import PairedSteps
-
-    protocol = CodeGeneration().protocol
-    assert (protocol.region, protocol.warmup_pairs, protocol.mirrored) == ("lookup", 1, True)
-    steps = PairedSteps(protocol.warmup_pairs, protocol.settle_steps, protocol.mirrored)
-    steps.add_pairs(3)
-    order = []
-    while not steps.done:
-        uses = steps.next_uses_candidate()
-        order.append("gen" if uses else "ref")
-        steps.record(20.0 if uses else 30.0 + len(order))  # the reference drifts slower step by step
-    # one warmup per implementation, then gen ref | ref gen: each pair is still [T0, T1]
-    assert order == ["ref", "gen", "gen", "ref", "ref", "gen"]
-    assert steps.pairs() == [[34.0, 20.0], [35.0, 20.0]]
-
-
 @pytest.mark.parametrize("rows", [False, True])
 def test_the_lookup_region_counts_the_lookup_call_and_its_backward_node_only(rows):
     """(``rows``: an EmbeddingCollection's lookup, whose output is a view of its kernels' flat

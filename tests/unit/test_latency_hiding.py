@@ -1,5 +1,5 @@
-"""The next-batch schedule's moving parts in one process: the settle steps of its calibration, the
-training loader read one batch ahead, capture's check that the announced batch is what the model
+"""The next-batch schedule's moving parts in one process (its calibration's settle steps:
+test_design.py): the training loader read one batch ahead, capture's check that the announced batch is what the model
 gets, the optimizations' names. Through the strategy: tests/ranks/test_next_batch_fit.py."""
 
 from __future__ import annotations
@@ -11,37 +11,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_sparselift import SparseLiftStrategy
 from lightning_sparselift.frontend.capture import SparseCapture
-from lightning_sparselift.cost.calibration import CalibrationProtocol, Calibrator
-from lightning_sparselift.cost.decision import DecisionRule
 from lightning_sparselift.frontend.lift import _next_batch_source
 from lightning_sparselift.lightning.lookahead import LookaheadLoader
-
-
-def test_calibration_observes_the_step_after_each_settle_step_and_extends_to_the_next_look():
-    calibrator = Calibrator(CalibrationProtocol(warmup_pairs=1, measured_pairs=2, settle_steps=1),
-                            DecisionRule(confidence=0.95, max_pairs=12))
-    # the signed-rank bounds need 6 pairs at an error rate of 0.05 / 2 looks; then the budget
-    assert calibrator.looks == [7, 12]
-    plans, f = [], 0.0
-
-    def run() -> None:
-        nonlocal f
-        while not calibrator.done:
-            uses = calibrator.next_uses_candidate()
-            plans.append(uses)
-            f += 1.0
-            calibrator.record(f * (10.0 if uses else 1.0))  # distinct values show which steps were kept
-
-    run()
-    assert calibrator.protocol.steps_for(7) == len(plans) == calibrator.planned == 32
-    assert plans == [False, False, True, True] * 8
-    assert calibrator.next_uses_candidate() is None and calibrator.can_extend
-    # observed: steps 2, 4 (warmup pair), then 6 / 8, 10 / 12, ...: [T0, T1] of each measured pair
-    assert calibrator.pairs() == [[6.0 + 4 * k, 80.0 + 40 * k] for k in range(7)]
-    calibrator.extend()
-    run()
-    assert len(plans) == 52 and not calibrator.can_extend
-    assert calibrator.pairs()[7:] == [[34.0 + 4 * k, 360.0 + 40 * k] for k in range(5)]
 
 
 def test_lookahead_loader_yields_the_same_batches_and_knows_the_next():

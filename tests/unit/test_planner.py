@@ -4,6 +4,7 @@ then per step the graph to run and its measurement, until every candidate is dec
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -17,10 +18,10 @@ from lightning_sparselift.plan import Decision, ExecutionPlan, PlanFileError, Pl
 from graph_fixtures import COMPUTED_INPUT, EBC, ITEM, NOT_IN_BATCH, NOTHING_TO_MERGE, USER, load
 
 ALL = ["aggregation", "latency_hiding"]
-# the loop's step counts below are written for this rule's looks (8, 16, 32, 64, 128, 192 pairs); the
-# default rule's are test_decision's
+# the loop's step counts below are written for this rule (its round budget of 240 steps gives the first
+# design 12 measured blocks at its first look); the default rule's are test_decision's
 RULE = DecisionRule(confidence=0.95, max_pairs=192)
-FAST = "faster: -2.000 ms, 95% bounds [-2.000, -2.000] over 16 pairs (noise 0.000 ms)"
+FAST = "faster: -2.000 ms, 95% bounds [-2.000, -2.000] over 12 pairs (noise 0.000 ms)"
 
 
 def _identity() -> SparseGraph:
@@ -36,43 +37,46 @@ def _loop(optimizations: list[str], calibrate: bool = True) -> PlanningLoop:
 
 
 def _run(loop: PlanningLoop, step_ms) -> int:
-    """Feed the loop until it is done; ``step_ms(graph, trial)`` is a step's measured time."""
+    """Feed the loop until it is done; ``step_ms(graph, applied)`` is a step's measured time
+    (``applied``: how many of the design's candidates the step runs)."""
     steps = 0
     while not loop.done:
         graph = loop.next_graph()
-        ms = step_ms(graph, graph is loop.trial)
+        ms = step_ms(graph, len(graph.provenance) - len(loop.incumbent.provenance))
         loop.feedback(ms, ms)
         steps += 1
     return steps
 
 
-def test_every_candidate_is_calibrated_on_top_of_the_incumbent_and_kept_when_faster():
+def test_candidates_are_calibrated_together_on_top_of_the_incumbent_and_kept_when_faster():
     loop = _loop(ALL)
-    # the first look: 1 warmup + 8 measured pairs (the fewest the signed-rank bounds exist for at
-    # 0.05 / 6 looks); aggregation and early start T0 T1, next batch settled (T0 T0 T1 T1)
-    assert loop.progress == (0, 18 + 18 + 18 + 36)
+    # the first look: 1 warmup + 12 measured blocks of the design of aggregation's two candidates
+    # and early start (2 steps each), then the fewest steps of next batch's own design (settled:
+    # 4 steps per block, 1 warmup + 5 blocks)
+    assert loop.progress == (0, 26 + 24)
+    assert [c.role for c in loop.trials] == ["input", "output", "early_start"]  # (no priors: the passes' order)
     seen = []
 
-    def step_ms(graph: SparseGraph, trial: bool) -> float:
+    def step_ms(graph: SparseGraph, applied: int) -> float:
         seen.append(len(graph.provenance))
-        return 5.0 if trial else 10.0
+        return 10.0 - 5.0 * applied  # each candidate 5 ms faster
 
-    # noiseless: faster at the first look, but accepted only at the second (16 pairs)
-    assert _run(loop, step_ms) == 170 == loop.plan.calibration_steps
-    # half the steps ran a 10 ms incumbent, 5 ms longer than the plan installed (the last trial)
-    assert loop.plan.calibration_excess_s == pytest.approx(85 * 5.0 / 1e3)
+    # noiseless: the three decided at the first look; next batch accepted at its second (its first
+    # look, 11 blocks, comes before any candidate may be accepted: 12)
+    assert _run(loop, step_ms) == 26 + 92 == loop.plan.calibration_steps
     assert loop.progress is None
-    assert [(d.accepted, d.measured_ms) for d in loop.plan.decisions] == [(True, -5.0)] * 4
-    # each candidate's T0 steps run the incumbent, which holds every candidate accepted before it
+    assert [(d.accepted, d.measured_ms) for d in loop.plan.decisions] == [(True, pytest.approx(-5.0))] * 4
+    # the design ran every combination of its three; next batch's ran on top of all three
     assert sorted(set(seen)) == [0, 1, 2, 3, 4]
-    assert [p.split(":")[0] for p in loop.plan.graph.provenance] == ["aggregation", "aggregation",
-                                                                      "latency_hiding", "latency_hiding"]
-    assert loop.events[0].startswith("calibrating aggregation:input@")
+    assert sorted(p.split(":")[0] for p in loop.plan.graph.provenance) == ["aggregation", "aggregation",
+                                                                            "latency_hiding", "latency_hiding"]
+    assert loop.events[0].startswith("calibrating aggregation:input@") and "with 2 other candidate(s) in " \
+        "the same steps" in loop.events[0]
 
 
 def test_a_slower_candidate_is_rejected_and_the_incumbent_stays():
     loop = _loop(["aggregation"])
-    _run(loop, lambda graph, trial: 12.0 if trial else 10.0)
+    _run(loop, lambda graph, applied: 10.0 + 2.0 * applied)
     assert [d.accepted for d in loop.plan.decisions] == [False, False]
     assert loop.plan.graph.fingerprint() == _identity().fingerprint()
     assert loop.plan.decisions[0].reason.startswith("slower: +2.000 ms")
@@ -84,16 +88,31 @@ def test_without_calibration_every_feasible_candidate_is_applied_at_once():
     assert [d.accepted for d in loop.plan.decisions] == [True] * 4 and len(loop.plan.graph.provenance) == 4
 
 
-def test_an_abandoned_loop_keeps_its_incumbent_and_records_the_candidates_left():
-    loop = _loop(["aggregation"])
-    for _ in range(34):  # the first candidate's steps up to its second look: decided (accepted)
-        graph = loop.next_graph()
-        loop.feedback(0.0, 1.0 if graph is loop.trial else 2.0)
-    loop.feedback(0.0, 2.0)  # one step into the second
+def test_an_abandoned_loop_keeps_its_incumbent_and_records_the_candidates_left_with_what_was_measured():
+    loop = _loop(["aggregation", "latency_hiding"])
+    steps = _Steps()
+    for _ in range(26 + 5):  # the first design decided at its first look, 5 steps into next batch's
+        loop.feedback(*steps(loop.next_graph()))
     loop.abandon("training ended")
     assert loop.done and loop.progress is None
-    assert [(d.accepted, d.reason) for d in loop.plan.decisions][1] == (False, "not calibrated: training ended")
-    assert len(loop.plan.graph.provenance) == 1
+    assert [(d.accepted, d.reason) for d in loop.plan.decisions][-1] == (
+        False, "not calibrated: training ended")
+    assert len(loop.plan.graph.provenance) == 2  # early start and the merged input
+
+
+def test_an_abandoned_design_reports_what_it_measured_so_far():
+    loop = _loop(["latency_hiding:early_start"])
+    rng = random.Random(0)
+    for _ in range(26 + 4):  # the first look (12 blocks): -1 ms under 3 ms of step noise is undecided
+        graph = loop.next_graph()
+        ms = 80.0 - (1.0 if graph is not loop.incumbent else 0.0) + rng.gauss(0.0, 3.0)
+        loop.feedback(ms, ms)
+    assert not loop.done
+    loop.abandon("training ended after 30 step(s)")
+    (decision,) = loop.plan.decisions
+    assert not decision.accepted and decision.measured_ms is not None and decision.pairs + decision.outliers == 12
+    assert decision.reason.startswith("not calibrated: training ended after 30 step(s); measured so far: ")
+    assert "95% bounds" in decision.reason and len(decision.observations_ms[0]) == 12
 
 
 def test_a_saved_graph_with_other_passes_is_named_by_its_provenance():
@@ -231,48 +250,47 @@ def _calibrating_loop(graph: SparseGraph) -> PlanningLoop:
     return loop
 
 
-def test_the_loop_decides_each_candidate_from_its_protocol_steps_on_top_of_the_incumbent():
+def test_the_loop_decides_each_candidate_from_its_region_in_designs_on_top_of_the_incumbent():
     identity = _identity()
     loop = _calibrating_loop(identity)
-    steps, trials, progress = _Steps(), [], [loop.progress]
+    steps, ran, progress = _Steps(), [], [loop.progress]
     while not loop.done:
         graph = loop.next_graph()
-        assert graph is (loop.trial if loop._calibrator.next_uses_candidate() else loop.incumbent)
-        trials.append((len(graph.provenance), graph is loop.trial))
+        ran.append((len(graph.provenance), [c.role for c in loop.trials]))
         loop.feedback(*steps(graph))
         progress.append(loop.progress)
     early, ahead, packed, merged = (f"latency_hiding:early_start@{EBC}", f"latency_hiding:next_batch@{EBC}",
                                     f"aggregation:input@{EBC}", f"aggregation:output@{EBC}")
-    # latency hiding: a settle step before each observed one (T0 T0 T1 T1), aggregation T0 T1; each
-    # candidate's T0 is the incumbent with the candidates accepted before it; a faster one is
-    # accepted at the second look (16 pairs), the slower one rejected at the first (8)
-    assert trials == ([(0, False), (1, True)] * 17 + [(1, False), (1, False), (2, True), (2, True)] * 17
-                      + [(2, False), (3, True)] * 17 + [(3, False), (4, True)] * 9)
-    assert progress[:2] == [(0, 90), (1, 90)] and progress[18] == (18, 106) and progress[153] == (153, 154)
-    assert progress[-1] is None and loop.plan.calibration_steps == 154
+    # one design of early start and aggregation's two (the same stage, no settle step), decided at
+    # its first look (12 blocks); then next batch alone (settled), on top of the two accepted
+    assert ran[:26] == [(n, ["early_start", "input", "output"]) for n, _ in ran[:26]]
+    assert {n for n, _ in ran[:26]} == {0, 1, 2, 3} and {n for n, _ in ran[26:]} == {2, 3}
+    assert progress[:2] == [(0, 50), (1, 50)] and progress[26] == (26, 74) and progress[-1] is None
+    assert loop.plan.calibration_steps == 26 + 92
     # early start: 2 ms per step; next batch: 1 ms once settled (its first step's 5 ms are never
     # observed); the merged input: 4 collectives fewer; the merged output: 2 fewer but 3 ms of copies
-    assert [(d.candidate, d.accepted, d.measured_ms, [[t1 - t0 for t0, t1 in obs] for obs in d.observations_ms])
-            for d in loop.plan.decisions] == [
-        (early, True, -2.0, [[-2.0] * 16]), (ahead, True, -1.0, [[-1.0] * 16]),
-        (packed, True, -4.0, [[-4.0] * 16]), (merged, False, 1.0, [[1.0] * 8])]
-    assert [d.predicted_ms for d in loop.plan.decisions] == pytest.approx([-0.20768, -0.20512, -0.17952, -0.06928])
-    assert loop.plan.decisions[3].reason == "slower: +1.000 ms, 95% bounds [+1.000, +1.000] over 8 pairs (noise 0.000 ms)"
+    # (each block's observations hold the other factors' effects too: the estimate takes them out)
+    assert [(d.candidate, d.accepted, pytest.approx(d.measured_ms)) for d in loop.plan.decisions] == [
+        (early, True, -2.0), (packed, True, -4.0), (merged, False, 1.0), (ahead, True, -1.0)]
+    assert [d.pairs for d in loop.plan.decisions] == [12, 12, 12, 22]
+    assert [d.predicted_ms for d in loop.plan.decisions] == pytest.approx([-0.20768, -0.17952, -0.06928, -0.20512])
+    assert loop.plan.decisions[2].reason == "slower: +1.000 ms, 95% bounds [+1.000, +1.000] over 12 pairs (noise 0.000 ms)"
+    together = "; with 2 other candidate(s) in the same steps)"
     assert loop.events == [
-        f"calibrating {early} (18 steps, up to 386; predicted -0.208 ms)", f"{early}: accepted, {FAST}",
-        f"calibrating {ahead} (36 steps, up to 772; predicted -0.205 ms)",
-        f"{ahead}: accepted, {FAST.replace('2.000', '1.000')}",
-        f"calibrating {packed} (18 steps, up to 386; predicted -0.180 ms)",
-        f"{packed}: accepted, {FAST.replace('2.000', '4.000')}",
-        f"calibrating {merged} (18 steps, up to 386; predicted -0.069 ms)",
-        f"{merged}: rejected, slower: +1.000 ms, 95% bounds [+1.000, +1.000] over 8 pairs (noise 0.000 ms)"]
+        f"calibrating {early} (26 steps, up to 216; predicted -0.208 ms{together}",
+        f"calibrating {packed} (26 steps, up to 216; predicted -0.180 ms{together}",
+        f"calibrating {merged} (26 steps, up to 216; predicted -0.069 ms{together}",
+        f"{early}: accepted, {FAST}", f"{packed}: accepted, {FAST.replace('2.000', '4.000')}",
+        f"{merged}: rejected, slower: +1.000 ms, 95% bounds [+1.000, +1.000] over 12 pairs (noise 0.000 ms)",
+        f"calibrating {ahead} (48 steps, up to 212; predicted -0.205 ms)",
+        f"{ahead}: accepted, {FAST.replace('2.000', '1.000').replace('12 pairs', '22 pairs')}"]
     # the plan runs the accepted candidates, in their order, on the identity graph
     expected = identity
-    for cid in (early, ahead, packed):
+    for cid in (early, packed, ahead):
         planner = loop.planner
         (c,) = [c for c in planner.propose(identity)[0] if c.id == cid]
         expected = planner.apply(expected, c)
-    assert loop.plan.graph == expected == loop.incumbent and loop.trial is None
+    assert loop.plan.graph == expected == loop.incumbent and loop.trials == []
     assert loop.plan.priors == PRIORS.to_dict() and loop.plan.calibration_s >= 0.0
     assert identity.provenance == [] and identity == _identity()  # the loop never modifies its graphs
 
@@ -284,7 +302,7 @@ def test_a_plan_the_loop_made_is_saved_loaded_and_rebuilt(tmp_path):
         loop.feedback(*steps(loop.next_graph()))
     plan = loop.plan
     assert [d.accepted for d in plan.decisions] == [False] * 4 + [True] * 4  # infeasible ones first
-    assert plan.calibration_steps == 34 + 34 + 34 + 68  # each accepted at its second look; next batch settled
+    assert plan.calibration_steps == 26 + 92  # one design of three at its first look; next batch settled
     plan.save(tmp_path / "plan.json")
     loaded = ExecutionPlan.load(tmp_path / "plan.json")
     assert loaded.to_dict() == json.loads(json.dumps(plan.to_dict()))
@@ -331,7 +349,7 @@ def test_rebuild_refuses_a_plan_whose_graph_its_decisions_do_not_give(forge, mat
 def test_with_nothing_feasible_the_loop_is_done_at_once_on_the_identity():
     graph = load("table_wise_1rank")
     loop = _calibrating_loop(graph)
-    assert loop.done and loop.progress is None and loop.trial is None and loop.events == []
+    assert loop.done and loop.progress is None and loop.trials == [] and loop.events == []
     assert loop.plan.graph == graph and loop.plan.calibration_steps == 0 and loop.plan.calibration_s == 0.0
     assert [(d.feasible, d.accepted) for d in loop.plan.decisions] == [(False, False)] * 4
 
@@ -339,19 +357,20 @@ def test_with_nothing_feasible_the_loop_is_done_at_once_on_the_identity():
 def test_an_abandoned_loop_records_every_candidate_left_with_its_prediction():
     loop = _calibrating_loop(_identity())
     steps = _Steps()
-    for _ in range(34 + 5):  # early start decided, 5 steps into next batch
+    for _ in range(26 + 5):  # the first design decided, 5 steps into next batch's
         loop.feedback(*steps(loop.next_graph()))
-    assert loop.progress == (39, 106)
+    assert loop.progress == (31, 74)
     loop.abandon("the trainer stopped")
-    assert loop.done and loop.progress is None and loop.trial is None and loop.plan.calibration_steps == 39
+    assert loop.done and loop.progress is None and loop.trials == [] and loop.plan.calibration_steps == 31
     assert [(d.candidate.split("@")[0], d.feasible, d.accepted, d.reason) for d in loop.plan.decisions] == [
         ("latency_hiding:early_start", True, True, FAST),
-        ("latency_hiding:next_batch", True, False, "not calibrated: the trainer stopped"),
-        ("aggregation:input", True, False, "not calibrated: the trainer stopped"),
-        ("aggregation:output", True, False, "not calibrated: the trainer stopped")]
-    assert [d.predicted_ms for d in loop.plan.decisions[1:]] == pytest.approx([-0.20512, -0.17952, -0.06928])
-    assert loop.plan.graph is loop.incumbent and [p.split(":")[0] for p in loop.plan.graph.provenance] == [
-        "latency_hiding"]
+        ("aggregation:input", True, True, FAST.replace("2.000", "4.000")),
+        ("aggregation:output", True, False, "slower: +1.000 ms, 95% bounds [+1.000, +1.000] over 12 pairs (noise "
+                                            "0.000 ms)"),
+        ("latency_hiding:next_batch", True, False, "not calibrated: the trainer stopped")]
+    assert loop.plan.decisions[-1].predicted_ms == pytest.approx(-0.20512)
+    assert loop.plan.graph is loop.incumbent and sorted(p.split(":")[0] for p in loop.plan.graph.provenance) == [
+        "aggregation", "latency_hiding"]
 
 
 def test_a_saved_graph_with_other_modules_is_named_by_its_paths():
@@ -379,7 +398,7 @@ def test_a_candidate_that_an_accepted_one_made_infeasible_is_recorded_not_applie
     fingerprint = PlanFingerprint(identity.fingerprint(), "sharding", 2, "gloo", {}, ["latency_hiding"])
     loop = PlanningLoop(Planner([_Exclusive()], None, calibrate, RULE), fingerprint, identity, None)
     loop.propose()
-    _run(loop, lambda graph, trial: 5.0 if trial else 10.0)
+    _run(loop, lambda graph, applied: 10.0 - 5.0 * applied)
     (early, ahead) = loop.plan.decisions
     assert early.candidate.startswith("latency_hiding:early_start@") and early.accepted
     assert ahead.candidate.startswith("latency_hiding:next_batch@") and not ahead.accepted and not ahead.feasible

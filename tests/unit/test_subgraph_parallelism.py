@@ -105,7 +105,7 @@ def test_the_sweep_goes_up_while_each_g_improves_on_the_one_before_and_stops_at_
     tried = []
     while not loop.done:
         trial = loop.next_graph()
-        if trial is loop.trial and trial.provenance[-1] not in tried:
+        if trial is not loop.incumbent:
             tried.append(trial.provenance[-1].split(":")[0])
         lookup = 10.0 if trial.module(EBC).schedule.region("lookup", 0).kernel == GENERATED_KERNEL else 14.0
         loop.feedback(50.0, 20.0, lookup, _lookup_wall_ms(trial))

@@ -1,0 +1,266 @@
+"""Several candidates measured in the same training steps: a randomized two-level fold-over design.
+
+A block is two runs of ``1 + settle_steps`` steps each, the last step of each run observed. The
+first run applies a random half of the design's factors (candidates, each on or off; a seeded
+generator draws the same assignment on every rank), the second run the complement. For each
+measured region (a factor's protocol's ``region``), the difference of the block's two observed
+steps is the sum of the factors' effects, each signed by its assignment (+1: on in the second run,
+-1: on in the first), plus noise; drift slower than a block cancels in it. A factor's effect is
+its change averaged over the other factors being on and off: what two factors do together beyond
+their own effects (their interaction) enters the difference only through those averages (the
+fold-over property), and is estimated apart, from the block sums.
+
+Each factor's increment is estimated from every block: the other factors' least-squares effects
+are taken out of the block's difference, and what remains, signed, is this factor's paired
+increment, judged as one candidate's pairs are (its signed-rank interval at the design's looks,
+:func:`~lightning_sparselift.cost.decision.judged`). A decided factor is fixed for the blocks that
+follow (on when accepted); its estimate still corrects the others'. So a design decides k
+candidates in the steps its hardest one needs, not in k times that. The block sums (the two steps
+added) carry the interactions: :meth:`FactorialDesign.interaction` estimates one.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, replace
+from statistics import median
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from lightning_sparselift.cost.calibration import Measurement, gather_ranks
+from lightning_sparselift.cost.decision import (
+    MIN_RELATIVE_SPREAD, OUTLIER_SIGMAS, DecisionRule, PairedEstimate, bounding_pairs, increment_estimate, judged, look_alphas, look_points, robust_sigma,
+)
+
+# what a step reports (RegionClock.end_step's names, without "_ms"); a factor's region is one of them
+REGIONS = ("step", "sparse", "lookup", "lookup_wall", "step_cpu", "input")
+# the most factors one design varies: every subset of them is a graph the runtime may install
+MAX_FACTORS = 6
+# the power the futility rule asks of the whole budget (nine times in ten: z of 0.9)
+_POWER_Z = 1.2816
+
+
+@dataclass
+class Factor:
+    """One candidate in a design: the region it is measured on, the smallest gain accepted (a
+    fraction of the step) and, once decided, whether it stays on."""
+
+    region: str
+    min_gain: float
+    predicted_ms: Optional[float] = None  # the model's increment, if it has one
+    fixed: Optional[bool] = None  # None while varied
+
+
+@dataclass(frozen=True)
+class Interaction:
+    """The step-time change of two factors together beyond the sum of their own effects."""
+
+    ms: float
+    interval_ms: tuple[float, float]
+    blocks: int
+
+
+class FactorialDesign:
+    """The blocks of one design, step by step: :meth:`next_assignment` says which factors the next
+    step applies, :meth:`record` takes its measurement; once :attr:`done`, the caller takes a
+    :meth:`look`, :meth:`fix` es the factors it decided and, while some are undecided and the
+    budget allows, :meth:`extend` s the design to its next look."""
+
+    def __init__(self, factors: list[Factor], rule: DecisionRule, seed: int, warmup_blocks: int = 1,
+                 settle_steps: int = 0, max_blocks: Optional[int] = None) -> None:
+        """``max_blocks``: the measured blocks it may use (default: the rule's ``max_pairs``)."""
+        if not 1 <= len(factors) <= MAX_FACTORS:
+            raise ValueError(f"a design varies 1 to {MAX_FACTORS} factors, got {len(factors)}")
+        unknown = sorted({f.region for f in factors} - set(REGIONS))
+        if unknown:
+            raise ValueError(f"unknown measured region(s) {unknown}; known: {list(REGIONS)}")
+        self.factors, self.rule = factors, rule
+        self.warmup_blocks, self.settle_steps = warmup_blocks, settle_steps
+        self.looks = look_points(2, rule.max_pairs if max_blocks is None else max_blocks, rule.confidence)
+        self.alphas = look_alphas(self.looks, rule.confidence)
+        self._look = 0
+        self._rng = random.Random(seed)
+        self._schedule: list[tuple[tuple[bool, ...], bool]] = []  # per step: (assignment, observed)
+        self._observed: list[list[float]] = []  # per observed step: REGIONS' values (nan: not reported)
+        self._steps = 0
+        self._blocks = 0
+        self._slowest: Optional[np.ndarray] = None  # the last look's observations, slowest rank per step
+        self._add_blocks(warmup_blocks + self.looks[0])
+
+    # ------------------------------------------------------------------ steps
+    def _add_blocks(self, blocks: int) -> None:
+        run = 1 + self.settle_steps
+        for _ in range(blocks):
+            first = tuple(f.fixed if f.fixed is not None else self._rng.random() < 0.5 for f in self.factors)
+            second = tuple(f.fixed if f.fixed is not None else not on for f, on in zip(self.factors, first))
+            self._schedule += [(a, i == run - 1) for a in (first, second) for i in range(run)]
+        self._blocks += blocks
+
+    def next_assignment(self) -> Optional[tuple[bool, ...]]:
+        """Per factor, whether the next step applies it; None once the scheduled steps ran."""
+        return self._schedule[self._steps][0] if self._steps < len(self._schedule) else None
+
+    def record(self, values: dict[str, Optional[float]]) -> None:
+        """The step just run: every region it reports (see :data:`REGIONS`)."""
+        if self._schedule[self._steps][1]:
+            missing = sorted({f.region for f in self.factors if values.get(f.region) is None})
+            if missing:
+                raise ValueError(f"calibration on {missing} needs that region's time, which this step did not report")
+            self._observed.append([math.nan if values.get(r) is None else float(values[r]) for r in REGIONS])
+        self._steps += 1
+
+    @property
+    def done(self) -> bool:
+        return self._steps == len(self._schedule)
+
+    @property
+    def recorded(self) -> int:
+        return self._steps
+
+    @property
+    def planned(self) -> int:
+        return len(self._schedule)
+
+    @property
+    def budget_steps(self) -> int:
+        """Steps the design takes at most."""
+        return 2 * (self.warmup_blocks + self.looks[-1]) * (1 + self.settle_steps)
+
+    @property
+    def can_extend(self) -> bool:
+        return self._look + 1 < len(self.looks)
+
+    def extend(self) -> None:
+        """Schedule the blocks up to the next look."""
+        self._look += 1
+        self._add_blocks(self.looks[self._look] - self.looks[self._look - 1])
+
+    def fix(self, index: int, on: bool) -> None:
+        """Factor ``index`` is decided: every block scheduled from now on applies it (``on``) or not."""
+        self.factors[index].fixed = on
+
+    # ------------------------------------------------------------------ estimates
+    def _signs(self) -> np.ndarray:
+        """Per measured block and factor: +1 applied in the second run only, -1 in the first only, 0 both alike."""
+        observed = [a for a, seen in self._schedule[:self._steps] if seen]
+        pairs = [(observed[2 * b], observed[2 * b + 1]) for b in range(self.warmup_blocks, len(observed) // 2)]
+        return np.array([[int(s) - int(f) for f, s in zip(first, second)] for first, second in pairs],
+                        dtype=np.float64).reshape(len(pairs), len(self.factors))
+
+    def look(self, group: Any) -> list[Optional[Measurement]]:
+        """Every rank's observations (a collective over ``group``; each step's slowest rank per
+        region), then per factor still varied its measurement at this look (None for the fixed
+        ones): the other factors' effects taken out of each block's difference, the remainder
+        judged as paired increments."""
+        local = torch.tensor(self._observed, dtype=torch.float64).reshape(-1, len(REGIONS))
+        ranks = [g.numpy() for g in gather_ranks(local, group)]
+        slowest = self._slowest = np.stack(ranks).max(axis=0)
+        signs = self._signs()
+        blocks = len(signs)
+        first = slowest[2 * self.warmup_blocks:2 * (self.warmup_blocks + blocks):2]
+        second = slowest[2 * self.warmup_blocks + 1:2 * (self.warmup_blocks + blocks):2]
+        step = median(np.concatenate([first[:, 0], second[:, 0]]).tolist()) if blocks else 0.0
+        fits = {r: _fit(second[:, REGIONS.index(r)] - first[:, REGIONS.index(r)], signs,
+                        float(np.median(np.abs(slowest[:, REGIONS.index(r)]))))
+                for r in {f.region for f in self.factors if f.fixed is None}}
+        out: list[Optional[Measurement]] = []
+        for j, factor in enumerate(self.factors):
+            if factor.fixed is not None:
+                out.append(None)
+                continue
+            r = REGIONS.index(factor.region)
+            effects, kept, noise = fits[factor.region]
+            varied = signs[:, j] != 0
+            others = np.delete(np.arange(len(self.factors)), j)
+            diffs = second[:, r] - first[:, r] - signs[:, others] @ effects[others]
+            partial = (signs[:, j] * diffs)[varied & kept]
+            # (the others' effects were fitted on these blocks: their residuals are that much smaller)
+            free = len(partial) - int(np.any(signs[:, others] != 0, axis=0).sum())
+            if free > 1:
+                center = float(np.median(partial))
+                partial = center + (partial - center) * math.sqrt(len(partial) / free)
+            estimate = increment_estimate(partial.tolist(), self.alphas[self._look], -factor.min_gain * step, noise,
+                                          int((varied & ~kept).sum()))
+            estimate = judged(estimate, self.looks[self._look], self.rule, self.can_extend)
+            if estimate.verdict == "undecided" and self.can_extend:
+                estimate = self._futile(estimate, factor.predicted_ms)
+            off_on = [[[float(arm[b, r]) for arm in ((ran_first, ran_second) if signs[b, j] > 0 else
+                                                     (ran_second, ran_first))] for b in np.flatnonzero(varied)]
+                      for ran_first, ran_second in _arms(ranks, self.warmup_blocks, blocks)]
+            out.append(Measurement(off_on, estimate))
+        return out
+
+    def _futile(self, e: PairedEstimate, predicted_ms: Optional[float]) -> PairedEstimate:
+        """``futile`` when neither the estimate nor the model's prediction reaches the smallest
+        effect the design's whole budget would accept nine times in ten (its standard error taken
+        from this look's interval, shrinking with the square root of the blocks): a candidate the
+        model expects little of, measured as little, gets no more steps. Without a prediction the
+        measurement alone never stops a candidate here (an early estimate of a real effect is
+        often small)."""
+        if predicted_ms is None or not math.isfinite(e.interval_ms[1]) or not e.pairs:
+            return e
+        normal = torch.distributions.Normal(0.0, 1.0)
+        z_now = float(normal.icdf(torch.tensor(1 - self.alphas[self._look])))
+        z_end = float(normal.icdf(torch.tensor(1 - self.alphas[-1])))
+        error_at_end = (e.interval_ms[1] - e.interval_ms[0]) / (2 * z_now) * math.sqrt(e.pairs / self.looks[-1])
+        resolvable = e.threshold_ms - (z_end + _POWER_Z) * error_at_end
+        if predicted_ms > resolvable and e.increment_ms > resolvable:
+            return replace(e, verdict="futile", resolvable_ms=resolvable)
+        return e
+
+    def interaction(self, j: int, k: int) -> Optional[Interaction]:
+        """Factors ``j`` and ``k`` together on the step clock, from the last look's blocks in
+        which both were varied (None with fewer than 8): the block sums where they ran together
+        or both not, against those where one ran without the other; the interval at the rule's
+        confidence (one-sided each, normal)."""
+        if self._slowest is None:
+            return None
+        signs = self._signs()
+        blocks = len(signs)
+        sums = (self._slowest[2 * self.warmup_blocks:2 * (self.warmup_blocks + blocks):2, 0]
+                + self._slowest[2 * self.warmup_blocks + 1:2 * (self.warmup_blocks + blocks):2, 0])
+        both = (signs[:, j] != 0) & (signs[:, k] != 0)
+        together = (signs[:, j] * signs[:, k])[both]
+        sums = sums[both]
+        same, apart = sums[together > 0], sums[together < 0]
+        if len(same) < 4 or len(apart) < 4:
+            return None
+        # a block's sum holds every interaction i once per run (x_j x_k + (1 - x_j)(1 - x_k)): where
+        # the two ran together it is i more than where they ran apart
+        ms = float(np.median(same) - np.median(apart))
+        spread = math.sqrt(robust_sigma(same.tolist()) ** 2 / len(same) + robust_sigma(apart.tolist()) ** 2 / len(apart))
+        z = float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(self.rule.confidence)))
+        return Interaction(ms, (ms - z * spread, ms + z * spread), int(both.sum()))
+
+
+def _fit(diffs: np.ndarray, signs: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray, float]:
+    """(every factor's least-squares effect on these block differences, the blocks kept, the
+    per-step noise): blocks whose residual lies beyond :data:`OUTLIER_SIGMAS` robust standard
+    deviations (at least :data:`MIN_RELATIVE_SPREAD` of the region's ``scale``) are left out and
+    the fit repeated."""
+    kept = np.ones(len(diffs), dtype=bool)
+    effects = np.zeros(signs.shape[1])
+    for _ in range(2):
+        varied = np.any(signs[kept] != 0, axis=0)
+        effects = np.zeros(signs.shape[1])
+        if kept.any() and varied.any():
+            effects[varied] = np.linalg.lstsq(signs[kept][:, varied], diffs[kept], rcond=None)[0]
+        residuals = diffs - signs @ effects
+        spread = max(robust_sigma(residuals[kept].tolist()), MIN_RELATIVE_SPREAD * scale, 1e-9)
+        kept = np.abs(residuals) <= OUTLIER_SIGMAS * spread
+    return effects, kept, robust_sigma((diffs - signs @ effects)[kept].tolist()) / math.sqrt(2)
+
+
+def _arms(ranks: list[np.ndarray], warmup_blocks: int, blocks: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per rank: its observations in the blocks' first runs and in their second runs."""
+    return [(obs[2 * warmup_blocks:2 * (warmup_blocks + blocks):2], obs[2 * warmup_blocks + 1:2 * (warmup_blocks + blocks):2])
+            for obs in ranks]
+
+
+def fewest_steps(rule: DecisionRule, warmup_blocks: int, settle_steps: int) -> int:
+    """The steps of the smallest design that can decide anything: its warmup and one look at the
+    fewest blocks whose bounds exist at the rule's confidence."""
+    return 2 * (warmup_blocks + bounding_pairs(1 - rule.confidence)) * (1 + settle_steps)
