@@ -186,27 +186,24 @@ class FactorialDesign:
                                           int((varied & ~kept).sum()))
             estimate = judged(estimate, self.looks[self._look], self.rule, self.can_extend)
             if estimate.verdict == "undecided" and self.can_extend:
-                estimate = self._futile(estimate, factor.predicted_ms)
+                estimate = self._futile(estimate, factor.predicted_ms, robust_sigma(partial.tolist()))
             off_on = [[[float(arm[b, r]) for arm in ((ran_first, ran_second) if signs[b, j] > 0 else
                                                      (ran_second, ran_first))] for b in np.flatnonzero(varied)]
                       for ran_first, ran_second in _arms(ranks, self.warmup_blocks, blocks)]
             out.append(Measurement(off_on, estimate))
         return out
 
-    def _futile(self, e: PairedEstimate, predicted_ms: Optional[float]) -> PairedEstimate:
+    def _futile(self, e: PairedEstimate, predicted_ms: Optional[float], spread_ms: float) -> PairedEstimate:
         """``futile`` when neither the estimate nor the model's prediction reaches the smallest
-        effect the design's whole budget would accept nine times in ten (its standard error taken
-        from this look's interval, shrinking with the square root of the blocks): a candidate the
+        effect the design's whole budget would accept nine times in ten (the standard error at the
+        budget from the spread of this factor's paired increments, ``spread_ms``): a candidate the
         model expects little of, measured as little, gets no more steps. Without a prediction the
         measurement alone never stops a candidate here (an early estimate of a real effect is
         often small)."""
-        if predicted_ms is None or not math.isfinite(e.interval_ms[1]) or not e.pairs:
+        if predicted_ms is None or not e.pairs:
             return e
-        normal = torch.distributions.Normal(0.0, 1.0)
-        z_now = float(normal.icdf(torch.tensor(1 - self.alphas[self._look])))
-        z_end = float(normal.icdf(torch.tensor(1 - self.alphas[-1])))
-        error_at_end = (e.interval_ms[1] - e.interval_ms[0]) / (2 * z_now) * math.sqrt(e.pairs / self.looks[-1])
-        resolvable = e.threshold_ms - (z_end + _POWER_Z) * error_at_end
+        z_end = float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(1 - self.alphas[-1])))
+        resolvable = e.threshold_ms - (z_end + _POWER_Z) * spread_ms / math.sqrt(self.looks[-1])
         if predicted_ms > resolvable and e.increment_ms > resolvable:
             return replace(e, verdict="futile", resolvable_ms=resolvable)
         return e
