@@ -236,8 +236,13 @@ class SparseLiftStrategy(ProcessGroupStrategy):
 
     @property
     def executor_in_use(self) -> str:
-        """``sparselift`` once the lifted executor is installed (calibration included), else ``torchrec``."""
-        return "sparselift" if self.session is not None and self.session.installed is not None else "torchrec"
+        """``torchrec`` while TorchRec's path trains (capture, a fallback, ``executor="torchrec"``),
+        ``calibrating`` while the lifted executor runs a planning round's trial plans, ``sparselift``
+        once it runs a plan (:attr:`execution_plan`)."""
+        session = self.session
+        if session is None or session.installed is None:
+            return "torchrec"
+        return "calibrating" if session.phase == "plan" else "sparselift"
 
     # ------------------------------------------------------------------ the SparseLift session
     @override

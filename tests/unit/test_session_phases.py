@@ -206,3 +206,17 @@ def test_calibration_does_not_measure_a_step_on_torchrecs_path():
     assert progress == [0, 1, 1, 1, 2]  # the two steps on TorchRec's path left the calibration where it was
     began = executor.used[0::2]  # (each step uses its graph, then the incumbent again between steps)
     assert began[1] is began[2] is began[3]  # the graph of step 2 ran again in steps 3 and 4
+
+
+def test_the_strategy_says_calibrating_until_its_executor_runs_a_plan():
+    from lightning_sparselift import SparseLiftStrategy
+
+    strategy = SparseLiftStrategy()
+    assert strategy.executor_in_use == "torchrec"  # before the first fit
+    session = strategy._sessions.session = SparseLiftSession(nn.Linear(1, 1), None, [], None, torch.device("cpu"),
+                                                             SessionOptions())
+    assert strategy.executor_in_use == "torchrec"  # capturing on TorchRec's path
+    session.installed, session.phase = _FakeExecutor(), "plan"
+    assert strategy.executor_in_use == "calibrating" and strategy.execution_plan is None
+    session.phase = "verify"
+    assert strategy.executor_in_use == "sparselift"
