@@ -206,6 +206,9 @@ class PlanningLoop:
         self.incumbent = identity
         self.events = events if events is not None else []  # what happened, for the caller to report
         self.done = False
+        # candidates may still come (:meth:`admit`): with nothing left to calibrate, the loop waits on
+        # the incumbent instead of finishing
+        self.expecting = False
         self._queue: list[Candidate] = []  # feasible candidates not decided yet, the design's among them
         self._round: list[Candidate] = []  # the factors of the design in progress
         self._design: Optional[FactorialDesign] = None
@@ -246,8 +249,24 @@ class PlanningLoop:
 
     def next_graph(self) -> SparseGraph:
         """The graph the next training step runs: the incumbent with the factors the design applies
-        in that step."""
-        return self._graphs[self._design.next_assignment()]
+        in that step (the incumbent while the loop waits for candidates)."""
+        return self.incumbent if self._design is None else self._graphs[self._design.next_assignment()]
+
+    def admit(self) -> None:
+        """Propose again on the incumbent (the graph now holds what new candidates need, e.g. built
+        kernels): feasible candidates not proposed feasible before join the queue (their earlier
+        infeasible decisions dropped); the loop no longer waits for more."""
+        known = {c.id for c in self._queue} | set(self._accepted)
+        feasible, _ = self.planner.propose(self.incumbent)
+        new = [c for c in feasible if c.id not in known]
+        admitted = {c.id for c in new}
+        self.plan.decisions = [d for d in self.plan.decisions if d.candidate not in admitted]
+        self._queue += new
+        if new:
+            self.events.append(f"admitted {len(new)} candidate(s) now feasible: {', '.join(sorted(admitted))}")
+        self.expecting = False
+        if self._design is None and not self.done:
+            self._next_round()
 
     def feedback(self, step_ms: float, sparse_ms: float, lookup_ms: Optional[float] = None,
                  lookup_wall_ms: Optional[float] = None, step_cpu_ms: Optional[float] = None,
@@ -258,6 +277,8 @@ class PlanningLoop:
         factor's protocol says which one counts). At each of the design's looks (a collective over
         ``group``) decides the factors whose verdict is in."""
         design = self._design
+        if design is None:
+            return  # (waiting for candidates on the incumbent: not a calibration step)
         self._ran.append((self.next_graph(), step_ms))
         design.record({"step": step_ms, "sparse": sparse_ms, "lookup": lookup_ms, "lookup_wall": lookup_wall_ms,
                        "step_cpu": step_cpu_ms, "input": input_ms})
@@ -281,7 +302,9 @@ class PlanningLoop:
         fewest of each design still to come."""
         if self.done:
             return None
-        remaining = self._design.planned - self._design.recorded + sum(self._heads(self._round).values())
+        remaining = sum(self._heads(self._round).values())
+        if self._design is not None:
+            remaining += self._design.planned - self._design.recorded
         return self.plan.calibration_steps, self.plan.calibration_steps + remaining
 
     def _heads(self, members: list[Candidate]) -> dict[str, int]:
@@ -325,7 +348,9 @@ class PlanningLoop:
             while self._queue and self._passed_over(self._queue[0]):
                 self._queue.pop(0)
         if not self._queue:
-            self._finish()
+            self._round, self._design, self._graphs = [], None, {}
+            if not self.expecting:
+                self._finish()
             return
         head = self._queue[0]
         members, graphs = [head], {(False,): self.incumbent, (True,): self._apply(head)}

@@ -27,8 +27,9 @@ from lightning_sparselift.plan.types import ExecutionPlan, KernelBuild
 from lightning_sparselift.plan.verification import DriftEvent, DriftWatch, PlanVerification
 from lightning_sparselift.runtime import InstalledExecutor, install
 from lightning_sparselift.runtime.update_guard import UpdateCheck, no_check
-from lightning_sparselift.session import drift, lifting, plan_store
+from lightning_sparselift.session import drift, kernel_builds, lifting, plan_store
 from lightning_sparselift.session.compiler_time import CompilerTime
+from lightning_sparselift.session.kernel_builds import KernelBuilds
 from lightning_sparselift.session.verify import PlanCheck, VerificationResult
 
 if TYPE_CHECKING:
@@ -70,7 +71,8 @@ class SparseLiftSession:
         self.loop: Optional[PlanningLoop] = None  # the planning round in progress
         self.fallback_reason: Optional[str] = None
         self.lift_seconds, self.plan_reused = 0.0, False
-        self.kernel_builds: list[KernelBuild] = []  # the generated kernels built before planning, every rank's
+        self.kernel_builds: list[KernelBuild] = []  # the generated kernels built since the lift, every rank's
+        self._builds: Optional[KernelBuilds] = None  # while they are being built
         self.time = CompilerTime()
         self.steps = 0  # training steps ended since the session began
         self.torchrec_path_steps = 0  # of those after the lift, the ones a lifted module ran on TorchRec's path
@@ -146,6 +148,8 @@ class SparseLiftSession:
             if on_torchrec:
                 return False
             self.loop.feedback(**regions)
+            if self._builds is not None and self.steps % kernel_builds.CHECK_EVERY == 0:
+                self._admit_builds(0.0)
             if self.loop.done:
                 self._finish()
                 return True
@@ -212,10 +216,25 @@ class SparseLiftSession:
         self.installed.observe(self._observe)
         self.installed.guard_updates(self.before_update)
         if any(p.uses_generated_kernels for p in self.passes):
-            self.kernel_builds = lifting.build_kernels(self.installed, graph, self.group)
-            self.events += lifting.describe_builds(self.kernel_builds, self.world)
+            self._builds = KernelBuilds(self.installed)
         self.identity = graph
         self.events += lifting.describe(graph, self.options.capture_steps)
+
+    def _admit_builds(self, wait_s: Optional[float]) -> None:
+        """When every rank's kernel builds finished (waiting up to ``wait_s`` for this rank's; None:
+        until they finish): record them in the lifted graph and let a planning round in progress
+        propose their candidates. A collective: every rank calls it at the same step."""
+        if self._builds is None or not self._builds.ready(self.group, wait_s):
+            return
+        builds, self._builds = self._builds, None
+        self.kernel_builds = builds.collect(self.group)
+        lifting.mark_generated(self.identity, self.kernel_builds)
+        self.events += lifting.describe_builds(self.kernel_builds, self.world, builds.waited_s)
+        self.metrics["sparselift/kernel_build_wait_s"] = builds.waited_s
+        if self.loop is not None:
+            lifting.mark_generated(self.loop.incumbent, self.kernel_builds)
+            self.loop.plan.kernel_builds = self.kernel_builds
+            self.loop.admit()
 
     # ------------------------------------------------------------------ plan
     def plan_again(self, reason: str, trigger: Optional[DriftEvent] = None) -> None:
@@ -248,6 +267,10 @@ class SparseLiftSession:
         start = time.perf_counter()
         self.watch = None
         self._round_started = self.steps
+        # (a saved plan is rebuilt with its kernels, and a round without calibration applies them at
+        # once: both wait for them; a calibrating round admits them when they are there)
+        self._admit_builds(None if (reuse_saved and self.options.plan_path) or not self.options.calibrate
+                           else kernel_builds.GRACE_S)
         fingerprint = plan_store.fingerprint(self.identity, self.sharding_plan, self.world, self.options.optimizations)
         saved = plan_store.reuse(self.options.plan_path, fingerprint, self.identity, self.passes,
                                  self.options.drift_ratio, self.group, self.steps) if reuse_saved else plan_store.Reuse()
@@ -273,6 +296,7 @@ class SparseLiftSession:
         planner = Planner(self.passes, priors, self.options.calibrate, self.options.decision_rule)
         self.loop = PlanningLoop(planner, fingerprint, self.identity, self.group, self.events)
         self.loop.plan.kernel_builds = self.kernel_builds
+        self.loop.expecting = self._builds is not None
         self.phase = "plan"
         self.loop.propose(since=start)
         if self.loop.done:

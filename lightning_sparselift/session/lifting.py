@@ -1,7 +1,7 @@
 """The lift phase: every rank lifts the captured sparse path and checks it against TorchRec's
 modules; the ranks then agree on one graph, or on keeping TorchRec's path (a module any rank
-cannot lift stays on TorchRec's path on every rank). Then the generated kernels are built on every
-rank and the graph records which groups and modules have one everywhere."""
+cannot lift stays on TorchRec's path on every rank). Once the generated kernels are built
+(:mod:`.kernel_builds`), the graph records which groups and modules have one on every rank."""
 
 from __future__ import annotations
 
@@ -73,17 +73,6 @@ def lift_on_every_rank(capture: SparseCapture, model: nn.Module, sharding_plan: 
     return Lifted(graph)
 
 
-def build_kernels(installed: InstalledExecutor, graph: SparseGraph, group: Any) -> list[KernelBuild]:
-    """Build every group's generated lookup kernel, every consumer layout and input kernel on every
-    rank (compile time stays out of the timed steps) and record in ``graph`` which groups and
-    modules have one on all ranks: the codegen pass proposes only those, so every rank plans
-    alike. Returns every rank's builds."""
-    builds = [KernelBuild(rank=rank, **b) for rank, ranks in enumerate(gather(installed.build_generated(), group))
-              for b in ranks]
-    mark_generated(graph, builds)
-    return builds
-
-
 def bucket_builds(installed: InstalledExecutor, group: Any) -> list[KernelBuild]:
     """The kernels in buckets every rank built since the last call (for a plan or its trials: every
     rank installs a plan at the same step)."""
@@ -91,11 +80,11 @@ def bucket_builds(installed: InstalledExecutor, group: Any) -> list[KernelBuild]
             for b in ranks]
 
 
-def describe_builds(builds: list[KernelBuild], world: int) -> list[str]:
+def describe_builds(builds: list[KernelBuild], world: int, waited_s: float) -> list[str]:
     built = [b for b in builds if not b.note]
     return [f"generated kernels (lookups, output layouts, input sides): {len(built)} built on {world} rank(s), "
             f"{sum(b.cached for b in built)} from the cache, {max(b.seconds for b in built):.2f} s at most per "
-            f"kernel"] if built else []
+            f"kernel, on a thread of their own; training waited {waited_s:.2f} s for them"] if built else []
 
 
 def mark_generated(graph: SparseGraph, builds: list[KernelBuild]) -> None:

@@ -126,6 +126,9 @@ class _FakeExecutor:
     def use(self, graph: Any) -> None:
         self.used.append(graph)
 
+    def take_bucket_builds(self) -> list:
+        return []
+
 
 @pytest.mark.parametrize("plan_ms, rolled_back", [(12.0, True), (8.0, False)])
 def test_a_session_verifies_its_plan_on_training_steps_and_keeps_the_verdict(monkeypatch, tmp_path, plan_ms,
@@ -220,3 +223,50 @@ def test_the_strategy_says_calibrating_until_its_executor_runs_a_plan():
     assert strategy.executor_in_use == "calibrating" and strategy.execution_plan is None
     session.phase = "verify"
     assert strategy.executor_in_use == "sparselift"
+
+
+def test_kernel_candidates_join_the_round_once_every_ranks_background_builds_are_done():
+    import threading
+
+    from lightning_sparselift.plan import Planner
+    from lightning_sparselift.plan.planner import PlanningLoop
+    from lightning_sparselift.session.kernel_builds import CHECK_EVERY, KernelBuilds
+
+    identity = load("table_and_column_wise_2ranks")
+    release = threading.Event()
+
+    class Building(_FakeExecutor):
+        def build_generated(self) -> list:  # a compile that takes until the test releases it
+            release.wait(30)
+            return [{"module": m.path, "group": g.index, "note": "", "seconds": 5.0, "cached": False}
+                    for m in identity.modules for g in m.lifted_groups]
+
+    options = SessionOptions(optimizations=("codegen:lookup", "latency_hiding:early_start"), verify_steps=0)
+    session = SparseLiftSession(nn.Linear(1, 1), None, [], None, torch.device("cpu"), options)
+    session.capture, session.identity = None, identity
+    session.installed = Building()
+    session._builds = KernelBuilds(session.installed)
+    session.loop = PlanningLoop(Planner(session.passes, None, True, options.decision_rule),
+                                unmeasured_plan(identity, []).fingerprint, identity, None, session.events)
+    session.loop.expecting = True
+    session.loop.propose()
+    session.phase = "plan"
+    assert [c.id.split("@")[0] for c in session.loop.trials] == ["latency_hiding:early_start"]
+    for _ in range(60):  # early start decided (no effect), then the loop waits: training goes on
+        session.begin_step()
+        session.end_step()
+    assert session.phase == "plan" and session.loop.trials == [] and session._builds is not None
+    assert session.loop.plan.calibration_steps < 60  # the waiting steps are not calibration steps
+    release.set()
+    session._builds._thread.join(5)
+    for _ in range(CHECK_EVERY):
+        session.begin_step()
+        session.end_step()
+    assert session._builds is None and [c.id.split("@")[0] for c in session.loop.trials] == ["codegen:lookup"]
+    assert any(e.startswith("admitted 1 candidate(s) now feasible: codegen:lookup@") for e in session.events)
+    assert any("on a thread of their own; training waited 0.00 s for them" in e for e in session.events)
+    while session.phase == "plan":
+        session.begin_step()
+        session.end_step()
+    assert {d.candidate.split("@")[0] for d in session.plan.decisions if d.feasible} == {
+        "latency_hiding:early_start", "codegen:lookup"}

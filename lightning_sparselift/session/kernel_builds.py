@@ -1,0 +1,67 @@
+"""The generated kernels a lifted graph implies, built on a thread of their own from the lift on:
+a compiler process does not hold the GIL, so training goes on with the reference kernels
+meanwhile, and the planner admits the kernel candidates once every rank has its kernels."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_sparselift.plan.types import KernelBuild
+from lightning_sparselift.runtime import InstalledExecutor
+from lightning_sparselift.session.ranks import gather
+
+# how long planning waits for the builds before it starts without the kernel candidates: loading
+# every kernel from the cache took at most ~1.2 s here; a compile takes 5-40 s
+GRACE_S = 3.0
+# steps between two checks whether every rank's builds finished (one small all-reduce each)
+CHECK_EVERY = 4
+
+
+class KernelBuilds:
+    """Every generated kernel of ``installed`` (lookups, consumer layouts, input sides), built or
+    loaded from the cache on a background thread started here."""
+
+    def __init__(self, installed: InstalledExecutor) -> None:
+        self.installed = installed
+        self.started = time.perf_counter()
+        self.waited_s = 0.0  # the training thread's time spent waiting for them
+        self.seconds: Optional[float] = None  # from start to this rank's last build
+        self._local: Optional[list[dict[str, Any]]] = None
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._build, name="sparselift-kernel-builds", daemon=True)
+        self._thread.start()
+
+    def _build(self) -> None:
+        try:
+            self._local = self.installed.build_generated()
+        except BaseException as error:  # (raised on the training thread by collect())
+            self._error = error
+        self.seconds = time.perf_counter() - self.started
+
+    def ready(self, group: Any, wait_s: Optional[float] = 0.0) -> bool:
+        """Whether every rank's builds finished, after waiting up to ``wait_s`` for this rank's
+        (None: until they finish). A collective over ``group``: every rank calls it at the same step."""
+        start = time.perf_counter()
+        self._thread.join(timeout=wait_s)
+        self.waited_s += time.perf_counter() - start
+        done = torch.tensor([0 if self._thread.is_alive() else 1], dtype=torch.int32)
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            if dist.get_backend(group) == "nccl":
+                done = done.cuda()
+            dist.all_reduce(done, op=dist.ReduceOp.MIN, group=group)
+        return bool(done.item())
+
+    def collect(self, group: Any) -> list[KernelBuild]:
+        """Every rank's builds (a collective; after :meth:`ready` said True). A build that raised
+        what no kernel's own check catches raises here on every rank, on the training thread."""
+        outcomes = gather((self._local, None if self._error is None else f"{type(self._error).__name__}: {self._error}"),
+                          group)
+        errors = [f"rank {rank}: {error}" for rank, (_, error) in enumerate(outcomes) if error is not None]
+        if errors:
+            raise RuntimeError(f"building the generated kernels failed: {'; '.join(errors)}") from self._error
+        return [KernelBuild(rank=rank, **b) for rank, (local, _) in enumerate(outcomes) for b in local]
