@@ -22,7 +22,8 @@ from torch import nn
 
 from lightning_sparselift.frontend.capture import SparseCapture
 from lightning_sparselift.options import SessionOptions
-from lightning_sparselift.plan.planner import Planner, PlanningLoop
+from lightning_sparselift.plan.loop import PlanningLoop
+from lightning_sparselift.plan.planner import Planner
 from lightning_sparselift.plan.types import ExecutionPlan, KernelBuild
 from lightning_sparselift.plan.verification import DriftEvent, DriftWatch, PlanVerification
 from lightning_sparselift.runtime import InstalledExecutor, install

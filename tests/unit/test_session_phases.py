@@ -189,7 +189,7 @@ def test_steps_on_torchrecs_path_are_counted_logged_and_warned_about_once():
 
 def test_calibration_does_not_measure_a_step_on_torchrecs_path():
     from lightning_sparselift.plan import Planner
-    from lightning_sparselift.plan.planner import PlanningLoop
+    from lightning_sparselift.plan.loop import PlanningLoop
 
     identity = load("table_and_column_wise_2ranks")
     session = SparseLiftSession(nn.Linear(1, 1), None, [], None, torch.device("cpu"), SessionOptions())
@@ -229,7 +229,7 @@ def test_kernel_candidates_join_the_round_once_every_ranks_background_builds_are
     import threading
 
     from lightning_sparselift.plan import Planner
-    from lightning_sparselift.plan.planner import PlanningLoop
+    from lightning_sparselift.plan.loop import PlanningLoop
     from lightning_sparselift.session.kernel_builds import CHECK_EVERY, KernelBuilds
 
     identity = load("table_and_column_wise_2ranks")

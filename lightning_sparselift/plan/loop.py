@@ -1,0 +1,309 @@
+"""One planning round on real training steps (:class:`PlanningLoop`): it owns the
+:class:`~lightning_sparselift.plan.types.ExecutionPlan` being built, says which graph the next
+training step runs (the incumbent with the factors the design in progress applies), takes each
+step's measurement, and decides candidates at the design's looks. Whoever runs the steps (the
+session) installs the graphs; the loop never touches the runtime::
+
+    loop = PlanningLoop(planner, fingerprint, identity, group)
+    loop.propose()
+    while not loop.done:
+        executor.use(loop.next_graph())
+        step_ms, sparse_ms = run_one_training_step()
+        loop.feedback(step_ms, sparse_ms)
+    executor.use(loop.plan.graph)
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from statistics import median
+from typing import TYPE_CHECKING, Any, Optional
+
+from lightning_sparselift.cost.calibration import Measurement
+from lightning_sparselift.cost.decision import bounding_pairs
+from lightning_sparselift.cost.design import MAX_FACTORS, Factor, FactorialDesign, fewest_steps
+from lightning_sparselift.passes import Candidate, InfeasibleCandidate
+from lightning_sparselift.plan.planner import Planner
+from lightning_sparselift.plan.types import Decision, ExecutionPlan, PlanFingerprint
+
+if TYPE_CHECKING:
+    from lightning_sparselift.ir import SparseGraph
+
+
+class PlanningLoop:
+    """One planning round from ``identity`` (the lifted graph before any pass): propose, then
+    calibrate the feasible candidates on real training steps, several at once: the candidates at
+    the head of the queue that can be measured together (the same stage and settle steps, not a
+    sweep's later rung, every combination of them feasible; at most
+    :data:`~lightning_sparselift.cost.design.MAX_FACTORS`) are the factors of one
+    :class:`~lightning_sparselift.cost.design.FactorialDesign` on top of the incumbent (the
+    identity graph with the candidates accepted so far). Every rank runs the same loop on the same
+    steps with the same seeded design; the measurements are reduced across ``group``, so every
+    decision is the same everywhere."""
+
+    def __init__(self, planner: Planner, fingerprint: PlanFingerprint, identity: SparseGraph, group: Any,
+                 events: Optional[list[str]] = None) -> None:
+        self.planner = planner
+        self.group = group
+        priors = planner.priors.to_dict() if planner.priors is not None else None
+        self.plan = ExecutionPlan(fingerprint, identity, priors=priors)  # its graph is the incumbent once done
+        self.incumbent = identity
+        self.events = events if events is not None else []  # what happened, for the caller to report
+        self.done = False
+        # candidates may still come (:meth:`admit`): with nothing left to calibrate, the loop waits on
+        # the incumbent instead of finishing
+        self.expecting = False
+        self._queue: list[Candidate] = []  # feasible candidates not decided yet, the design's among them
+        self._round: list[Candidate] = []  # the factors of the design in progress
+        self._design: Optional[FactorialDesign] = None
+        self._graphs: dict[tuple[bool, ...], SparseGraph] = {}  # per assignment of the design's factors
+        self._measured: dict[str, Measurement] = {}  # per factor of the design: its last look's measurement
+        self._calibration_start = 0.0
+        self._ran: list[tuple[SparseGraph, float]] = []  # per calibration step: the graph it ran, its wall ms
+        self._accepted: dict[str, bool] = {}  # per candidate decided or passed over: whether it was accepted
+
+    def propose(self, since: Optional[float] = None) -> None:
+        """Propose the candidates (without calibration: apply every feasible one but a sweep's turn,
+        which only a measurement makes, and the loop is done). ``since``: when planning this round
+        began (``time.perf_counter()``), if before the call (the plan's ``planning_s`` counts from it)."""
+        start = time.perf_counter() if since is None else since
+        feasible, rejected = self.planner.propose(self.incumbent)
+        self.plan.decisions.extend(rejected)
+        if not self.planner.calibrate:
+            for candidate in feasible:
+                if candidate.when != "accepted":
+                    self.plan.decisions.append(self.planner.undecided(candidate, "a sweep turns on measurements only "
+                                                                                 "(calibrate=False)"))
+                    continue
+                applied = None if self._passed_over(candidate) else self._apply(candidate)
+                if applied is not None:
+                    self._accepted[candidate.id] = True
+                    self.incumbent = applied
+                    self.plan.decisions.append(self.planner.decide(candidate, None))
+            feasible = []
+        self._queue = feasible
+        self.plan.planning_s += time.perf_counter() - start
+        self._calibration_start = time.perf_counter()
+        self._next_round()
+
+    @property
+    def trials(self) -> list[Candidate]:
+        """The candidates the design in progress varies."""
+        return list(self._round)
+
+    def next_graph(self) -> SparseGraph:
+        """The graph the next training step runs: the incumbent with the factors the design applies
+        in that step (the incumbent while the loop waits for candidates)."""
+        return self.incumbent if self._design is None else self._graphs[self._design.next_assignment()]
+
+    def admit(self) -> None:
+        """Propose again on the incumbent (the graph now holds what new candidates need, e.g. built
+        kernels): feasible candidates not proposed feasible before join the queue (their earlier
+        infeasible decisions dropped); the loop no longer waits for more."""
+        known = {c.id for c in self._queue} | set(self._accepted)
+        feasible, _ = self.planner.propose(self.incumbent)
+        new = [c for c in feasible if c.id not in known]
+        admitted = {c.id for c in new}
+        self.plan.decisions = [d for d in self.plan.decisions if d.candidate not in admitted]
+        self._queue += new
+        if new:
+            self.events.append(f"admitted {len(new)} candidate(s) now feasible: {', '.join(sorted(admitted))}")
+        self.expecting = False
+        if self._design is None and not self.done:
+            self._next_round()
+
+    def feedback(self, step_ms: float, sparse_ms: float, lookup_ms: Optional[float] = None,
+                 lookup_wall_ms: Optional[float] = None, step_cpu_ms: Optional[float] = None,
+                 input_ms: Optional[float] = None) -> None:
+        """The measurement of the step that ran :meth:`next_graph`: its whole wall time, the
+        executor's measured regions, its lookup regions (on the lookup clock, and in wall time),
+        the whole step on the training thread's clock and the input side on the lookup clock (each
+        factor's protocol says which one counts). At each of the design's looks (a collective over
+        ``group``) decides the factors whose verdict is in."""
+        design = self._design
+        if design is None:
+            return  # (waiting for candidates on the incumbent: not a calibration step)
+        self._ran.append((self.next_graph(), step_ms))
+        design.record({"step": step_ms, "sparse": sparse_ms, "lookup": lookup_ms, "lookup_wall": lookup_wall_ms,
+                       "step_cpu": step_cpu_ms, "input": input_ms})
+        self.plan.calibration_steps += 1
+        if not design.done:
+            return
+        for j, measurement in enumerate(design.look(self.group)):
+            if measurement is None:
+                continue
+            self._measured[self._round[j].id] = measurement
+            if measurement.estimate.verdict != "undecided" or not design.can_extend:
+                self._decide(j, measurement)
+        if all(f.fixed is not None for f in design.factors):
+            self._end_round()
+        else:
+            design.extend()  # every rank judged the same observations: every rank extends
+
+    @property
+    def progress(self) -> Optional[tuple[int, int]]:
+        """(steps calibrated, steps planned) while calibrating: the design's scheduled steps and the
+        fewest of each design still to come."""
+        if self.done:
+            return None
+        remaining = sum(self._heads(self._round).values())
+        if self._design is not None:
+            remaining += self._design.planned - self._design.recorded
+        return self.plan.calibration_steps, self.plan.calibration_steps + remaining
+
+    def _heads(self, members: list[Candidate]) -> dict[str, int]:
+        """The queued candidates (but ``members``) that will start a design of their own, with that
+        design's fewest steps (:func:`~lightning_sparselift.cost.design.fewest_steps`)."""
+        heads: dict[str, int] = {}
+        starters: list[Candidate] = []
+        for c in self._queue:
+            if c not in members and not any(self._joins(h, c) for h in starters):
+                starters.append(c)
+                protocol = self.planner.protocol(c)
+                heads[c.id] = fewest_steps(self.planner.rule, protocol.warmup_pairs, protocol.settle_steps)
+        return heads
+
+    def abandon(self, why: str) -> None:
+        """Stop before every candidate is decided: the incumbent with the factors accepted so far is
+        the plan, the candidates left are recorded as not calibrated (``why``), with what was
+        measured of them so far."""
+        if self._design is not None:
+            self.incumbent = self._graphs[tuple(f.fixed is True for f in self._design.factors)]
+            left = [c for c, f in zip(self._round, self._design.factors) if f.fixed is None]
+            self._queue = left + [c for c in self._queue if c not in self._round]
+        self.plan.decisions.extend(self.planner.undecided(c, why, self._measured.get(c.id)) for c in self._queue)
+        self._queue, self._round, self._design, self._graphs = [], [], None, {}
+        self.plan.graph = self.incumbent
+        self.done = True
+
+    def _joins(self, head: Candidate, c: Candidate) -> bool:
+        """Whether ``c`` can be a factor of the design that ``head`` starts."""
+        return (c is not head and head.follows is None and c.follows is None
+                and self.planner.stage(head.pass_name) == self.planner.stage(c.pass_name)
+                and self.planner.protocol(head).settle_steps == self.planner.protocol(c).settle_steps)
+
+    def _next_round(self) -> None:
+        """Start the next design: the queue's first candidate, and those after it that can join it
+        in every combination."""
+        while self._queue and self._passed_over(self._queue[0]):
+            self._queue.pop(0)
+        while self._queue and self._apply(self._queue[0]) is None:
+            self._queue.pop(0)  # (infeasible on the incumbent: recorded)
+            while self._queue and self._passed_over(self._queue[0]):
+                self._queue.pop(0)
+        if not self._queue:
+            self._round, self._design, self._graphs = [], None, {}
+            if not self.expecting:
+                self._finish()
+            return
+        head = self._queue[0]
+        members, graphs = [head], {(False,): self.incumbent, (True,): self._apply(head)}
+        for c in self._queue[1:]:
+            if len(members) == MAX_FACTORS:
+                break
+            if self._joins(head, c) and not self._passed_over(c, record=False):
+                combined = self._combine(graphs, c)
+                if combined is not None:
+                    members.append(c)
+                    graphs = combined
+        protocol = self.planner.protocol(head)
+        rule = self.planner.rule
+        left = rule.max_steps - self.plan.calibration_steps - sum(self._heads(members).values())
+        blocks = min(rule.max_pairs, left // (2 * (1 + protocol.settle_steps)) - protocol.warmup_pairs)
+        if blocks < bounding_pairs(1 - rule.confidence):
+            why = f"the calibration budget ({rule.max_steps} steps, calibration_max_steps) is spent"
+            self.plan.decisions.extend(self.planner.undecided(c, why) for c in self._queue)
+            self._queue = []
+            self._finish()
+            return
+        self._round, self._graphs, self._measured = members, graphs, {}
+        self._design = FactorialDesign([Factor(self.planner.protocol(c).region,
+                                               rule.min_gain_for(self.planner.protocol(c).region),
+                                               self.planner.predict_ms(c)) for c in members],
+                                       rule, zlib.crc32(",".join(c.id for c in members).encode()),
+                                       protocol.warmup_pairs, protocol.settle_steps, blocks)
+        steps = f"{self._design.planned} steps, up to {self._design.budget_steps}"
+        for c in members:
+            predicted = self.planner.predict_ms(c)
+            together = f"; with {len(members) - 1} other candidate(s) in the same steps" if len(members) > 1 else ""
+            self.events.append(f"calibrating {c.id} ({steps}"
+                               + (f"; predicted {predicted:+.3f} ms" if predicted is not None else "") + together + ")")
+
+    def _combine(self, graphs: dict[tuple[bool, ...], SparseGraph],
+                 candidate: Candidate) -> Optional[dict[tuple[bool, ...], SparseGraph]]:
+        """Every combination of the design's factors, with and without ``candidate``; None when one
+        of them is infeasible."""
+        out = {}
+        for key, graph in graphs.items():
+            try:
+                out[key + (True,)] = self.planner.apply(graph, candidate)
+            except InfeasibleCandidate:
+                return None
+            out[key + (False,)] = graph
+        return out
+
+    def _passed_over(self, candidate: Candidate, record: bool = True) -> bool:
+        """Whether a sweep's rung is not tried (recorded as such unless ``record`` is False): the
+        rung it follows was not accepted, or the sweep improved in the other direction."""
+        why = None
+        if candidate.follows is not None and candidate.when == "accepted" and not self._accepted.get(candidate.follows):
+            why = f"the sweep stopped: {candidate.follows} was not accepted"
+        elif candidate.unless is not None and self._accepted.get(candidate.unless):
+            why = f"the sweep went the other way: {candidate.unless} was accepted"
+        if why is None:
+            return False
+        if record:
+            self._accepted[candidate.id] = False
+            self.plan.decisions.append(self.planner.undecided(candidate, why))
+        return True
+
+    def _apply(self, candidate: Candidate) -> Optional[SparseGraph]:
+        """The incumbent with ``candidate`` applied; None, with the decision recorded, when the
+        candidates accepted since it was proposed made it infeasible."""
+        try:
+            return self.planner.apply(self.incumbent, candidate)
+        except InfeasibleCandidate as error:
+            self._accepted[candidate.id] = False
+            self.plan.decisions.append(Decision(candidate.id, candidate.pass_name, candidate.module, candidate.role,
+                                                False, [str(error)], self.planner.predict_ms(candidate), None, None,
+                                                False, f"infeasible after the candidates accepted before it: {error}"))
+            return None
+
+    def _decide(self, j: int, measurement: Measurement) -> None:
+        """The design's factor ``j`` is decided: recorded, and fixed for the blocks that follow."""
+        candidate = self._round[j]
+        decision = self.planner.decide(candidate, measurement)
+        self.plan.decisions.append(decision)
+        self._accepted[candidate.id] = decision.accepted
+        self._design.fix(j, decision.accepted)
+        self._queue.remove(candidate)
+        self.events.append(f"{candidate.id}: {'accepted' if decision.accepted else 'rejected'}, {decision.reason}")
+
+    def _end_round(self) -> None:
+        """Every factor is decided: the incumbent takes the accepted ones. Two accepted ones whose
+        interaction (from the block sums) lies surely above zero are reported, not acted on: the
+        block sums are not paired, so drift slower than a block (a busy machine) enters them; the
+        steady-state check measures the plan as a whole."""
+        design = self._design
+        accepted = [j for j, f in enumerate(design.factors) if f.fixed]
+        for j in accepted:
+            for k in (k for k in accepted if k > j):
+                both = design.interaction(j, k)
+                if both is not None and both.interval_ms[0] > 0:
+                    self.events.append(f"{self._round[j].id} and {self._round[k].id} together: {both.ms:+.3f} ms "
+                                       f"beyond their own effects ({self.planner.rule.confidence:.0%} bounds "
+                                       f"[{both.interval_ms[0]:+.3f}, {both.interval_ms[1]:+.3f}] over {both.blocks} "
+                                       f"blocks); the steady-state check measures the plan as a whole")
+        self.incumbent = self._graphs[tuple(bool(f.fixed) for f in design.factors)]
+        self._round, self._design, self._graphs, self._measured = [], None, {}, {}
+        self._next_round()
+
+    def _finish(self) -> None:
+        plan = self.plan
+        plan.calibration_s = time.perf_counter() - self._calibration_start if plan.calibration_steps else 0.0
+        plan.graph = self.incumbent
+        installed = [ms for graph, ms in self._ran if graph is self.incumbent]
+        if installed:  # (the last candidate's arms always include the plan installed)
+            plan.calibration_excess_s = (sum(ms for _, ms in self._ran) - len(self._ran) * median(installed)) / 1e3
+        self.done = True
