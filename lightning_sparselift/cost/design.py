@@ -184,6 +184,8 @@ class FactorialDesign:
                 partial = center + (partial - center) * math.sqrt(len(partial) / free)
             estimate = increment_estimate(partial.tolist(), self.alphas[self._look], -factor.min_gain * step, noise,
                                           int((varied & ~kept).sum()))
+            if free < bounding_pairs(self.alphas[self._look]):  # (too few blocks beyond the effects fitted)
+                estimate = replace(estimate, interval_ms=(-math.inf, math.inf), verdict="undecided")
             estimate = judged(estimate, self.looks[self._look], self.rule, self.can_extend)
             if estimate.verdict == "undecided" and self.can_extend:
                 estimate = self._futile(estimate, factor.predicted_ms, robust_sigma(partial.tolist()))
@@ -261,3 +263,11 @@ def fewest_steps(rule: DecisionRule, warmup_blocks: int, settle_steps: int) -> i
     """The steps of the smallest design that can decide anything: its warmup and one look at the
     fewest blocks whose bounds exist at the rule's confidence."""
     return 2 * (warmup_blocks + bounding_pairs(1 - rule.confidence)) * (1 + settle_steps)
+
+
+def most_factors(rule: DecisionRule, max_blocks: int) -> int:
+    """The most factors a design of ``max_blocks`` can decide: its last look must leave, beyond the
+    other factors' fitted effects, as many blocks as the signed-rank bounds need at its share of
+    the error rate (at most :data:`MAX_FACTORS`)."""
+    looks = look_points(2, max_blocks, rule.confidence)
+    return max(1, min(MAX_FACTORS, looks[-1] - bounding_pairs(look_alphas(looks, rule.confidence)[-1]) + 1))

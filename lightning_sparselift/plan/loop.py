@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_sparselift.cost.calibration import Measurement
 from lightning_sparselift.cost.decision import bounding_pairs
-from lightning_sparselift.cost.design import MAX_FACTORS, Factor, FactorialDesign, fewest_steps
+from lightning_sparselift.cost.design import Factor, FactorialDesign, fewest_steps, most_factors
 from lightning_sparselift.passes import Candidate, InfeasibleCandidate
 from lightning_sparselift.plan.planner import Planner
 from lightning_sparselift.plan.types import Decision, ExecutionPlan, PlanFingerprint
@@ -198,18 +198,9 @@ class PlanningLoop:
                 self._finish()
             return
         head = self._queue[0]
-        members, graphs = [head], {(False,): self.incumbent, (True,): self._apply(head)}
-        for c in self._queue[1:]:
-            if len(members) == MAX_FACTORS:
-                break
-            if self._joins(head, c) and not self._passed_over(c, record=False):
-                combined = self._combine(graphs, c)
-                if combined is not None:
-                    members.append(c)
-                    graphs = combined
         protocol = self.planner.protocol(head)
         rule = self.planner.rule
-        left = rule.max_steps - self.plan.calibration_steps - sum(self._heads(members).values())
+        left = rule.max_steps - self.plan.calibration_steps - sum(self._heads([head]).values())
         blocks = min(rule.max_pairs, left // (2 * (1 + protocol.settle_steps)) - protocol.warmup_pairs)
         if blocks < bounding_pairs(1 - rule.confidence):
             why = f"the calibration budget ({rule.max_steps} steps, calibration_max_steps) is spent"
@@ -217,6 +208,18 @@ class PlanningLoop:
             self._queue = []
             self._finish()
             return
+        members, graphs = [head], {(False,): self.incumbent, (True,): self._apply(head)}
+        for c in self._queue[1:]:
+            if len(members) == most_factors(rule, blocks):
+                break
+            if self._joins(head, c) and not self._passed_over(c, record=False):
+                combined = self._combine(graphs, c)
+                if combined is not None:
+                    members.append(c)
+                    graphs = combined
+        # (what the designs still to come need at least, now that these candidates are in this one)
+        left = rule.max_steps - self.plan.calibration_steps - sum(self._heads(members).values())
+        blocks = min(rule.max_pairs, left // (2 * (1 + protocol.settle_steps)) - protocol.warmup_pairs)
         self._round, self._graphs, self._measured = members, graphs, {}
         self._design = FactorialDesign([Factor(self.planner.protocol(c).region,
                                                rule.min_gain_for(self.planner.protocol(c).region),

@@ -114,3 +114,19 @@ def test_a_step_that_did_not_report_a_factors_region_is_an_error():
 
 def test_the_fewest_steps_of_a_design():
     assert fewest_steps(DecisionRule(), 1, 0) == 2 * (1 + 5) and fewest_steps(DecisionRule(), 1, 1) == 4 * (1 + 5)
+
+
+def test_a_design_never_bounds_a_factor_from_fewer_blocks_than_the_others_fitted_effects_leave():
+    from lightning_sparselift.cost.design import most_factors
+
+    # 5 blocks and 6 factors: the least-squares fit explains every difference, a zero-width interval
+    design = FactorialDesign([Factor("step", 0.005)] * 6, DecisionRule(confidence=0.95, max_pairs=5), seed=2)
+    rng = random.Random(1)
+    while not design.done:
+        on = design.next_assignment()
+        design.record(_values(80.0 - 4.0 * on[0] + rng.gauss(0.0, 1.0)))
+    assert all(m.estimate.verdict == "undecided" and m.estimate.interval_ms == (float("-inf"), float("inf"))
+               for m in design.look(None))
+    # so a round puts one candidate in a design that small, and up to six in the default one
+    assert most_factors(DecisionRule(confidence=0.95, max_pairs=5), 5) == 1
+    assert most_factors(DecisionRule(), 119) == 6
