@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Optional
 
 from lightning_sparselift.cost.calibration import CalibrationProtocol, Measurement
 from lightning_sparselift.cost.decision import DecisionRule
+from lightning_sparselift.cost.design import PREDICTION_SLACK
 from lightning_sparselift.cost.priors import Priors
 from lightning_sparselift.passes import Candidate, OptimizationPass
 from lightning_sparselift.plan.types import Decision, ExecutionPlan, PlanFileError
@@ -106,9 +107,10 @@ class Planner:
                  f"would not make it win")
         reason = {"faster": f"faster: {evidence}", "slower": f"slower: {evidence}",
                   "negligible": f"negligible: {evidence}; {short}; rejected",
-                  "futile": f"futile: {evidence}; neither it nor the prediction ({predicted:+.3f} ms) reaches "
-                            f"{e.resolvable_ms:+.3f} ms, the smallest effect the design's budget would resolve; "
-                            f"rejected" if e.resolvable_ms is not None and predicted is not None else "",
+                  "futile": f"futile: {evidence}; neither it nor {PREDICTION_SLACK:g}x the prediction "
+                            f"({predicted:+.3f} ms) reaches {e.resolvable_ms:+.3f} ms, the smallest effect the "
+                            f"design's budget would resolve; rejected"
+                  if e.resolvable_ms is not None and predicted is not None else "",
                   "undecided": f"undecided after the pair budget: {evidence}; rejected (do no harm)"}[e.verdict]
         return self._measured(candidate, measurement, e.verdict == "faster", reason)
 
