@@ -65,9 +65,9 @@ class DecisionRule:
     # measured together (cost/design.py), many candidates share their steps, so a round's budget is
     # set by the hardest one. Injected timings (test_decision.py's: 6 ms step noise with heavy
     # tails; one candidate, 200 seeds): at 0.95 and 128 pairs (119 within the round's 240 steps)
-    # a -4.5 ms effect was accepted 200 times and one without effect 3 times; at 96 pairs 196 and
-    # 5; at 0.99 / 64 pairs 31 of 40 at -4.5 ms. The smallest gain below keeps a candidate without
-    # effect from passing at the nominal rate
+    # a -4.5 ms effect was accepted 198 times, -3 ms 135 times and one without effect 4 times; at
+    # 96 pairs -4.5 ms 196 times; at 0.99 / 64 pairs 31 of 40. The smallest gain below keeps a
+    # candidate without effect from passing at the nominal rate
     confidence: float = 0.95
     # measured blocks (pairs) one design may use before its undecided candidates are rejected
     max_pairs: int = 128

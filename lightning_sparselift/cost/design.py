@@ -1,8 +1,9 @@
 """Several candidates measured in the same training steps: a randomized two-level fold-over design.
 
 A block is two runs of ``1 + settle_steps`` steps each, the last step of each run observed. The
-first run applies a random half of the design's factors (candidates, each on or off; a seeded
-generator draws the same assignment on every rank), the second run the complement. For each
+first run applies a half of the design's factors (candidates, each on or off; drawn from a
+balanced orthogonal array in a seeded random order, the same on every rank), the second run the
+complement. For each
 measured region (a factor's protocol's ``region``), the difference of the block's two observed
 steps is the sum of the factors' effects, each signed by its assignment (+1: on in the second run,
 -1: on in the first), plus noise; drift slower than a block cancels in it. A factor's effect is
@@ -39,6 +40,8 @@ from lightning_sparselift.cost.decision import (
 REGIONS = ("step", "sparse", "lookup", "lookup_wall", "step_cpu", "input")
 # the most factors one design varies: every subset of them is a graph the runtime may install
 MAX_FACTORS = 6
+# Sylvester's Hadamard matrix of order 8: its columns 1-7 are balanced and pairwise orthogonal
+_HADAMARD_8 = np.kron(np.kron([[1, 1], [1, -1]], [[1, 1], [1, -1]]), [[1, 1], [1, -1]]).tolist()
 # the power the futility rule asks of the whole budget (nine times in ten: z of 0.9)
 _POWER_Z = 1.2816
 # how far the futility rule lets the model's prediction be off: the priors were 2-3x too small for
@@ -92,16 +95,30 @@ class FactorialDesign:
         self._steps = 0
         self._blocks = 0
         self._slowest: Optional[np.ndarray] = None  # the last look's observations, slowest rank per step
+        self._cycle: list[tuple[bool, ...]] = []  # the first runs' assignments still to draw
         self._add_blocks(warmup_blocks + self.looks[0])
 
     # ------------------------------------------------------------------ steps
     def _add_blocks(self, blocks: int) -> None:
         run = 1 + self.settle_steps
         for _ in range(blocks):
-            first = tuple(f.fixed if f.fixed is not None else self._rng.random() < 0.5 for f in self.factors)
+            if not self._cycle:
+                self._cycle = self._orthogonal_cycle()
+            drawn = self._cycle.pop()
+            first = tuple(f.fixed if f.fixed is not None else on for f, on in zip(self.factors, drawn))
             second = tuple(f.fixed if f.fixed is not None else not on for f, on in zip(self.factors, first))
             self._schedule += [(a, i == run - 1) for a in (first, second) for i in range(run)]
         self._blocks += blocks
+
+    def _orthogonal_cycle(self) -> list[tuple[bool, ...]]:
+        """Eight blocks' first-run assignments in which every two factors are balanced against
+        each other (columns of an order-8 Hadamard matrix: their signs are orthogonal, so the
+        least-squares effects are as well separated as they can be), in a random order and with a
+        random sign per factor (independent draws came out nearly collinear in short designs)."""
+        rows = list(range(8))
+        self._rng.shuffle(rows)
+        flips = [self._rng.random() < 0.5 for _ in self.factors]
+        return [tuple((_HADAMARD_8[r][j + 1] > 0) != flip for j, flip in enumerate(flips)) for r in rows]
 
     def next_assignment(self) -> Optional[tuple[bool, ...]]:
         """Per factor, whether the next step applies it; None once the scheduled steps ran."""

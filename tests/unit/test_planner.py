@@ -12,6 +12,7 @@ from lightning_sparselift.cost.calibration import Measurement
 from lightning_sparselift.cost.decision import DecisionRule, paired_estimate
 from lightning_sparselift.cost.priors import AlphaBeta, LookupModel, Priors
 from lightning_sparselift.ir import SparseGraph
+from lightning_sparselift.ir.schedule import GENERATED_KERNEL
 from lightning_sparselift.passes import select_passes
 from lightning_sparselift.plan import Decision, ExecutionPlan, PlanFileError, PlanFingerprint, Planner, PlanningLoop
 
@@ -48,30 +49,54 @@ def _run(loop: PlanningLoop, step_ms) -> int:
     return steps
 
 
-def test_candidates_are_calibrated_together_on_top_of_the_incumbent_and_kept_when_faster():
+def test_every_candidate_is_calibrated_on_top_of_the_incumbent_and_kept_when_faster():
     loop = _loop(ALL)
-    # the first look: 1 warmup + 12 measured blocks of the design of aggregation's two candidates
-    # and early start (2 steps each), then the fewest steps of next batch's own design (settled:
-    # 4 steps per block, 1 warmup + 5 blocks)
-    assert loop.progress == (0, 26 + 24)
-    assert [c.role for c in loop.trials] == ["input", "output", "early_start"]  # (no priors: the passes' order)
+    # aggregation's candidates are measured on the executor's sparse regions, which the others'
+    # schedules change: each in a design of its own (1 warmup + 12 measured blocks of 2 steps at
+    # the first look); early start's design, then next batch's (settled: 4 steps per block)
+    assert loop.progress == (0, 26 + 12 + 12 + 24)
+    assert [c.role for c in loop.trials] == ["input"]  # (no priors: the passes' order)
     seen = []
 
     def step_ms(graph: SparseGraph, applied: int) -> float:
         seen.append(len(graph.provenance))
         return 10.0 - 5.0 * applied  # each candidate 5 ms faster
 
-    # noiseless: the three decided at the first look; next batch accepted at its second (its first
-    # look, 11 blocks, comes before any candidate may be accepted: 12)
-    assert _run(loop, step_ms) == 26 + 92 == loop.plan.calibration_steps
+    # noiseless: each decided at its first look; next batch at its second (its first, 10 blocks,
+    # comes before any candidate may be accepted: 12)
+    assert _run(loop, step_ms) == 26 + 26 + 26 + 84 == loop.plan.calibration_steps
     assert loop.progress is None
     assert [(d.accepted, d.measured_ms) for d in loop.plan.decisions] == [(True, pytest.approx(-5.0))] * 4
-    # the design ran every combination of its three; next batch's ran on top of all three
+    # each design ran on top of the incumbent with the candidates accepted before it
     assert sorted(set(seen)) == [0, 1, 2, 3, 4]
-    assert sorted(p.split(":")[0] for p in loop.plan.graph.provenance) == ["aggregation", "aggregation",
-                                                                            "latency_hiding", "latency_hiding"]
-    assert loop.events[0].startswith("calibrating aggregation:input@") and "with 2 other candidate(s) in " \
-        "the same steps" in loop.events[0]
+    assert [p.split(":")[0] for p in loop.plan.graph.provenance] == ["aggregation", "aggregation",
+                                                                      "latency_hiding", "latency_hiding"]
+    assert loop.events[0].startswith("calibrating aggregation:input@")
+
+
+def test_candidates_measured_on_their_own_regions_share_a_design():
+    from test_codegen import _with_generated
+
+    identity = _with_generated(_identity())
+    optimizations = ["latency_hiding:early_start", "codegen:lookup"]
+    fingerprint = PlanFingerprint(identity.fingerprint(), "sharding", 2, "gloo", {}, optimizations)
+    loop = PlanningLoop(Planner(select_passes(optimizations), None, True, RULE), fingerprint, identity, None)
+    loop.propose()
+    assert sorted(c.role for c in loop.trials) == ["early_start", "lookup"]
+    steps = 0
+    while not loop.done:
+        graph = loop.next_graph()
+        early = graph.module(EBC).schedule.lookup_at == "root_forward"
+        generated = graph.module(EBC).schedule.region("lookup", 0).kernel == GENERATED_KERNEL
+        step = 80.0 - 3.0 * early - 0.5 * generated
+        loop.feedback(step, 10.0, 4.0 - 0.5 * generated, 4.0, step, 1.0)
+        steps += 1
+    # both decided from the same 12 blocks: each on its own region (the step; the lookups' clock)
+    assert steps == 26 == loop.plan.calibration_steps
+    assert sorted((d.role, d.accepted, round(d.measured_ms, 6), d.pairs) for d in loop.plan.decisions
+                  if d.feasible and d.role in ("early_start", "lookup")) == [
+        ("early_start", True, -3.0, 12), ("lookup", True, -0.5, 12)]
+    assert "with 1 other candidate(s) in the same steps" in loop.events[0]
 
 
 def test_a_slower_candidate_is_rejected_and_the_incumbent_stays():
@@ -91,13 +116,13 @@ def test_without_calibration_every_feasible_candidate_is_applied_at_once():
 def test_an_abandoned_loop_keeps_its_incumbent_and_records_the_candidates_left_with_what_was_measured():
     loop = _loop(["aggregation", "latency_hiding"])
     steps = _Steps()
-    for _ in range(26 + 5):  # the first design decided at its first look, 5 steps into next batch's
+    for _ in range(26 + 5):  # the merged input decided at its first look, 5 steps into the merged output's
         loop.feedback(*steps(loop.next_graph()))
     loop.abandon("training ended")
     assert loop.done and loop.progress is None
     assert [(d.accepted, d.reason) for d in loop.plan.decisions][-1] == (
         False, "not calibrated: training ended")
-    assert len(loop.plan.graph.provenance) == 2  # early start and the merged input
+    assert len(loop.plan.graph.provenance) == 1  # the merged input
 
 
 def test_an_abandoned_design_reports_what_it_measured_so_far():
@@ -250,7 +275,7 @@ def _calibrating_loop(graph: SparseGraph) -> PlanningLoop:
     return loop
 
 
-def test_the_loop_decides_each_candidate_from_its_region_in_designs_on_top_of_the_incumbent():
+def test_the_loop_decides_each_candidate_from_its_protocol_steps_on_top_of_the_incumbent():
     identity = _identity()
     loop = _calibrating_loop(identity)
     steps, ran, progress = _Steps(), [], [loop.progress]
@@ -261,32 +286,35 @@ def test_the_loop_decides_each_candidate_from_its_region_in_designs_on_top_of_th
         progress.append(loop.progress)
     early, ahead, packed, merged = (f"latency_hiding:early_start@{EBC}", f"latency_hiding:next_batch@{EBC}",
                                     f"aggregation:input@{EBC}", f"aggregation:output@{EBC}")
-    # one design of early start and aggregation's two (the same stage, no settle step), decided at
-    # its first look (12 blocks); then next batch alone (settled), on top of the two accepted
-    assert ran[:26] == [(n, ["early_start", "input", "output"]) for n, _ in ran[:26]]
-    assert {n for n, _ in ran[:26]} == {0, 1, 2, 3} and {n for n, _ in ran[26:]} == {2, 3}
-    assert progress[:2] == [(0, 50), (1, 50)] and progress[26] == (26, 74) and progress[-1] is None
-    assert loop.plan.calibration_steps == 26 + 92
+    # by predicted gain; aggregation's measured on the sparse regions, each alone; early start
+    # decided at its first look (12 blocks), next batch (settled) and the merged input at their
+    # second (their first looks, shrunk to the round's budget, come before 12 blocks), the merged
+    # output rejected at its first
+    assert [roles for _, roles in ran[:26]] == [["early_start"]] * 26
+    assert [roles for _, roles in ran[26:26 + 92]] == [["next_batch"]] * 92
+    assert progress[:2] == [(0, 74), (1, 74)] and progress[-1] is None
+    assert loop.plan.calibration_steps == 26 + 92 + 46 + 22
     # early start: 2 ms per step; next batch: 1 ms once settled (its first step's 5 ms are never
     # observed); the merged input: 4 collectives fewer; the merged output: 2 fewer but 3 ms of copies
-    # (each block's observations hold the other factors' effects too: the estimate takes them out)
-    assert [(d.candidate, d.accepted, pytest.approx(d.measured_ms)) for d in loop.plan.decisions] == [
-        (early, True, -2.0), (packed, True, -4.0), (merged, False, 1.0), (ahead, True, -1.0)]
-    assert [d.pairs for d in loop.plan.decisions] == [12, 12, 12, 22]
-    assert [d.predicted_ms for d in loop.plan.decisions] == pytest.approx([-0.20768, -0.17952, -0.06928, -0.20512])
-    assert loop.plan.decisions[2].reason == "slower: +1.000 ms, 95% bounds [+1.000, +1.000] over 12 pairs (noise 0.000 ms)"
-    together = "; with 2 other candidate(s) in the same steps)"
+    assert [(d.candidate, d.accepted, pytest.approx(d.measured_ms), [[t1 - t0 for t0, t1 in obs][0]
+                                                                     for obs in d.observations_ms])
+            for d in loop.plan.decisions] == [
+        (early, True, -2.0, [-2.0]), (ahead, True, -1.0, [-1.0]), (packed, True, -4.0, [-4.0]),
+        (merged, False, 1.0, [1.0])]
+    assert [d.pairs for d in loop.plan.decisions] == [12, 22, 22, 10]
+    assert [d.predicted_ms for d in loop.plan.decisions] == pytest.approx([-0.20768, -0.20512, -0.17952, -0.06928])
+    assert loop.plan.decisions[3].reason == "slower: +1.000 ms, 95% bounds [+1.000, +1.000] over 10 pairs (noise 0.000 ms)"
     assert loop.events == [
-        f"calibrating {early} (26 steps, up to 216; predicted -0.208 ms{together}",
-        f"calibrating {packed} (26 steps, up to 216; predicted -0.180 ms{together}",
-        f"calibrating {merged} (26 steps, up to 216; predicted -0.069 ms{together}",
-        f"{early}: accepted, {FAST}", f"{packed}: accepted, {FAST.replace('2.000', '4.000')}",
-        f"{merged}: rejected, slower: +1.000 ms, 95% bounds [+1.000, +1.000] over 12 pairs (noise 0.000 ms)",
-        f"calibrating {ahead} (48 steps, up to 212; predicted -0.205 ms)",
-        f"{ahead}: accepted, {FAST.replace('2.000', '1.000').replace('12 pairs', '22 pairs')}"]
+        f"calibrating {early} (26 steps, up to 192; predicted -0.208 ms)", f"{early}: accepted, {FAST}",
+        f"calibrating {ahead} (48 steps, up to 188; predicted -0.205 ms)",
+        f"{ahead}: accepted, {FAST.replace('2.000', '1.000').replace('12 pairs', '22 pairs')}",
+        f"calibrating {packed} (24 steps, up to 110; predicted -0.180 ms)",
+        f"{packed}: accepted, {FAST.replace('2.000', '4.000').replace('12 pairs', '22 pairs')}",
+        f"calibrating {merged} (22 steps, up to 76; predicted -0.069 ms)",
+        f"{merged}: rejected, slower: +1.000 ms, 95% bounds [+1.000, +1.000] over 10 pairs (noise 0.000 ms)"]
     # the plan runs the accepted candidates, in their order, on the identity graph
     expected = identity
-    for cid in (early, packed, ahead):
+    for cid in (early, ahead, packed):
         planner = loop.planner
         (c,) = [c for c in planner.propose(identity)[0] if c.id == cid]
         expected = planner.apply(expected, c)
@@ -302,7 +330,7 @@ def test_a_plan_the_loop_made_is_saved_loaded_and_rebuilt(tmp_path):
         loop.feedback(*steps(loop.next_graph()))
     plan = loop.plan
     assert [d.accepted for d in plan.decisions] == [False] * 4 + [True] * 4  # infeasible ones first
-    assert plan.calibration_steps == 26 + 92  # one design of three at its first look; next batch settled
+    assert plan.calibration_steps == 190  # each candidate in a design of its own on this graph
     plan.save(tmp_path / "plan.json")
     loaded = ExecutionPlan.load(tmp_path / "plan.json")
     assert loaded.to_dict() == json.loads(json.dumps(plan.to_dict()))
@@ -357,20 +385,19 @@ def test_with_nothing_feasible_the_loop_is_done_at_once_on_the_identity():
 def test_an_abandoned_loop_records_every_candidate_left_with_its_prediction():
     loop = _calibrating_loop(_identity())
     steps = _Steps()
-    for _ in range(26 + 5):  # the first design decided, 5 steps into next batch's
+    for _ in range(26 + 5):  # early start decided, 5 steps into next batch's design
         loop.feedback(*steps(loop.next_graph()))
-    assert loop.progress == (31, 74)
+    assert loop.progress == (31, 26 + 48 + 12 + 12)
     loop.abandon("the trainer stopped")
     assert loop.done and loop.progress is None and loop.trials == [] and loop.plan.calibration_steps == 31
     assert [(d.candidate.split("@")[0], d.feasible, d.accepted, d.reason) for d in loop.plan.decisions] == [
         ("latency_hiding:early_start", True, True, FAST),
-        ("aggregation:input", True, True, FAST.replace("2.000", "4.000")),
-        ("aggregation:output", True, False, "slower: +1.000 ms, 95% bounds [+1.000, +1.000] over 12 pairs (noise "
-                                            "0.000 ms)"),
-        ("latency_hiding:next_batch", True, False, "not calibrated: the trainer stopped")]
-    assert loop.plan.decisions[-1].predicted_ms == pytest.approx(-0.20512)
-    assert loop.plan.graph is loop.incumbent and sorted(p.split(":")[0] for p in loop.plan.graph.provenance) == [
-        "aggregation", "latency_hiding"]
+        ("latency_hiding:next_batch", True, False, "not calibrated: the trainer stopped"),
+        ("aggregation:input", True, False, "not calibrated: the trainer stopped"),
+        ("aggregation:output", True, False, "not calibrated: the trainer stopped")]
+    assert [d.predicted_ms for d in loop.plan.decisions[1:]] == pytest.approx([-0.20512, -0.17952, -0.06928])
+    assert loop.plan.graph is loop.incumbent and [p.split(":")[0] for p in loop.plan.graph.provenance] == [
+        "latency_hiding"]
 
 
 def test_a_saved_graph_with_other_modules_is_named_by_its_paths():
