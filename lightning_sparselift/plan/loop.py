@@ -51,8 +51,8 @@ class PlanningLoop:
         self.incumbent = identity
         self.events = events if events is not None else []  # what happened, for the caller to report
         self.done = False
-        # candidates may still come (:meth:`admit`): with nothing left to calibrate, the loop waits on
-        # the incumbent instead of finishing
+        # candidates may still come (:meth:`admit`): until they do, the loop waits on the incumbent
+        # (no design starts: one would spend the round's budget without them)
         self.expecting = False
         self._queue: list[Candidate] = []  # feasible candidates not decided yet, the design's among them
         self._round: list[Candidate] = []  # the factors of the design in progress
@@ -197,7 +197,7 @@ class PlanningLoop:
             self._queue.pop(0)  # (infeasible on the incumbent: recorded)
             while self._queue and self._passed_over(self._queue[0]):
                 self._queue.pop(0)
-        if not self._queue:
+        if not self._queue or self.expecting:
             self._round, self._design, self._graphs = [], None, {}
             if not self.expecting:
                 self._finish()

@@ -298,6 +298,9 @@ class SparseLiftSession:
         self.loop = PlanningLoop(planner, fingerprint, self.identity, self.group, self.events)
         self.loop.plan.kernel_builds = self.kernel_builds
         self.loop.expecting = self._builds is not None
+        if self.loop.expecting:
+            self.events.append("the generated kernels are still building, on a thread of their own: calibration "
+                               "starts once every rank has them (training goes on meanwhile)")
         self.phase = "plan"
         self.loop.propose(since=start)
         if self.loop.done:

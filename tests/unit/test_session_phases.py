@@ -251,18 +251,18 @@ def test_kernel_candidates_join_the_round_once_every_ranks_background_builds_are
     session.loop.expecting = True
     session.loop.propose()
     session.phase = "plan"
-    assert [c.id.split("@")[0] for c in session.loop.trials] == ["latency_hiding:early_start"]
-    for _ in range(60):  # early start decided (no effect), then the loop waits: training goes on
+    assert session.loop.trials == []  # no design starts without the kernel candidates
+    for _ in range(20):  # training goes on, on the incumbent: no calibration step
         session.begin_step()
         session.end_step()
-    assert session.phase == "plan" and session.loop.trials == [] and session._builds is not None
-    assert session.loop.plan.calibration_steps < 60  # the waiting steps are not calibration steps
+    assert session.phase == "plan" and session._builds is not None and session.loop.plan.calibration_steps == 0
     release.set()
     session._builds._thread.join(5)
     for _ in range(CHECK_EVERY):
         session.begin_step()
         session.end_step()
-    assert session._builds is None and [c.id.split("@")[0] for c in session.loop.trials] == ["codegen:lookup"]
+    assert session._builds is None
+    assert sorted(c.id.split("@")[0] for c in session.loop.trials) == ["codegen:lookup", "latency_hiding:early_start"]
     assert any(e.startswith("admitted 1 candidate(s) now feasible: codegen:lookup@") for e in session.events)
     assert any("on a thread of their own; training waited 0.00 s for them" in e for e in session.events)
     while session.phase == "plan":
