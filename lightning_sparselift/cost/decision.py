@@ -198,12 +198,14 @@ def increment_estimate(diffs: list[float], alpha: float, threshold_ms: float, no
     return PairedEstimate(estimate, (low, high), noise_ms, len(diffs), outliers, verdict, threshold_ms)
 
 
-def judged(e: PairedEstimate, pairs_at_look: int, rule: DecisionRule, can_extend: bool) -> PairedEstimate:
+def judged(e: PairedEstimate, pairs_at_look: int, rule: DecisionRule) -> PairedEstimate:
     """A sequential calibration's verdict at one look: no acceptance before the rule's
-    ``accept_from_pairs`` (while more pairs can come); an undecided candidate is ``negligible``
-    once its interval lies above the smallest gain (it is surely smaller than worth a change) or,
-    from :data:`NEGLIGIBLE_FROM_PAIRS` pairs on, its estimate is not even half that gain."""
-    if e.verdict == "faster" and pairs_at_look < rule.accept_from_pairs and can_extend:
+    ``accept_from_pairs`` (or its ``max_pairs``, if fewer: a budget set that small decides with
+    it), also when a round's budget leaves a design fewer; an undecided candidate is
+    ``negligible`` once its interval lies above the smallest gain (it is surely smaller than worth
+    a change) or, from :data:`NEGLIGIBLE_FROM_PAIRS` pairs on, its estimate is not even half that
+    gain."""
+    if e.verdict == "faster" and pairs_at_look < min(rule.accept_from_pairs, rule.max_pairs):
         e = replace(e, verdict="undecided")
     if e.verdict == "undecided" and (e.interval_ms[0] > e.threshold_ms or (
             e.pairs >= NEGLIGIBLE_FROM_PAIRS and e.increment_ms > e.threshold_ms / 2)):

@@ -207,7 +207,7 @@ class FactorialDesign:
                                           int((varied & ~kept).sum()))
             if free < bounding_pairs(self.alphas[self._look]):  # (too few blocks beyond the effects fitted)
                 estimate = replace(estimate, interval_ms=(-math.inf, math.inf), verdict="undecided")
-            estimate = judged(estimate, self.looks[self._look], self.rule, self.can_extend)
+            estimate = judged(estimate, self.looks[self._look], self.rule)
             if estimate.verdict == "undecided" and self.can_extend:
                 estimate = self._futile(estimate, factor.predicted_ms, robust_sigma(partial.tolist()))
             off_on = [[[float(arm[b, r]) for arm in ((ran_first, ran_second) if signs[b, j] > 0 else

@@ -270,8 +270,7 @@ class SparseLiftSession:
         self._round_started = self.steps
         # (a saved plan is rebuilt with its kernels, and a round without calibration applies them at
         # once: both wait for them; a calibrating round admits them when they are there)
-        self._admit_builds(None if (reuse_saved and self.options.plan_path) or not self.options.calibrate
-                           else kernel_builds.GRACE_S)
+        self._admit_builds(None if (reuse_saved and self.options.plan_path) or not self.options.calibrate else 0.0)
         fingerprint = plan_store.fingerprint(self.identity, self.sharding_plan, self.world, self.options.optimizations)
         saved = plan_store.reuse(self.options.plan_path, fingerprint, self.identity, self.passes,
                                  self.options.drift_ratio, self.group, self.steps) if reuse_saved else plan_store.Reuse()

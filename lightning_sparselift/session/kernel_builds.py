@@ -15,9 +15,6 @@ from lightning_sparselift.plan.types import KernelBuild
 from lightning_sparselift.runtime import InstalledExecutor
 from lightning_sparselift.session.ranks import gather
 
-# how long planning waits for the builds before it starts without the kernel candidates: loading
-# every kernel from the cache took at most ~1.2 s here; a compile takes 5-40 s
-GRACE_S = 3.0
 # steps between two checks whether every rank's builds finished (one small all-reduce each)
 CHECK_EVERY = 4
 
