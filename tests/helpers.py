@@ -17,6 +17,9 @@ TINY_TABLES = [40, 40, 300, 300, 1000, 7]
 # a calibration budget of 5 measured pairs: one look at 95% (the fewest pairs its signed-rank bounds
 # exist for; the default 99% needs 7), so every candidate is decided within 12 steps
 ONE_LOOK = {"calibration_confidence": 0.95, "calibration_max_pairs": 5}
+# what executor_in_use says once the lifted executor runs: a plan, or a planning round's trial plans
+# (a short run can end while calibrating)
+LIFTED = ("sparselift", "calibrating")
 
 
 def free_port() -> int:
