@@ -88,6 +88,11 @@ class PlanningLoop:
         self._next_round()
 
     @property
+    def waiting(self) -> bool:
+        """Whether the loop waits for candidates (:attr:`expecting`) on the incumbent, no design running."""
+        return self._design is None and not self.done
+
+    @property
     def trials(self) -> list[Candidate]:
         """The candidates the design in progress varies."""
         return list(self._round)

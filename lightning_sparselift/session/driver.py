@@ -74,6 +74,7 @@ class SparseLiftSession:
         self.lift_seconds, self.plan_reused = 0.0, False
         self.kernel_builds: list[KernelBuild] = []  # the generated kernels built since the lift, every rank's
         self._builds: Optional[KernelBuilds] = None  # while they are being built
+        self.kernel_wait_steps = 0  # training steps a planning round waited on for them (not calibration steps)
         self.time = CompilerTime()
         self.steps = 0  # training steps ended since the session began
         self.torchrec_path_steps = 0  # of those after the lift, the ones a lifted module ran on TorchRec's path
@@ -148,6 +149,7 @@ class SparseLiftSession:
             self.installed.use(self.loop.incumbent)
             if on_torchrec:
                 return False
+            self.kernel_wait_steps += self.loop.waiting
             self.loop.feedback(**regions)
             if self._builds is not None and self.steps % kernel_builds.CHECK_EVERY == 0:
                 self._admit_builds(0.0)

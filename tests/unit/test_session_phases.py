@@ -256,6 +256,7 @@ def test_kernel_candidates_join_the_round_once_every_ranks_background_builds_are
         session.begin_step()
         session.end_step()
     assert session.phase == "plan" and session._builds is not None and session.loop.plan.calibration_steps == 0
+    assert session.kernel_wait_steps == 20
     release.set()
     session._builds._thread.join(5)
     for _ in range(CHECK_EVERY):

@@ -78,7 +78,8 @@ def session_report(session: Any) -> dict[str, Any]:
             "predicted_change_ms": plan.predicted_change_ms, "measured_change_ms": plan.measured_change_ms,
             # the steady-state check against the identity plan (predicted vs measured step change)
             "verification": asdict(session.verification) if session.verification else None,
-            "verification_steps": sum(v.steps for v in session.verifications)}
+            "verification_steps": sum(v.steps for v in session.verifications),
+            "kernel_wait_steps": session.kernel_wait_steps}
 
 
 def time_early_starts(installed: InstalledExecutor, timer: StageTimer) -> None:
