@@ -166,34 +166,22 @@ class Measurement:
         return self.estimate.increment_ms
 
 
-class PairedSteps:
-    """Real training steps in pairs, T0 (the incumbent) then T1 (the candidate, or the installed
-    plan a steady-state check verifies): ``warmup_pairs`` unmeasured pairs, then measured ones,
-    each half a run of ``1 + settle_steps`` steps whose last step is observed."""
+class PairedRuns:
+    """Training steps scheduled as pairs of runs, each run ``1 + settle_steps`` steps on one arm
+    whose last step is observed: what the next step runs, and whether it is observed."""
 
-    def __init__(self, warmup_pairs: int, settle_steps: int) -> None:
-        self.warmup_pairs, self.settle_steps = warmup_pairs, settle_steps
-        # per step: (runs T1, observed)
-        self._schedule: list[tuple[bool, bool]] = []
+    def __init__(self, settle_steps: int) -> None:
+        self.settle_steps = settle_steps
+        self._schedule: list[tuple[Any, bool]] = []  # per step: (its arm, observed)
         self._steps = 0
-        self._observed: list[tuple[bool, float, float]] = []  # (ran T1, F, the step's wall ms)
 
-    def add_pairs(self, pairs: int) -> None:
+    def _add_pair(self, first: Any, second: Any) -> None:
         run = 1 + self.settle_steps
-        for _ in range(pairs):
-            self._schedule += [(uses, i == run - 1) for uses in (False, True) for i in range(run)]
+        self._schedule += [(arm, i == run - 1) for arm in (first, second) for i in range(run)]
 
-    def next_uses_candidate(self) -> Optional[bool]:
-        """Whether the next step runs T1 (True) or T0 (False); None once the scheduled steps ran."""
-        return self._schedule[self._steps][0] if self._steps < len(self._schedule) else None
-
-    def record(self, f_ms: float, step_ms: Optional[float] = None) -> None:
-        """The measured region of the step just run and the step's wall time (default: the region
-        is the step); settle steps are not observed."""
-        uses, observed = self._schedule[self._steps]
-        if observed:
-            self._observed.append((uses, f_ms, f_ms if step_ms is None else step_ms))
-        self._steps += 1
+    def _upcoming(self) -> Optional[tuple[Any, bool]]:
+        """The next step's (arm, observed); None once the scheduled steps ran."""
+        return self._schedule[self._steps] if self._steps < len(self._schedule) else None
 
     @property
     def done(self) -> bool:
@@ -209,6 +197,34 @@ class PairedSteps:
     def planned(self) -> int:
         """Steps scheduled so far."""
         return len(self._schedule)
+
+
+class PairedSteps(PairedRuns):
+    """Real training steps in pairs, T0 (the incumbent) then T1 (the candidate, or the installed
+    plan a steady-state check verifies): ``warmup_pairs`` unmeasured pairs, then measured ones,
+    each half a run of ``1 + settle_steps`` steps whose last step is observed."""
+
+    def __init__(self, warmup_pairs: int, settle_steps: int) -> None:
+        super().__init__(settle_steps)
+        self.warmup_pairs = warmup_pairs
+        self._observed: list[tuple[bool, float, float]] = []  # (ran T1, F, the step's wall ms)
+
+    def add_pairs(self, pairs: int) -> None:
+        for _ in range(pairs):
+            self._add_pair(False, True)
+
+    def next_uses_candidate(self) -> Optional[bool]:
+        """Whether the next step runs T1 (True) or T0 (False); None once the scheduled steps ran."""
+        upcoming = self._upcoming()
+        return None if upcoming is None else upcoming[0]
+
+    def record(self, f_ms: float, step_ms: Optional[float] = None) -> None:
+        """The measured region of the step just run and the step's wall time (default: the region
+        is the step); settle steps are not observed."""
+        uses, observed = self._schedule[self._steps]
+        if observed:
+            self._observed.append((uses, f_ms, f_ms if step_ms is None else step_ms))
+        self._steps += 1
 
     def _measured(self) -> list[list[tuple[bool, float, float]]]:
         """This rank's complete measured pairs, T0's observation first."""

@@ -25,13 +25,13 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, replace
-from statistics import median
+from statistics import NormalDist, median
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from lightning_sparselift.cost.calibration import Measurement, gather_ranks
+from lightning_sparselift.cost.calibration import Measurement, PairedRuns, gather_ranks
 from lightning_sparselift.cost.decision import (
     MIN_RELATIVE_SPREAD, OUTLIER_SIGMAS, DecisionRule, PairedEstimate, bounding_pairs, increment_estimate, judged, look_alphas, look_points, robust_sigma,
 )
@@ -70,7 +70,7 @@ class Interaction:
     blocks: int
 
 
-class FactorialDesign:
+class FactorialDesign(PairedRuns):
     """The blocks of one design, step by step: :meth:`next_assignment` says which factors the next
     step applies, :meth:`record` takes its measurement; once :attr:`done`, the caller takes a
     :meth:`look`, :meth:`fix` es the factors it decided and, while some are undecided and the
@@ -84,15 +84,14 @@ class FactorialDesign:
         unknown = sorted({f.region for f in factors} - set(REGIONS))
         if unknown:
             raise ValueError(f"unknown measured region(s) {unknown}; known: {list(REGIONS)}")
+        super().__init__(settle_steps)
         self.factors, self.rule = factors, rule
-        self.warmup_blocks, self.settle_steps = warmup_blocks, settle_steps
+        self.warmup_blocks = warmup_blocks
         self.looks = look_points(2, rule.max_pairs if max_blocks is None else max_blocks, rule.confidence)
         self.alphas = look_alphas(self.looks, rule.confidence)
         self._look = 0
         self._rng = random.Random(seed)
-        self._schedule: list[tuple[tuple[bool, ...], bool]] = []  # per step: (assignment, observed)
         self._observed: list[list[float]] = []  # per observed step: REGIONS' values (nan: not reported)
-        self._steps = 0
         self._blocks = 0
         self._slowest: Optional[np.ndarray] = None  # the last look's observations, slowest rank per step
         self._cycle: list[tuple[bool, ...]] = []  # the first runs' assignments still to draw
@@ -100,14 +99,13 @@ class FactorialDesign:
 
     # ------------------------------------------------------------------ steps
     def _add_blocks(self, blocks: int) -> None:
-        run = 1 + self.settle_steps
         for _ in range(blocks):
             if not self._cycle:
                 self._cycle = self._orthogonal_cycle()
             drawn = self._cycle.pop()
             first = tuple(f.fixed if f.fixed is not None else on for f, on in zip(self.factors, drawn))
-            second = tuple(f.fixed if f.fixed is not None else not on for f, on in zip(self.factors, first))
-            self._schedule += [(a, i == run - 1) for a in (first, second) for i in range(run)]
+            self._add_pair(first, tuple(f.fixed if f.fixed is not None else not on
+                                        for f, on in zip(self.factors, first)))
         self._blocks += blocks
 
     def _orthogonal_cycle(self) -> list[tuple[bool, ...]]:
@@ -122,7 +120,8 @@ class FactorialDesign:
 
     def next_assignment(self) -> Optional[tuple[bool, ...]]:
         """Per factor, whether the next step applies it; None once the scheduled steps ran."""
-        return self._schedule[self._steps][0] if self._steps < len(self._schedule) else None
+        upcoming = self._upcoming()
+        return None if upcoming is None else upcoming[0]
 
     def record(self, values: dict[str, Optional[float]]) -> None:
         """The step just run: every region it reports (see :data:`REGIONS`)."""
@@ -132,18 +131,6 @@ class FactorialDesign:
                 raise ValueError(f"calibration on {missing} needs that region's time, which this step did not report")
             self._observed.append([math.nan if values.get(r) is None else float(values[r]) for r in REGIONS])
         self._steps += 1
-
-    @property
-    def done(self) -> bool:
-        return self._steps == len(self._schedule)
-
-    @property
-    def recorded(self) -> int:
-        return self._steps
-
-    @property
-    def planned(self) -> int:
-        return len(self._schedule)
 
     @property
     def budget_steps(self) -> int:
@@ -171,6 +158,11 @@ class FactorialDesign:
         return np.array([[int(s) - int(f) for f, s in zip(first, second)] for first, second in pairs],
                         dtype=np.float64).reshape(len(pairs), len(self.factors))
 
+    def _runs(self, observed: np.ndarray, blocks: int) -> tuple[np.ndarray, np.ndarray]:
+        """``observed`` (per observed step) in the measured blocks' first runs, and in their second."""
+        start, end = 2 * self.warmup_blocks, 2 * (self.warmup_blocks + blocks)
+        return observed[start:end:2], observed[start + 1:end:2]
+
     def look(self, group: Any) -> list[Optional[Measurement]]:
         """Every rank's observations (a collective over ``group``; each step's slowest rank per
         region), then per factor still varied its measurement at this look (None for the fixed
@@ -180,9 +172,8 @@ class FactorialDesign:
         ranks = [g.numpy() for g in gather_ranks(local, group)]
         slowest = self._slowest = np.stack(ranks).max(axis=0)
         signs = self._signs()
+        first, second = self._runs(slowest, len(signs))
         blocks = len(signs)
-        first = slowest[2 * self.warmup_blocks:2 * (self.warmup_blocks + blocks):2]
-        second = slowest[2 * self.warmup_blocks + 1:2 * (self.warmup_blocks + blocks):2]
         step = median(np.concatenate([first[:, 0], second[:, 0]]).tolist()) if blocks else 0.0
         fits = {r: _fit(second[:, REGIONS.index(r)] - first[:, REGIONS.index(r)], signs,
                         float(np.median(np.abs(slowest[:, REGIONS.index(r)]))))
@@ -212,7 +203,7 @@ class FactorialDesign:
                 estimate = self._futile(estimate, factor.predicted_ms, robust_sigma(partial.tolist()))
             off_on = [[[float(arm[b, r]) for arm in ((ran_first, ran_second) if signs[b, j] > 0 else
                                                      (ran_second, ran_first))] for b in np.flatnonzero(varied)]
-                      for ran_first, ran_second in _arms(ranks, self.warmup_blocks, blocks)]
+                      for ran_first, ran_second in (self._runs(obs, blocks) for obs in ranks)]
             out.append(Measurement(off_on, estimate))
         return out
 
@@ -226,7 +217,7 @@ class FactorialDesign:
         often small)."""
         if predicted_ms is None or not e.pairs:
             return e
-        z_end = float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(1 - self.alphas[-1])))
+        z_end = NormalDist().inv_cdf(1 - self.alphas[-1])
         resolvable = e.threshold_ms - (z_end + _POWER_Z) * spread_ms / math.sqrt(self.looks[-1])
         if PREDICTION_SLACK * predicted_ms > resolvable and e.increment_ms > resolvable:
             return replace(e, verdict="futile", resolvable_ms=resolvable)
@@ -240,9 +231,8 @@ class FactorialDesign:
         if self._slowest is None:
             return None
         signs = self._signs()
-        blocks = len(signs)
-        sums = (self._slowest[2 * self.warmup_blocks:2 * (self.warmup_blocks + blocks):2, 0]
-                + self._slowest[2 * self.warmup_blocks + 1:2 * (self.warmup_blocks + blocks):2, 0])
+        first, second = self._runs(self._slowest, len(signs))
+        sums = first[:, 0] + second[:, 0]
         both = (signs[:, j] != 0) & (signs[:, k] != 0)
         together = (signs[:, j] * signs[:, k])[both]
         sums = sums[both]
@@ -253,7 +243,7 @@ class FactorialDesign:
         # the two ran together it is i more than where they ran apart
         ms = float(np.median(same) - np.median(apart))
         spread = math.sqrt(robust_sigma(same.tolist()) ** 2 / len(same) + robust_sigma(apart.tolist()) ** 2 / len(apart))
-        z = float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(self.rule.confidence)))
+        z = NormalDist().inv_cdf(self.rule.confidence)
         return Interaction(ms, (ms - z * spread, ms + z * spread), int(both.sum()))
 
 
@@ -273,12 +263,6 @@ def _fit(diffs: np.ndarray, signs: np.ndarray, scale: float) -> tuple[np.ndarray
         spread = max(robust_sigma(residuals[kept].tolist()), MIN_RELATIVE_SPREAD * scale, 1e-9)
         kept = np.abs(residuals) <= OUTLIER_SIGMAS * spread
     return effects, kept, robust_sigma((diffs - signs @ effects)[kept].tolist()) / math.sqrt(2)
-
-
-def _arms(ranks: list[np.ndarray], warmup_blocks: int, blocks: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per rank: its observations in the blocks' first runs and in their second runs."""
-    return [(obs[2 * warmup_blocks:2 * (warmup_blocks + blocks):2], obs[2 * warmup_blocks + 1:2 * (warmup_blocks + blocks):2])
-            for obs in ranks]
 
 
 def fewest_steps(rule: DecisionRule, warmup_blocks: int, settle_steps: int) -> int:

@@ -210,8 +210,7 @@ class PlanningLoop:
         head = self._queue[0]
         protocol = self.planner.protocol(head)
         rule = self.planner.rule
-        left = rule.max_steps - self.plan.calibration_steps - sum(self._heads([head]).values())
-        blocks = min(rule.max_pairs, left // (2 * (1 + protocol.settle_steps)) - protocol.warmup_pairs)
+        blocks = self._blocks_left([head])
         if blocks < bounding_pairs(1 - rule.confidence):
             why = f"the calibration budget ({rule.max_steps} steps, calibration_max_steps) is spent"
             self.plan.decisions.extend(self.planner.undecided(c, why) for c in self._queue)
@@ -227,9 +226,7 @@ class PlanningLoop:
                 if combined is not None:
                     members.append(c)
                     graphs = combined
-        # (what the designs still to come need at least, now that these candidates are in this one)
-        left = rule.max_steps - self.plan.calibration_steps - sum(self._heads(members).values())
-        blocks = min(rule.max_pairs, left // (2 * (1 + protocol.settle_steps)) - protocol.warmup_pairs)
+        blocks = self._blocks_left(members)  # (the designs still to come, now these are in this one)
         self._round, self._graphs, self._measured = members, graphs, {}
         self._design = FactorialDesign([Factor(self.planner.protocol(c).region,
                                                rule.min_gain_for(self.planner.protocol(c).region),
@@ -242,6 +239,13 @@ class PlanningLoop:
             together = f"; with {len(members) - 1} other candidate(s) in the same steps" if len(members) > 1 else ""
             self.events.append(f"calibrating {c.id} ({steps}"
                                + (f"; predicted {predicted:+.3f} ms" if predicted is not None else "") + together + ")")
+
+    def _blocks_left(self, members: list[Candidate]) -> int:
+        """The measured blocks a design of ``members`` may use: the round's budget left after the
+        fewest steps of the designs still to come, at most the rule's ``max_pairs``."""
+        protocol, rule = self.planner.protocol(members[0]), self.planner.rule
+        left = rule.max_steps - self.plan.calibration_steps - sum(self._heads(members).values())
+        return min(rule.max_pairs, left // (2 * (1 + protocol.settle_steps)) - protocol.warmup_pairs)
 
     def _combine(self, graphs: dict[tuple[bool, ...], SparseGraph],
                  candidate: Candidate) -> Optional[dict[tuple[bool, ...], SparseGraph]]:
