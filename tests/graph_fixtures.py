@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from lightning_sparselift.cost.priors import AlphaBeta
+from lightning_sparselift.cost.step_model import StepModel, StepModelInputs, StepTimings
 from lightning_sparselift.ir import SparseGraph
 from lightning_sparselift.passes import select_passes
 from lightning_sparselift.plan import ExecutionPlan, PlanFingerprint, Planner
@@ -24,6 +26,18 @@ NOT_IN_BATCH = "the module's input was not found in the training step's batch on
 
 def load(name: str) -> SparseGraph:
     return SparseGraph.from_dict(json.loads((FIXTURES / f"{name}.json").read_text()))
+
+
+def step_model(identity: SparseGraph, alpha_ms: float = 0.05, beta_ms_per_byte: float = 1e-5,
+               bandwidth_bytes_per_ms: float = 1e5, window_ms: float = 1.0, cores: float = 1.0,
+               step_ms: float = 100.0) -> StepModel:
+    """A step-time model with hand-made inputs (default: 0.05 ms + 10 ns/byte per all-to-all,
+    copies at 100 MB/s, i.e. copy_ms(n) = 2n / 1e5; 1 ms of dense compute before every module's
+    call on every rank, longer than any all-to-all here)."""
+    world = identity.world_size
+    timings = StepTimings([step_ms] * world, {m.path: [window_ms] * world for m in identity.modules})
+    link = AlphaBeta("all_to_all_single", f"world[{world}]", alpha_ms, beta_ms_per_byte, [])
+    return StepModel(StepModelInputs(timings, [link], bandwidth_bytes_per_ms, cores), identity)
 
 
 def unmeasured_plan(identity: SparseGraph, optimizations: list[str],

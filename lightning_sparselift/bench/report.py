@@ -107,9 +107,9 @@ def markdown(summary: dict[str, Any]) -> str:
         if r.get("graph_explain"):
             lines += ["", f"{name}: sparse path lifted in {r['lift_s']:.3f} s after its capture steps; calibration "
                           f"{r['calibration_steps']} steps / {r['calibration_s']:.2f} s, planning {r['planning_s']:.3f} s; "
-                          f"the plan's graph predicts {r['graph_collectives_per_step']} collectives per step; accepted "
-                          f"change predicted {r['predicted_change_ms']:+.3f} ms, measured "
-                          f"{r['measured_change_ms']:+.3f} ms per step (sparse regions).", "",
+                          f"the plan's graph predicts {r['graph_collectives_per_step']} collectives per step; step "
+                          f"change predicted {_signed(r['predicted_change_ms'])} (the step-time model), calibrated "
+                          f"{r['measured_change_ms']:+.3f} ms (the accepted increments added up).", "",
                       "<details><summary>plan and graph: explain()</summary>", "", "```", r["plan_explain"], "",
                       r["graph_explain"], "```", "", "</details>"]
     return "\n".join(lines) + "\n"
@@ -172,3 +172,7 @@ def plots(summary: dict[str, Any], folder: Path) -> list[Path]:
         fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
     return paths
+
+
+def _signed(ms: Optional[float]) -> str:
+    return "none" if ms is None else f"{ms:+.3f} ms"

@@ -1,9 +1,12 @@
-"""Analytical priors: an alpha-beta model of the real collectives and a memory-bound model of
-the lookups, both fitted from short micro-benchmarks at start-up. They order the candidates and
-give each a predicted increment; measurements decide (:mod:`lightning_sparselift.cost.calibration`)."""
+"""The machine's constants the step-time model (:mod:`.step_model`) reads, from short
+micro-benchmarks at the start of a planning round: an alpha-beta fit of the all-to-all, the copy
+bandwidth and the cores per rank. The model's predictions order the candidates; measurements decide
+(:mod:`lightning_sparselift.cost.calibration`)."""
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -46,6 +49,7 @@ class Priors:
     all_to_all: AlphaBeta
     lookup: LookupModel
     seconds: float  # time the micro-benchmarks took
+    cores_per_rank: float = 1.0  # the cores of a rank's host over the ranks on it (the fewest of any rank)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,5 +107,16 @@ def measure_priors(group: Any, device: torch.device) -> Priors:
         copies.append((time.perf_counter() - t0) * 1e3)
     copy_ms = _slowest([min(copies)], group)[0]
     bandwidth = 2 * source.numel() * 4 / max(copy_ms, 1e-6)
+    cores = -_slowest([-_cores_per_rank(group, world)], group)[0]
     return Priors(AlphaBeta("all_to_all_single", f"world[{world}]", alpha, beta, samples), LookupModel(bandwidth),
-                  time.perf_counter() - start)
+                  time.perf_counter() - start, cores)
+
+
+def _cores_per_rank(group: Any, world: int) -> float:
+    """The cores this process may run on over the ranks on its host (ranks grouped by host name)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    hosts: list[Any] = [socket.gethostname()]
+    if world > 1:
+        hosts = [None] * world
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    return max(cores / hosts.count(socket.gethostname()), 1.0) if cores else 1.0

@@ -10,6 +10,7 @@ the graph lifted from it is the same everywhere.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -61,6 +62,11 @@ class ModuleCapture:
     # the same in every captured step; else None and consumer_note says what the model did
     consumer: Optional[list[Any]] = None
     consumer_note: str = ""
+    # per captured step, this rank's wall ms from the root forward's start to the module's call,
+    # less the earlier sparse modules' calls (the dense compute an early start can overlap), and
+    # of the module's call itself (TorchRec's sparse forward, its output awaited)
+    window_ms: list[float] = field(default_factory=list)
+    call_ms: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -69,6 +75,7 @@ class RankCapture:
     world_size: int
     modules: dict[str, ModuleCapture]
     threads: int = 1  # the rank's intra-op threads (torch.get_num_threads()) while capturing
+    step_ms: list[float] = field(default_factory=list)  # each captured step's wall ms on this rank
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,7 +84,7 @@ class RankCapture:
     def from_dict(cls, data: dict[str, Any]) -> "RankCapture":
         modules = {p: ModuleCapture(**{**m, "features": {f: FeatureStats(**s) for f, s in m["features"].items()}})
                    for p, m in data["modules"].items()}
-        return cls(data["rank"], data["world_size"], modules, data.get("threads", 1))
+        return cls(data["rank"], data["world_size"], modules, data.get("threads", 1), data.get("step_ms", []))
 
 
 class _FeatureAccumulator:
@@ -116,6 +123,12 @@ class SparseCapture:
         self._calls: dict[str, int] = defaultdict(int)
         self._max_calls: dict[str, int] = defaultdict(int)
         self._outputs: dict[str, list[OutputTrace]] = defaultdict(list)
+        # this step's clock readings: the root forward's start, each module's call and return
+        self._root_start: Optional[float] = None
+        self._call_times: dict[str, tuple[float, Optional[float]]] = {}
+        self._window_ms: dict[str, list[float]] = defaultdict(list)
+        self._call_ms: dict[str, list[float]] = defaultdict(list)
+        self._step_ms: list[float] = []
         for path in module_paths:
             module = model.get_submodule(path)
             self._handles.append(module.register_forward_pre_hook(self._pre_hook(path), with_kwargs=True))
@@ -134,6 +147,7 @@ class SparseCapture:
             announced = self._expected.get(repr(batch_path))
             self._announced_exact[path].append(same_features(kjt, announced) if announced is not None else None)
             self._calls[path] += 1
+            self._call_times.setdefault(path, (time.perf_counter(), None))
             self._observe(path, kjt)
         return hook
 
@@ -147,6 +161,9 @@ class SparseCapture:
             # (TorchRec's sharded module returns its output as an awaitable the first use waits
             # for; waiting here only moves that wait to the module's return)
             kt = output.wait() if isinstance(output, LazyAwaitable) else output
+            start, end = self._call_times.get(path, (None, None))
+            if start is not None and end is None:
+                self._call_times[path] = (start, time.perf_counter())
             if not isinstance(kt, KeyedTensor):
                 return None if kt is output else kt
             trace = OutputTrace(list(kt.keys()), list(kt.length_per_key()))
@@ -157,6 +174,8 @@ class SparseCapture:
     def _root_hook(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._active:
             self._root_kjts = find_kjts(args, kwargs)
+            if self._root_start is None:
+                self._root_start = time.perf_counter()
 
     def _observe(self, path: str, kjt: Any) -> None:
         if kjt.variable_stride_per_key():
@@ -189,14 +208,29 @@ class SparseCapture:
             repr(path): copy_features(resolve_path((next_batch,), {}, path))
             for path in (find_kjts((next_batch,), {}) if next_batch is not None else {}).values()}
         self._calls.clear()
+        self._root_start, self._call_times = None, {}
+        start = time.perf_counter()
         try:
             yield
         finally:
+            self._step_ms.append((time.perf_counter() - start) * 1e3)
+            self._record_windows()
             self._active = False
             self._batch_kjts = {}
             for path, calls in self._calls.items():
                 self._max_calls[path] = max(self._max_calls[path], calls)
             self.steps += 1
+
+    def _record_windows(self) -> None:
+        """Each module's window and call in the step that ended (modules in call order)."""
+        if self._root_start is None:
+            return
+        earlier = 0.0  # ms of the sparse calls before this one
+        for path, (start, end) in sorted(self._call_times.items(), key=lambda item: item[1][0]):
+            self._window_ms[path].append(max((start - self._root_start) * 1e3 - earlier, 0.0))
+            if end is not None:
+                self._call_ms[path].append((end - start) * 1e3)
+                earlier += (end - start) * 1e3
 
     def errors(self) -> dict[str, str]:
         """Why a module's captured inputs cannot be lifted, by module path."""
@@ -212,8 +246,9 @@ class SparseCapture:
                                           batch_input=common_path(self._batch_inputs[path]),
                                           announced_exact=self._announced_exact[path],
                                           calls_per_step=self._max_calls[path], **info,
-                                          **self._consumer(path))
-        return RankCapture(self.rank, self.world_size, modules, torch.get_num_threads())
+                                          **self._consumer(path), window_ms=self._window_ms[path],
+                                          call_ms=self._call_ms[path])
+        return RankCapture(self.rank, self.world_size, modules, torch.get_num_threads(), self._step_ms)
 
     def _consumer(self, path: str) -> dict[str, Any]:
         """How the model concatenated the module's output: the same way in every captured call, or why not."""

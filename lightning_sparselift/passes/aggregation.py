@@ -34,7 +34,6 @@ Aggregation only moves bytes: results stay bit-identical.
 from __future__ import annotations
 
 from lightning_sparselift.cost.calibration import CalibrationProtocol
-from lightning_sparselift.cost.priors import Priors
 from lightning_sparselift.ir import InputExchange, LiftedModule, OutputExchange, SparseGraph, member_bytes
 from lightning_sparselift.passes.base import Candidate, OptimizationPass
 
@@ -76,10 +75,6 @@ class CommunicationAggregation(OptimizationPass):
         copied = [n for n in nodes if n.role != "input_splits"]
         return reasons, {"collectives_removed": max(len(nodes) - 2, 0),
                          "packed_bytes": max(member_bytes(copied, graph.world_size), default=0)}
-
-    def predict_ms(self, candidate: Candidate, priors: Priors) -> float:
-        saved = candidate.cost_inputs["collectives_removed"] * priors.all_to_all.alpha_ms
-        return -saved + priors.lookup.copy_ms(2 * candidate.cost_inputs["packed_bytes"])
 
     def rewrite(self, graph: SparseGraph, module: LiftedModule, candidate: Candidate) -> str:
         s = module.schedule

@@ -1,6 +1,7 @@
 """What every optimization pass is: it proposes :class:`Candidate` changes of a lifted graph with
-their feasibility and cost inputs, predicts each one's increment from the priors, says how it is
-calibrated, and rewrites the schedule of one module to apply it.
+their feasibility and cost inputs, says how it is calibrated, and rewrites the schedule of one
+module to apply it (what that does to the step, the step-time model of
+:mod:`lightning_sparselift.cost.step_model` predicts from the rewritten schedule).
 
 :meth:`OptimizationPass.apply` is the shared prologue and epilogue (as torch.fx's
 ``PassBase``: requires -> call -> ensures): it requires a feasible candidate, copies the graph
@@ -15,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from lightning_sparselift.cost.calibration import CalibrationProtocol
-from lightning_sparselift.cost.priors import Priors
 from lightning_sparselift.ir import LiftedModule, ScheduleError, SparseGraph, check_schedule
 
 
@@ -78,10 +78,6 @@ class OptimizationPass(ABC):
     @abstractmethod
     def check(self, graph: SparseGraph, module: LiftedModule, role: str) -> tuple[list[str], dict[str, float]]:
         """Why ``role`` cannot apply to ``module`` ([] when it can), and its cost inputs."""
-
-    @abstractmethod
-    def predict_ms(self, candidate: Candidate, priors: Priors) -> float:
-        """The prior's estimate of the step-time increment (negative: faster)."""
 
     @abstractmethod
     def rewrite(self, graph: SparseGraph, module: LiftedModule, candidate: Candidate) -> str:

@@ -50,7 +50,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 from lightning_sparselift.cost.calibration import CalibrationProtocol
-from lightning_sparselift.cost.priors import Priors
 from lightning_sparselift.ir import LiftedModule, SparseGraph
 from lightning_sparselift.ir.schedule import CONSUMER_KERNEL, GENERATED_KERNEL, INPUT_REGIONS, Region
 from lightning_sparselift.ir.vocab import DTYPE_BYTES
@@ -126,17 +125,6 @@ class CodeGeneration(OptimizationPass):
         ids = max((sum(stats.values()) for stats in module.ids_per_step), default=0.0)
         id_bytes = DTYPE_BYTES[module.values_dtype] + (4 if module.weighted else 0)
         return reasons, {"ids": ids, "id_bytes": float(id_bytes)}
-
-    def predict_ms(self, candidate: Candidate, priors: Priors) -> float:
-        if candidate.role == "output":  # the concatenation's copy, forward and backward
-            return -priors.lookup.copy_ms(2 * candidate.cost_inputs["pooled_bytes"])
-        if candidate.role == "input":
-            # the per-key sums and offsets TorchRec derives in passes of their own over the lengths
-            # and ids, folded into the passes that move them (the copies themselves remain)
-            return -priors.lookup.copy_ms(candidate.cost_inputs["ids"] * candidate.cost_inputs["id_bytes"])
-        # fbgemm's serial CPU backward reads each touched row's gradient and weights about twice
-        # over (sort, then accumulate and update); the generated one about once
-        return -priors.lookup.copy_ms(candidate.cost_inputs["touched_bytes"])
 
     def rewrite(self, graph: SparseGraph, module: LiftedModule, candidate: Candidate) -> str:
         if candidate.role == "input":

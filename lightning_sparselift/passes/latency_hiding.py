@@ -43,7 +43,6 @@ from dataclasses import replace
 
 from lightning_sparselift.kjt import describe_path
 from lightning_sparselift.cost.calibration import CalibrationProtocol
-from lightning_sparselift.cost.priors import Priors
 from lightning_sparselift.ir import LiftedModule, SparseGraph, member_bytes
 from lightning_sparselift.ir.vocab import INPUT_ALL_TO_ALL, output_collective
 from lightning_sparselift.passes.base import Candidate, OptimizationPass
@@ -86,11 +85,6 @@ class LatencyHiding(OptimizationPass):
                   and n.role in _HIDDEN_ROLES[role]]
         return reasons, {"hidden_bytes": max(member_bytes(hidden, graph.world_size), default=0),
                          "hidden_collectives": len(hidden)}
-
-    def predict_ms(self, candidate: Candidate, priors: Priors) -> float:
-        a2a = priors.all_to_all
-        return -(candidate.cost_inputs["hidden_collectives"] * a2a.alpha_ms
-                 + candidate.cost_inputs["hidden_bytes"] * a2a.beta_ms_per_byte)
 
     def rewrite(self, graph: SparseGraph, module: LiftedModule, candidate: Candidate) -> str:
         s = module.schedule

@@ -42,7 +42,6 @@ threads on two cores) are where the measurement rejects the buckets.
 from __future__ import annotations
 
 from lightning_sparselift.cost.calibration import CalibrationProtocol
-from lightning_sparselift.cost.priors import Priors
 from lightning_sparselift.ir import LiftedModule, SparseGraph
 from lightning_sparselift.ir.explain import human_bytes
 from lightning_sparselift.ir.graph import ShardingGroup, TableShard
@@ -295,21 +294,6 @@ class SubgraphParallelism(OptimizationPass):
         return reasons, {"buckets": float(count), "groups": float(len(buckets)),
                          "touched_bytes": module.touched_bytes(list(buckets)), "exchanged_bytes": exchanged,
                          "workspace_bytes": max(workspace)}
-
-    def predict_ms(self, candidate: Candidate, priors: Priors) -> float:
-        # the lookups' compute C (forward reads, backward reads and writes the touched rows) over
-        # G buckets, as if each had a core of its own (the measurement says whether it has): C/G
-        # after C/(G/2) at the rung before
-        inputs = candidate.cost_inputs
-        compute = 2 * priors.lookup.copy_ms(inputs["touched_bytes"])
-        count = inputs["buckets"]
-        if _family(candidate.role) == CONCURRENT:
-            return -compute / count
-        # pipelined: all but one bucket's exchange (forward and backward) hidden behind the
-        # compute of the others, for G - 1 more all-to-alls each way
-        a2a = priors.all_to_all
-        exchange = 2 * a2a.predict_ms(inputs["exchanged_bytes"])
-        return -(count - 1) / count * min(compute, exchange) + 2 * (count - 1) * inputs["groups"] * a2a.alpha_ms
 
     def rewrite(self, graph: SparseGraph, module: LiftedModule, candidate: Candidate) -> str:
         count, family = _count(candidate.role), _family(candidate.role)

@@ -242,11 +242,9 @@ def _calibration(a: ExecutionPlan, b: ExecutionPlan) -> list[str]:
         _changed("calibration steps", a.calibration_steps, b.calibration_steps),
         _changed("calibration time", a.calibration_s, b.calibration_s, lambda s: f"{s:.2f} s"),
         _changed("planning time", a.planning_s, b.planning_s, lambda s: f"{s:.3f} s"),
-        _changed("priors", a.priors, b.priors, lambda p: "none" if p is None else "measured"),
+        _changed("predicted change", a.predicted_change_ms, b.predicted_change_ms,
+                 lambda ms: "none" if ms is None else f"{ms:+.3f} ms"),
     ]
-    if a.priors is not None and b.priors is not None and a.priors != b.priors:
-        lines[-1] = "priors: measured again (" + ", ".join(
-            k for k in sorted(set(a.priors) | set(b.priors)) if a.priors.get(k) != b.priors.get(k)) + " differ)"
     return [line for line in lines if line]
 
 
@@ -255,7 +253,7 @@ def diff(a: ExecutionPlan, b: ExecutionPlan, a_name: str = "A", b_name: str = "B
     one, or changed verdict, prediction, measurement, reason), per-module sharding groups and
     schedules (lookup point; input and output buckets with their packing or op, issue or wait
     point, process group and stream; each region's kernel), provenance (the passes applied) and
-    calibration (steps, time, priors)."""
+    calibration (steps, time, the model's predicted change)."""
     result = PlanDiff(a_name, b_name)
     for title, lines in (("fingerprint", _fingerprint(a, b)), ("decisions", _decisions(a, b)),
                          ("schedules", _modules(a, b)), ("provenance", _provenance(a, b)),

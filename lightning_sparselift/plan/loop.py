@@ -46,8 +46,7 @@ class PlanningLoop:
                  events: Optional[list[str]] = None) -> None:
         self.planner = planner
         self.group = group
-        priors = planner.priors.to_dict() if planner.priors is not None else None
-        self.plan = ExecutionPlan(fingerprint, identity, priors=priors)  # its graph is the incumbent once done
+        self.plan = ExecutionPlan(fingerprint, identity)  # its graph is the incumbent once done
         self.incumbent = identity
         self.events = events if events is not None else []  # what happened, for the caller to report
         self.done = False
@@ -180,7 +179,13 @@ class PlanningLoop:
         self.plan.decisions.extend(self.planner.undecided(c, why, self._measured.get(c.id)) for c in self._queue)
         self._queue, self._round, self._design, self._graphs = [], [], None, {}
         self.plan.graph = self.incumbent
+        self._record_model()
         self.done = True
+
+    def _record_model(self) -> None:
+        """The model's inputs and its predictions of the identity plan and the plan, in the plan."""
+        if self.planner.model is not None:
+            self.plan.step_model = self.planner.model.record(self.plan.graph)
 
     def _joins(self, head: Candidate, c: Candidate) -> bool:
         """Whether ``c`` can be a factor of the design that ``head`` starts. A candidate measured on
@@ -218,6 +223,7 @@ class PlanningLoop:
             self._finish()
             return
         members, graphs = [head], {(False,): self.incumbent, (True,): self._apply(head)}
+        self.planner.predict(head, self.incumbent, graphs[(True,)])
         for c in self._queue[1:]:
             if len(members) == most_factors(rule, blocks):
                 break
@@ -226,6 +232,7 @@ class PlanningLoop:
                 if combined is not None:
                     members.append(c)
                     graphs = combined
+                    self.planner.predict(c, self.incumbent, graphs[(False,) * (len(members) - 1) + (True,)])
         blocks = self._blocks_left(members)  # (the designs still to come, now these are in this one)
         self._round, self._graphs, self._measured = members, graphs, {}
         self._design = FactorialDesign([Factor(self.planner.protocol(c).region,
@@ -320,6 +327,7 @@ class PlanningLoop:
         plan = self.plan
         plan.calibration_s = time.perf_counter() - self._calibration_start if plan.calibration_steps else 0.0
         plan.graph = self.incumbent
+        self._record_model()
         installed = [ms for graph, ms in self._ran if graph is self.incumbent]
         if installed:  # (the last candidate's arms always include the plan installed)
             plan.calibration_excess_s = (sum(ms for _, ms in self._ran) - len(self._ran) * median(installed)) / 1e3

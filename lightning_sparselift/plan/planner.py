@@ -2,7 +2,7 @@
 ``feedback(plan, perf)``; its loop on real training steps: :mod:`.loop`).
 
 :class:`Planner` asks each selected pass for its candidates, keeps the feasible ones ordered by
-their predicted gain (the priors), and decides each from its measured increment against the
+their predicted gain (the step-time model), and decides each from its measured increment against the
 incumbent plan (or, without calibration, takes every feasible candidate).
 """
 
@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Optional
 from lightning_sparselift.cost.calibration import CalibrationProtocol, Measurement
 from lightning_sparselift.cost.decision import DecisionRule
 from lightning_sparselift.cost.design import PREDICTION_SLACK
-from lightning_sparselift.cost.priors import Priors
-from lightning_sparselift.passes import Candidate, OptimizationPass
+from lightning_sparselift.cost.step_model import StepModel
+from lightning_sparselift.passes import Candidate, InfeasibleCandidate, OptimizationPass
 from lightning_sparselift.plan.types import Decision, ExecutionPlan, PlanFileError
 
 if TYPE_CHECKING:
@@ -22,12 +22,13 @@ if TYPE_CHECKING:
 
 
 class Planner:
-    def __init__(self, passes: list[OptimizationPass], priors: Optional[Priors], calibrate: bool,
+    def __init__(self, passes: list[OptimizationPass], model: Optional[StepModel], calibrate: bool,
                  rule: DecisionRule = DecisionRule()) -> None:
         self.passes = {p.name: p for p in passes}
-        self.priors = priors
+        self.model = model
         self.calibrate = calibrate
         self.rule = rule
+        self.predicted: dict[str, float] = {}  # per candidate: the model's increment on the graph it applies to last
 
     def protocol(self, candidate: Candidate) -> CalibrationProtocol:
         """How ``candidate`` is measured (its pass's protocol for its role)."""
@@ -36,7 +37,7 @@ class Planner:
     def propose(self, graph: SparseGraph) -> tuple[list[Candidate], list[Decision]]:
         """Feasible candidates in the order to try them (a pass after the passes it runs after;
         then the largest predicted gain first; a sweep's next rung right after the one it follows),
-        and the decisions for the infeasible ones."""
+        and the decisions for the infeasible ones. Each feasible one is predicted on ``graph``."""
         feasible, rejected, selected = [], [], set()
         for p in self.passes.values():
             for candidate in p.candidates(graph):
@@ -49,6 +50,11 @@ class Planner:
                     rejected.append(Decision(candidate.id, p.name, candidate.module, candidate.role, False,
                                              candidate.reasons, None, None, None, False,
                                              "infeasible: " + "; ".join(candidate.reasons)))
+        for c in feasible:
+            try:
+                self.predict(c, graph, self.apply(graph, c))
+            except InfeasibleCandidate:
+                pass  # (a sweep's later rung applies to its predecessor's graph only: predicted when measured)
         feasible.sort(key=lambda c: (self.stage(c.pass_name),
                                      self.predict_ms(c) if self.predict_ms(c) is not None else 0.0))
         for c in feasible:
@@ -87,10 +93,17 @@ class Planner:
         after = [a for a in self.passes[name].runs_after if a in self.passes]
         return 1 + max(self.stage(a) for a in after) if after else 0
 
-    def predict_ms(self, candidate: Candidate) -> Optional[float]:
-        if self.priors is None:
+    def predict(self, candidate: Candidate, before: SparseGraph, after: SparseGraph) -> Optional[float]:
+        """The model's step increment of ``candidate`` applied to ``before`` (giving ``after``),
+        kept as its prediction."""
+        if self.model is None:
             return None
-        return self.passes[candidate.pass_name].predict_ms(candidate, self.priors)
+        self.predicted[candidate.id] = self.model.increment_ms(before, after)
+        return self.predicted[candidate.id]
+
+    def predict_ms(self, candidate: Candidate) -> Optional[float]:
+        """The candidate's last prediction (None: no model, or never predicted)."""
+        return self.predicted.get(candidate.id)
 
     def decide(self, candidate: Candidate, measurement: Optional[Measurement]) -> Decision:
         """Accepted when the measurement's upper bound lies below minus the smallest gain worth a

@@ -12,12 +12,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from lightning_sparselift.cost.priors import Priors
+from lightning_sparselift.cost.step_model import StepModelRecord
 from lightning_sparselift.ir import SparseGraph
 from lightning_sparselift.plan.verification import DriftEvent, PlanVerification
 from lightning_sparselift.typed_json import decode, json_type
 
-PLAN_SCHEMA = "sparselift-plan/2"  # 2: module schedules replace pass flags and layout notes
+# 2: module schedules replace pass flags and layout notes; 3: the step-time model replaces the priors
+PLAN_SCHEMA = "sparselift-plan/3"
 
 
 class PlanFileError(ValueError):
@@ -82,7 +83,7 @@ class ExecutionPlan:
     fingerprint: PlanFingerprint
     graph: SparseGraph
     decisions: list[Decision] = field(default_factory=list)
-    priors: Optional[dict[str, Any]] = None
+    step_model: Optional[StepModelRecord] = None  # the model's inputs and predictions (None: not calibrated)
     calibration_steps: int = 0
     calibration_s: float = 0.0
     # what trying the candidates cost: the calibration steps' time beyond as many steps of the
@@ -99,8 +100,10 @@ class ExecutionPlan:
         return [d for d in self.decisions if d.accepted]
 
     @property
-    def predicted_change_ms(self) -> float:
-        return sum(d.predicted_ms or 0.0 for d in self.accepted)
+    def predicted_change_ms(self) -> Optional[float]:
+        """The step-time model's step change from the identity plan to this one (its accepted
+        candidates together); None without a model."""
+        return self.step_model.change_ms if self.step_model is not None else None
 
     @property
     def measured_change_ms(self) -> float:
@@ -123,8 +126,6 @@ class ExecutionPlan:
             raise PlanFileError(f"not a {PLAN_SCHEMA} plan ({found})")
         try:
             plan = decode(cls, data)
-            if plan.priors is not None:  # kept as the dict explain() reads, which must be a Priors
-                decode(Priors, plan.priors, "priors")
         except ValueError as error:
             raise PlanFileError(f"malformed plan: {error}") from error
         return plan
@@ -170,12 +171,8 @@ class ExecutionPlan:
         lines = [f"ExecutionPlan ({self.schema}) for graph {self.fingerprint.graph}, sharding plan "
                  f"{self.fingerprint.sharding_plan}, {self.fingerprint.world_size} rank(s) over "
                  f"{self.fingerprint.backend}; optimizations {self.fingerprint.optimizations or 'none (identity plan)'}"]
-        if self.priors:
-            a2a = self.priors["all_to_all"]
-            lines.append(f"priors: all_to_all_single alpha {a2a['alpha_ms']:.3f} ms + "
-                         f"{a2a['beta_ms_per_byte'] * 1e6:.3f} ms/MB; memory bandwidth "
-                         f"{self.priors['lookup']['bandwidth_bytes_per_ms'] / 1e6:.2f} GB/s "
-                         f"(measured in {self.priors['seconds']:.2f} s)")
+        if self.step_model is not None:
+            lines += self.step_model.explain()
         for when, built in (("before planning", [b for b in self.kernel_builds if not b.note and b.buckets == 1]),
                             ("in buckets, between calibration steps",
                              [b for b in self.kernel_builds if not b.note and b.buckets > 1])):
@@ -198,8 +195,10 @@ class ExecutionPlan:
         excess = (f" ({self.calibration_excess_s:+.2f} s beyond as many steps of this plan)"
                   if self.calibration_excess_s is not None else "")
         lines.append(f"calibration: {self.calibration_steps} training steps, {self.calibration_s:.2f} s{excess}; "
-                     f"planning {self.planning_s:.3f} s; accepted change predicted {self.predicted_change_ms:+.3f} ms, "
-                     f"measured {self.measured_change_ms:+.3f} ms per step")
+                     f"planning {self.planning_s:.3f} s; accepted change "
+                     + (f"predicted {self.predicted_change_ms:+.3f} ms (the model, all together), "
+                        if self.predicted_change_ms is not None else "")
+                     + f"calibrated {self.measured_change_ms:+.3f} ms per step (their increments added up)")
         if self.trigger is not None:
             lines.append(f"planned because of {self.trigger.describe()}")
         if self.verification is not None:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_sparselift.cost.step_model import StepModel, StepTimings
 from lightning_sparselift.frontend.capture import SparseCapture
 from lightning_sparselift.options import SessionOptions
 from lightning_sparselift.plan.loop import PlanningLoop
@@ -68,6 +69,7 @@ class SparseLiftSession:
         self.phase: Phase = "capture"
         self.installed: Optional[InstalledExecutor] = None
         self.identity: Optional[SparseGraph] = None  # the lifted graph before any pass
+        self.timings: Optional[StepTimings] = None  # what the capture steps measured
         self.plan: Optional[ExecutionPlan] = None  # the plan installed last
         self.loop: Optional[PlanningLoop] = None  # the planning round in progress
         self.fallback_reason: Optional[str] = None
@@ -200,6 +202,7 @@ class SparseLiftSession:
         start = time.perf_counter()
         lifted = lifting.lift_on_every_rank(self.capture, self.model, self.sharding_plan, self.paths, self.group,
                                             self.device, self.options.workspace_budget_bytes)
+        self.timings = lifted.timings
         if lifted.graph is None:
             self.fallback_reason = lifted.fallback_reason
             self.events.append(f"could not lift the sparse path, keeping TorchRec's: {self.fallback_reason}")
@@ -294,8 +297,9 @@ class SparseLiftSession:
             self.time.add(reuse_s, reuse_s)
             self._steady(plan, saved.decided_on)
             return True
-        priors = measure_priors(self.group, self.device) if self.passes and self.options.calibrate else None
-        planner = Planner(self.passes, priors, self.options.calibrate, self.options.decision_rule)
+        model = (StepModel.measure(measure_priors(self.group, self.device), self.timings, self.identity)
+                 if self.passes and self.options.calibrate else None)
+        planner = Planner(self.passes, model, self.options.calibrate, self.options.decision_rule)
         self.loop = PlanningLoop(planner, fingerprint, self.identity, self.group, self.events)
         self.loop.plan.kernel_builds = self.kernel_builds
         self.loop.expecting = self._builds is not None

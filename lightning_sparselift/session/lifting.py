@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
+from lightning_sparselift.cost.step_model import StepTimings
 from lightning_sparselift.frontend.capture import SparseCapture, gather_captures
 from lightning_sparselift.frontend.check import check_against_runtime
 from lightning_sparselift.frontend.lift import LiftError, dense_parameter_bytes, lift
@@ -33,10 +34,12 @@ class LiftOutcome:
 
 @dataclass
 class Lifted:
-    """What the ranks agreed on: the lifted graph, or why TorchRec's path is kept."""
+    """What the ranks agreed on: the lifted graph, or why TorchRec's path is kept; and what the
+    capture steps measured (the step-time model's timings)."""
 
     graph: Optional[SparseGraph]
     fallback_reason: Optional[str] = None
+    timings: Optional[StepTimings] = None
 
 
 def lift_on_every_rank(capture: SparseCapture, model: nn.Module, sharding_plan: Any, paths: list[str], group: Any,
@@ -64,13 +67,13 @@ def lift_on_every_rank(capture: SparseCapture, model: nn.Module, sharding_plan: 
     outcomes: list[LiftOutcome] = gather(outcome, group)
     errors = sorted({o.error for o in outcomes if o.error is not None})
     if errors or not remaining:
-        return Lifted(None, "; ".join(sorted(set(failed.values())) + errors))
+        return Lifted(None, "; ".join(sorted(set(failed.values())) + errors), StepTimings.from_captures(captures))
     fingerprints = [o.fingerprint for o in outcomes]
     if len(set(fingerprints)) > 1:
         raise RuntimeError(f"ranks lifted different sparse graphs (fingerprints by rank: {fingerprints}); they would "
                            f"issue different collectives. Check that every rank runs the same model and sharding "
                            f"plan with the same input features.")
-    return Lifted(graph)
+    return Lifted(graph, timings=StepTimings.from_captures(captures))
 
 
 def bucket_builds(installed: InstalledExecutor, group: Any) -> list[KernelBuild]:

@@ -35,7 +35,7 @@ class VerificationResult:
 
 
 def _accepted_sum(plan: ExecutionPlan, field: str) -> Optional[float]:
-    """The accepted decisions' ``predicted_ms`` or ``measured_ms`` added up (None: any lacks it)."""
+    """The accepted decisions' ``field`` added up (None: any lacks it)."""
     values = [getattr(d, field) for d in plan.accepted]
     return sum(values) if values and None not in values else None
 
@@ -47,8 +47,8 @@ class PlanCheck:
                  check_group: Any) -> None:
         self.plan, self.identity, self.rule, self.check_group = plan, identity, rule, check_group
         self.check = SteadyStateCheck(steps, settle_steps_for(plan.graph))
-        # what calibration expected of the plan: its accepted candidates' predictions and measurements
-        self.predicted_ms = _accepted_sum(plan, "predicted_ms")
+        # what was expected of the plan: the step-time model's change, and its accepted candidates' measurements
+        self.predicted_ms = plan.predicted_change_ms
         self.calibrated_ms = _accepted_sum(plan, "measured_ms")
         self.started = time.perf_counter()
 

@@ -369,7 +369,7 @@ def test_saved_plan_is_reused_and_a_mismatching_plan_is_rejected(tmp_path, data_
     assert first["sparselift/plan_reused"] == 0
     assert first["sparselift/calibration_steps"] == 12 + 12 + 12 + 24 + 12 + 12 + 12
     plan = ExecutionPlan.load(plan_path)
-    assert json.loads(plan_path.read_text())["schema"] == "sparselift-plan/2"
+    assert json.loads(plan_path.read_text())["schema"] == "sparselift-plan/3"
     assert {d.candidate.split("@")[0] for d in plan.decisions if d.feasible} == {
         "aggregation:input", "aggregation:output", "latency_hiding:early_start", "latency_hiding:next_batch",
         "codegen:lookup", "codegen:output", "codegen:input"}

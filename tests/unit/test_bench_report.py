@@ -5,7 +5,7 @@ import json
 from lightning_sparselift.bench.report import compact, write_json
 
 PAIRS = "             increments T1-T0 (ms) rank 0: -1.00, -2.00; rank 1: -1.50, -2.50"
-EXPLAIN = "\n".join(["ExecutionPlan (sparselift-plan/2) for graph g",
+EXPLAIN = "\n".join(["ExecutionPlan (sparselift-plan/3) for graph g",
                      "  ACCEPT     latency_hiding:early_start@m: predicted -1.000 ms, measured -1.750 ms; faster",
                      PAIRS,
                      "calibration: 4 training steps, 0.40 s; planning 0.010 s"])

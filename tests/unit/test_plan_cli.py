@@ -208,7 +208,7 @@ def test_diff_of_plans_for_other_modules(tmp_path):
 @pytest.mark.parametrize("content, message", [
     (b"{not json", "cannot read plan .* as UTF-8 JSON"),
     (json.dumps({"schema": "sparselift-plan/1"}).encode(), "written by another version of lightning_sparselift"),
-    (json.dumps([1, 2]).encode(), r"not a sparselift-plan/2 plan \(a JSON array\)"),
+    (json.dumps([1, 2]).encode(), r"not a sparselift-plan/3 plan \(a JSON array\)"),
 ])
 def test_a_bad_file_exits_2_with_the_reason_and_no_traceback(tmp_path, content, message):
     good = _save(_unmeasured(ALL), tmp_path / "good.json")

@@ -39,7 +39,7 @@ def test_a_saved_plan_loads_and_rebuilds_on_the_same_graph(tmp_path):
     assert _rebuild(loaded, identity, ALL).fingerprint() == plan.graph.fingerprint()
     # schema 2: the graph (version 2) carries each module's schedule; the step's nodes are derived, not saved
     saved = json.loads((tmp_path / "plan.json").read_text())
-    assert (saved["schema"], saved["graph"]["version"]) == ("sparselift-plan/2", 3)
+    assert (saved["schema"], saved["graph"]["version"]) == ("sparselift-plan/3", 3)
     assert "nodes" not in saved["graph"]
     (module,) = saved["graph"]["modules"]
     assert "schedules" not in module and "aggregated" not in module
@@ -57,17 +57,17 @@ def _edited(edit) -> bytes:
 
 
 @pytest.mark.parametrize("content, match", [
-    (b"[]", r"^not a sparselift-plan/2 plan \(a JSON array\)$"),
-    (b"null", r"^not a sparselift-plan/2 plan \(a JSON null\)$"),
-    (b'"plan"', r"^not a sparselift-plan/2 plan \(a JSON string\)$"),
-    (b'{"graph": {}}', r"^not a sparselift-plan/2 plan \(schema None\)$"),
-    (_edited(lambda d: d.update(schema="sparselift-plan/1")),
-     r"^the plan has schema sparselift-plan/1, written by another version of lightning_sparselift; this version "
-     r"reads sparselift-plan/2$"),
-    (pickle.dumps({"schema": "sparselift-plan/2"}), "cannot read plan .* as UTF-8 JSON"),
-    (b'{"schema": "sparselift-plan/2", "graph": \xff}', "cannot read plan .* as UTF-8 JSON"),
+    (b"[]", r"^not a sparselift-plan/3 plan \(a JSON array\)$"),
+    (b"null", r"^not a sparselift-plan/3 plan \(a JSON null\)$"),
+    (b'"plan"', r"^not a sparselift-plan/3 plan \(a JSON string\)$"),
+    (b'{"graph": {}}', r"^not a sparselift-plan/3 plan \(schema None\)$"),
+    (_edited(lambda d: d.update(schema="sparselift-plan/2")),
+     r"^the plan has schema sparselift-plan/2, written by another version of lightning_sparselift; this version "
+     r"reads sparselift-plan/3$"),
+    (pickle.dumps({"schema": "sparselift-plan/3"}), "cannot read plan .* as UTF-8 JSON"),
+    (b'{"schema": "sparselift-plan/3", "graph": \xff}', "cannot read plan .* as UTF-8 JSON"),
     (b"[" * 100_000, "cannot read plan .* as UTF-8 JSON"),
-    (b'{"schema": "sparselift-plan/2", "graph": []}', r"ExecutionPlan: missing key\(s\) \['fingerprint'\]"),
+    (b'{"schema": "sparselift-plan/3", "graph": []}', r"ExecutionPlan: missing key\(s\) \['fingerprint'\]"),
     (_edited(lambda d: d.update(graph=[])), "malformed plan: graph: expected an object, got array"),
     (_edited(lambda d: d.update(junk=1)), r"malformed plan: ExecutionPlan: unknown key\(s\) \['junk'\]"),
     (_edited(lambda d: d["graph"]["modules"][0]["groups"][0].update(features_per_rank=["1", 1])),
@@ -86,11 +86,11 @@ def _edited(edit) -> bytes:
      r"graph.modules\[0\].schedule.outputs\[0\].op: expected one of \['all_to_all_single', 'reduce_scatter'\]"),
     (_edited(lambda d: d["decisions"][0].update(accepted="yes")), r"decisions\[0\].accepted: expected a boolean"),
     (_edited(lambda d: d["fingerprint"].pop("graph")), r"fingerprint: PlanFingerprint: missing key\(s\) \['graph'\]"),
-    (_edited(lambda d: d.update(priors={})), r"priors: Priors: missing key\(s\)"),
+    (_edited(lambda d: d.update(step_model={"inputs": {}})), r"step_model: StepModelRecord: missing key\(s\)"),
 ], ids=["array", "null", "string", "no-schema", "old-schema", "pickle", "not-utf8", "too-deep", "graph-only",
         "graph-as-array", "extra-key", "wrong-item-type", "string-for-object", "bool-for-int", "graph-version",
         "v1-module-fields", "v1-graph-nodes", "schedule-point", "schedule-op", "decision-type",
-        "missing-fingerprint-key", "priors-shape"])
+        "missing-fingerprint-key", "step-model-shape"])
 def test_plan_files_that_cannot_be_decoded_are_plan_file_errors(tmp_path, content, match):
     (tmp_path / "plan.json").write_bytes(content)
     with pytest.raises(PlanFileError, match=match):
@@ -140,8 +140,8 @@ def test_bad_plan_files_are_refused(tmp_path):
     with pytest.raises(PlanFileError, match="cannot read plan"):
         ExecutionPlan.load(tmp_path / "garbage.json")
     (tmp_path / "other.json").write_text('{"schema": "something-else"}')
-    with pytest.raises(PlanFileError, match="not a sparselift-plan/2 plan"):
+    with pytest.raises(PlanFileError, match="not a sparselift-plan/3 plan"):
         ExecutionPlan.load(tmp_path / "other.json")
-    (tmp_path / "partial.json").write_text('{"schema": "sparselift-plan/2", "fingerprint": {}}')
+    (tmp_path / "partial.json").write_text('{"schema": "sparselift-plan/3", "fingerprint": {}}')
     with pytest.raises(PlanFileError, match="malformed plan"):
         ExecutionPlan.load(tmp_path / "partial.json")

@@ -10,13 +10,12 @@ import pytest
 
 from lightning_sparselift.cost.calibration import Measurement
 from lightning_sparselift.cost.decision import DecisionRule, paired_estimate
-from lightning_sparselift.cost.priors import AlphaBeta, LookupModel, Priors
 from lightning_sparselift.ir import SparseGraph
 from lightning_sparselift.ir.schedule import GENERATED_KERNEL
 from lightning_sparselift.passes import select_passes
 from lightning_sparselift.plan import Decision, ExecutionPlan, PlanFileError, PlanFingerprint, Planner, PlanningLoop
 
-from graph_fixtures import COMPUTED_INPUT, EBC, ITEM, NOT_IN_BATCH, NOTHING_TO_MERGE, USER, load
+from graph_fixtures import COMPUTED_INPUT, EBC, ITEM, NOT_IN_BATCH, NOTHING_TO_MERGE, USER, load, step_model
 
 ALL = ["aggregation", "latency_hiding"]
 # the loop's step counts below are written for this rule (its round budget of 240 steps gives the first
@@ -55,7 +54,7 @@ def test_every_candidate_is_calibrated_on_top_of_the_incumbent_and_kept_when_fas
     # schedules change: each in a design of its own (1 warmup + 12 measured blocks of 2 steps at
     # the first look); early start's design, then next batch's (settled: 4 steps per block)
     assert loop.progress == (0, 26 + 12 + 12 + 24)
-    assert [c.role for c in loop.trials] == ["input"]  # (no priors: the passes' order)
+    assert [c.role for c in loop.trials] == ["input"]  # (no model: the passes' order)
     seen = []
 
     def step_ms(graph: SparseGraph, applied: int) -> float:
@@ -151,12 +150,9 @@ def test_a_saved_graph_with_other_passes_is_named_by_its_provenance():
 
 
 # ------------------------------------------------------------------------------------------ propose / decide
-# on the other fixtures too, with hand-made priors and measurements (see test_passes.py for the
-# fixtures and their candidates' cost inputs)
-
-# 0.05 ms + 10 ns/byte per all-to-all; copies at 100 MB/s (copy_ms(n) = 2n / 1e5)
-PRIORS = Priors(AlphaBeta("all_to_all_single", "world[2]", 0.05, 1e-5, [(256, 0.05256)]), LookupModel(1e5), 0.25)
-
+# on the other fixtures too, with a step-time model of hand-made inputs (graph_fixtures.step_model:
+# 0.05 ms + 10 ns/byte per all-to-all, copies at 100 MB/s) and hand-made measurements (see
+# test_passes.py for the fixtures and their candidates' cost inputs)
 
 
 def _proposed(planner: Planner, graph: SparseGraph) -> list[tuple[str, float]]:
@@ -165,32 +161,40 @@ def _proposed(planner: Planner, graph: SparseGraph) -> list[tuple[str, float]]:
 
 def test_propose_orders_the_feasible_candidates_by_predicted_gain():
     two = load("two_modules_2ranks")
+    model = step_model(two)
     expected = [
-        (f"aggregation:input@{ITEM}", pytest.approx(-4 * 0.05 + 2 * (2 * 232) / 1e5)),  # 4 collectives fewer
+        # 4 collectives fewer; the merged splits and payload carry 96 + 240 B on the busiest member where
+        # the six carried 344 B; the payload's 240 B packed and unpacked (two copies: 4 * 240 / 1e5 ms)
+        (f"aggregation:input@{ITEM}", pytest.approx(-4 * 0.05 - 8 * 1e-5 + 4 * 240 / 1e5)),
+        # the pooled all-to-all and its gradient (128 B each) hidden behind 1 ms of dense compute each way
         (f"latency_hiding:early_start@{USER}", pytest.approx(-(2 * 0.05 + 256 * 1e-5))),
         (f"latency_hiding:next_batch@{USER}", pytest.approx(-(2 * 0.05 + 176 * 1e-5))),
-        (f"aggregation:input@{USER}", pytest.approx(-0.05 + 2 * (2 * 176) / 1e5)),  # one fewer, 176 B copied twice
+        (f"aggregation:input@{USER}", pytest.approx(-0.05 + 4 * 176 / 1e5)),  # one fewer, 176 B packed and unpacked
     ]
-    assert _proposed(Planner(select_passes(ALL), PRIORS, True), two) == expected
-    # the order comes from the priors, not from the order of the passes
-    assert _proposed(Planner(select_passes(["latency_hiding", "aggregation"]), PRIORS, True), two) == expected
-    # without priors: no predictions, candidates in the order the passes propose them
+    assert _proposed(Planner(select_passes(ALL), model, True), two) == expected
+    # the order comes from the model, not from the order of the passes
+    assert _proposed(Planner(select_passes(["latency_hiding", "aggregation"]), model, True), two) == expected
+    # without a model: no predictions, candidates in the order the passes propose them
     assert _proposed(Planner(select_passes(["latency_hiding", "aggregation"]), None, True), two) == [
         (f"latency_hiding:early_start@{USER}", None), (f"latency_hiding:next_batch@{USER}", None),
         (f"aggregation:input@{USER}", None), (f"aggregation:input@{ITEM}", None)]
     # copies that cost more than the all-to-alls they save: predicted slower, tried last
-    slow_copies = Priors(PRIORS.all_to_all, LookupModel(1e3), 0.25)
+    slow_copies = step_model(two, bandwidth_bytes_per_ms=1e3)
     assert [(c, ms > 0) for c, ms in _proposed(Planner(select_passes(ALL), slow_copies, True), two)] == [
         (f"latency_hiding:early_start@{USER}", False), (f"latency_hiding:next_batch@{USER}", False),
-        (f"aggregation:input@{USER}", True), (f"aggregation:input@{ITEM}", True)]  # +0.654 ms, +0.728 ms
+        (f"aggregation:input@{USER}", True), (f"aggregation:input@{ITEM}", True)]  # +0.654 ms, +0.760 ms
+    # no dense compute before the module's call: an early start has nothing to hide its all-to-alls behind
+    no_window = step_model(two, window_ms=0.0)
+    assert dict(_proposed(Planner(select_passes(["latency_hiding:early_start"]), no_window, True), two)) == {
+        f"latency_hiding:early_start@{USER}": pytest.approx(0.0)}
     # the one-module fixture: latency hiding first (it hides as many all-to-alls as aggregation removes)
-    assert [c for c, _ in _proposed(Planner(select_passes(ALL), PRIORS, True), _identity())] == [
+    assert [c for c, _ in _proposed(Planner(select_passes(ALL), step_model(_identity()), True), _identity())] == [
         f"latency_hiding:early_start@{EBC}", f"latency_hiding:next_batch@{EBC}", f"aggregation:input@{EBC}",
         f"aggregation:output@{EBC}"]
 
 
 def test_infeasible_candidates_are_rejected_with_their_reasons():
-    feasible, rejected = Planner(select_passes(ALL), PRIORS, True).propose(load("two_modules_2ranks"))
+    feasible, rejected = Planner(select_passes(ALL), None, True).propose(load("two_modules_2ranks"))
     assert rejected == [
         Decision(f"aggregation:output@{USER}", "aggregation", USER, "output", False, [NOTHING_TO_MERGE.format(1)], None, None,
                  None, False, "infeasible: " + NOTHING_TO_MERGE.format(1)),
@@ -201,21 +205,22 @@ def test_infeasible_candidates_are_rejected_with_their_reasons():
         Decision(f"latency_hiding:next_batch@{ITEM}", "latency_hiding", ITEM, "next_batch", False, [NOT_IN_BATCH],
                  None, None, None, False, "infeasible: " + NOT_IN_BATCH)]
     # one rank: nothing feasible, every candidate rejected with its reason
-    feasible, rejected = Planner(select_passes(ALL), PRIORS, True).propose(load("table_wise_1rank"))
+    feasible, rejected = Planner(select_passes(ALL), None, True).propose(load("table_wise_1rank"))
     assert feasible == [] and [d.reason for d in rejected] == ["infeasible: one rank: nothing is exchanged"] * 2 + [
         "infeasible: one rank: no all-to-all to hide"] * 2
     # a role that was not selected is neither tried nor rejected
-    feasible, rejected = Planner(select_passes(["latency_hiding:early_start"]), PRIORS, True).propose(
+    feasible, rejected = Planner(select_passes(["latency_hiding:early_start"]), None, True).propose(
         load("two_modules_2ranks"))
     assert [c.id for c in feasible] == [f"latency_hiding:early_start@{USER}"]
     assert [d.candidate for d in rejected] == [f"latency_hiding:early_start@{ITEM}"]
 
 
 def test_decide_accepts_a_candidate_only_when_its_interval_is_below_zero_on_the_slowest_rank():
-    planner = Planner(select_passes(ALL), PRIORS, True, RULE)
+    two = load("two_modules_2ranks")
+    planner = Planner(select_passes(ALL), step_model(two), True, RULE)
     (c,) = [c for c in planner.propose(load("two_modules_2ranks"))[0] if c.id == f"aggregation:input@{ITEM}"]
     predicted = planner.predict_ms(c)
-    assert predicted == pytest.approx(-0.19072)
+    assert predicted == pytest.approx(-0.19048)
     # per pair, each arm's slowest rank: T0 [10, 10, 11, 10, 10], T1 [9, 9.5, 10, 9.2, 9.4] -> increments
     # -1, -0.5, -1, -0.8, -0.6 (the Hodges-Lehmann estimate: the median of their pairwise averages)
     ranks = [[[10.0, 9.0], [9.0, 9.5], [11.0, 10.0], [10.0, 9.2], [9.0, 9.4]],
@@ -270,7 +275,7 @@ class _Steps:
 
 def _calibrating_loop(graph: SparseGraph) -> PlanningLoop:
     fingerprint = PlanFingerprint(graph.fingerprint(), "sharding", graph.world_size, graph.backend, {}, ALL)
-    loop = PlanningLoop(Planner(select_passes(ALL), PRIORS, True, RULE), fingerprint, graph, None)
+    loop = PlanningLoop(Planner(select_passes(ALL), step_model(graph), True, RULE), fingerprint, graph, None)
     loop.propose()
     return loop
 
@@ -302,15 +307,18 @@ def test_the_loop_decides_each_candidate_from_its_protocol_steps_on_top_of_the_i
         (early, True, -2.0, [-2.0]), (ahead, True, -1.0, [-1.0]), (packed, True, -4.0, [-4.0]),
         (merged, False, 1.0, [1.0])]
     assert [d.pairs for d in loop.plan.decisions] == [12, 22, 22, 10]
-    assert [d.predicted_ms for d in loop.plan.decisions] == pytest.approx([-0.20768, -0.20512, -0.17952, -0.06928])
+    # each predicted on the incumbent it was measured on: on top of the next batch's input distribution the
+    # merged input saves one splits exchange (0.05 ms) for 0.02 ms of copies, and on top of the early start
+    # (its output all-to-alls hidden) the merged output only adds copies: predicted slower
+    assert [d.predicted_ms for d in loop.plan.decisions] == pytest.approx([-0.20768, -0.20512, -0.02952, 0.03072])
     assert loop.plan.decisions[3].reason == "slower: +1.000 ms, 95% bounds [+1.000, +1.000] over 10 pairs (noise 0.000 ms)"
     assert loop.events == [
         f"calibrating {early} (26 steps, up to 192; predicted -0.208 ms)", f"{early}: accepted, {FAST}",
         f"calibrating {ahead} (48 steps, up to 188; predicted -0.205 ms)",
         f"{ahead}: accepted, {FAST.replace('2.000', '1.000').replace('12 pairs', '22 pairs')}",
-        f"calibrating {packed} (24 steps, up to 110; predicted -0.180 ms)",
+        f"calibrating {packed} (24 steps, up to 110; predicted -0.030 ms)",
         f"{packed}: accepted, {FAST.replace('2.000', '4.000').replace('12 pairs', '22 pairs')}",
-        f"calibrating {merged} (22 steps, up to 76; predicted -0.069 ms)",
+        f"calibrating {merged} (22 steps, up to 76; predicted +0.031 ms)",
         f"{merged}: rejected, slower: +1.000 ms, 95% bounds [+1.000, +1.000] over 10 pairs (noise 0.000 ms)"]
     # the plan runs the accepted candidates, in their order, on the identity graph
     expected = identity
@@ -319,7 +327,9 @@ def test_the_loop_decides_each_candidate_from_its_protocol_steps_on_top_of_the_i
         (c,) = [c for c in planner.propose(identity)[0] if c.id == cid]
         expected = planner.apply(expected, c)
     assert loop.plan.graph == expected == loop.incumbent and loop.trials == []
-    assert loop.plan.priors == PRIORS.to_dict() and loop.plan.calibration_s >= 0.0
+    model = loop.planner.model  # the plan records its inputs and predictions
+    assert loop.plan.step_model == model.record(loop.plan.graph) and loop.plan.calibration_s >= 0.0
+    assert loop.plan.predicted_change_ms == pytest.approx(model.increment_ms(identity, loop.plan.graph))
     assert identity.provenance == [] and identity == _identity()  # the loop never modifies its graphs
 
 
@@ -365,7 +375,7 @@ def test_a_plan_the_loop_made_is_saved_loaded_and_rebuilt(tmp_path):
 def test_rebuild_refuses_a_plan_whose_graph_its_decisions_do_not_give(forge, match):
     identity = load("two_modules_2ranks")
     fingerprint = PlanFingerprint(identity.fingerprint(), "sharding", 2, "gloo", {}, ALL)
-    loop = PlanningLoop(Planner(select_passes(ALL), PRIORS, calibrate=False), fingerprint, identity, None)
+    loop = PlanningLoop(Planner(select_passes(ALL), None, calibrate=False), fingerprint, identity, None)
     loop.propose()
     assert loop.done and len(loop.plan.accepted) == 4
     Planner(select_passes(ALL), None, calibrate=False).rebuild(loop.plan, load("two_modules_2ranks"))  # as made

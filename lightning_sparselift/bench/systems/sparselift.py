@@ -76,6 +76,10 @@ def session_report(session: Any) -> dict[str, Any]:
             "plan_decisions": [asdict(d) for d in plan.decisions],
             "kernel_builds": [asdict(b) for b in plan.kernel_builds],
             "predicted_change_ms": plan.predicted_change_ms, "measured_change_ms": plan.measured_change_ms,
+            # the step-time model's inputs and predictions, and the graphs it predicted (recorded inputs
+            # of its error table: benchmarks/step_model_error.py)
+            "step_model": asdict(plan.step_model) if plan.step_model is not None else None,
+            "identity_graph": session.identity.to_dict(), "plan_graph": plan.graph.to_dict(),
             # the steady-state check against the identity plan (predicted vs measured step change)
             "verification": asdict(session.verification) if session.verification else None,
             "verification_steps": sum(v.steps for v in session.verifications),

@@ -1,0 +1,378 @@
+"""The step-time model: what a training step of any schedule the passes can write costs, from the
+lifted graph and a few measured inputs. One model: the planner's predictions (a candidate's
+increment is the model's step with it applied minus without, so every combination has one too),
+``explain()`` and the bench's "predicted" column all read :meth:`StepModel.predict`.
+
+Inputs (:class:`StepModelInputs`, recorded in the plan file):
+
+- the capture steps, each rank on its own clock: the step's wall time and, per sparse module,
+  the dense compute between the root forward's start and the module's call (the window an early
+  start overlaps; backward's is taken as ``backward_ratio`` times it: autograd replays that
+  compute at about twice its forward cost);
+- collectives: alpha-beta per process group (the all-to-all micro-benchmark of
+  :mod:`.priors`, slowest rank; a pipelined bucket's group spans the same ranks and takes the
+  world group's), priced at the member that puts in the most bytes;
+- compute: bytes over the measured copy bandwidth, per region and kernel (:data:`PASSES`), the
+  lookups' spread over ``min(buckets, threads, cores)``.
+
+The step is simulated per module and rank, forward then backward: compute advances the rank's
+clock; a collective waited where it is issued ends at the slowest rank's arrival plus its
+alpha-beta time (the slowest rank gates it); one issued early and waited later ends at
+``max(own clock, that)`` after the dense window in between ran. The prediction is the captured
+step plus the simulated sparse path's change from the identity plan, on the slowest rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from statistics import median
+from typing import TYPE_CHECKING, Any
+
+from lightning_sparselift.cost.priors import AlphaBeta, Priors
+from lightning_sparselift.ir.schedule import CONSUMER_KERNEL, GENERATED_KERNEL, INPUT_REGIONS
+from lightning_sparselift.ir.steps import CollectiveNode, ComputeNode
+from lightning_sparselift.ir.vocab import BACKWARD_OF, DTYPE_BYTES
+
+if TYPE_CHECKING:
+    from lightning_sparselift.frontend.capture import RankCapture
+    from lightning_sparselift.ir import LiftedModule, SparseGraph
+
+# passes over a region's bytes (each a read and a write at the copy bandwidth), by region and
+# kernel. Input regions: TorchRec derives per-key sums and offsets in passes of their own beside
+# the move, the generated kernel in the move. Lookup backward: fbgemm's serial CPU loop reads each
+# touched row's gradient and weights about twice (sort, then accumulate and update), the generated
+# one once. Output: TorchRec's KeyedTensor -> dict -> the model's cat, and in backward the split
+# and the output distribution's packing, copy the pooled block four times; the consumer layout
+# writes it once, in place.
+PASSES = {("input", "reference"): 2.0, ("input", GENERATED_KERNEL): 1.0,
+          ("lookup_forward", "any"): 0.5,
+          ("lookup_backward", "reference"): 2.0, ("lookup_backward", GENERATED_KERNEL): 1.0,
+          ("output", "reference"): 4.0, ("output", CONSUMER_KERNEL): 0.0,
+          ("pack", "bytes"): 2.0}
+BACKWARD_RATIO = 2.0
+
+
+@dataclass
+class StepTimings:
+    """What the capture steps measured, per rank (each on its own clock): the median over the
+    captured steps (the first one left out when there are more: it builds TorchRec's dists)."""
+
+    step_ms: list[float]
+    window_ms: dict[str, list[float]]  # per sparse module path
+
+    @classmethod
+    def from_captures(cls, captures: list[RankCapture]) -> "StepTimings":
+        ordered = sorted(captures, key=lambda c: c.rank)
+        paths = sorted({p for c in ordered for p in c.modules})
+        return cls([_typical(c.step_ms) for c in ordered],
+                   {p: [_typical(c.modules[p].window_ms) if p in c.modules else 0.0 for c in ordered] for p in paths})
+
+
+def _typical(values: list[float]) -> float:
+    kept = values[1:] if len(values) > 1 else values
+    return float(median(kept)) if kept else 0.0
+
+
+@dataclass
+class StepModelInputs:
+    timings: StepTimings
+    links: list[AlphaBeta]  # per process group
+    bandwidth_bytes_per_ms: float
+    cores_per_rank: float  # cores on the rank's host over the ranks on it
+    backward_ratio: float = BACKWARD_RATIO
+
+
+@dataclass
+class StepPrediction:
+    """One graph's predicted step (ms), on the slowest rank, with the sparse path's parts."""
+
+    step_ms: float
+    sparse_forward_ms: float
+    sparse_backward_ms: float
+    collectives_ms: float  # the collectives' modelled time, exposed or not (slowest rank's sum)
+    hidden_ms: float  # of it, overlapped by dense compute
+    compute_ms: float  # the sparse path's modelled compute on the training thread
+
+    @property
+    def sparse_ms(self) -> float:
+        return self.sparse_forward_ms + self.sparse_backward_ms
+
+    def describe(self) -> str:
+        return (f"step {self.step_ms:.2f} ms: sparse forward {self.sparse_forward_ms:.2f}, backward "
+                f"{self.sparse_backward_ms:.2f} (collectives {self.collectives_ms:.2f}, {self.hidden_ms:.2f} of it "
+                f"overlapped; compute {self.compute_ms:.2f})")
+
+
+@dataclass
+class StepModelRecord:
+    """What a plan file keeps of the model: its inputs and its predictions for the identity plan
+    and the plan."""
+
+    inputs: StepModelInputs
+    identity: StepPrediction
+    plan: StepPrediction
+
+    @property
+    def change_ms(self) -> float:
+        return self.plan.step_ms - self.identity.step_ms
+
+    def explain(self) -> list[str]:
+        links = "; ".join(f"{link.op} on {link.process_group}: alpha {link.alpha_ms:.3f} ms + "
+                          f"{link.beta_ms_per_byte * 1e6:.3f} ms/MB" for link in self.inputs.links)
+        windows = ", ".join(f"{path} {'/'.join(f'{w:.2f}' for w in ms)}"
+                            for path, ms in self.inputs.timings.window_ms.items())
+        return [f"step-time model: {links}; copy bandwidth {self.inputs.bandwidth_bytes_per_ms / 1e6:.2f} GB/s; "
+                f"{self.inputs.cores_per_rank:g} core(s) per rank; captured step "
+                f"{'/'.join(f'{t:.2f}' for t in self.inputs.timings.step_ms)} ms per rank, dense window before the "
+                f"module (ms per rank) {windows or 'none'}",
+                f"  identity plan: {self.identity.describe()}",
+                f"  this plan:     {self.plan.describe()}; change {self.change_ms:+.3f} ms"]
+
+
+class StepModel:
+    def __init__(self, inputs: StepModelInputs, identity: SparseGraph) -> None:
+        self.inputs = inputs
+        self.identity = identity
+        self._base = self._simulate(identity)
+
+    @classmethod
+    def measure(cls, priors: Priors, timings: StepTimings, identity: SparseGraph) -> "StepModel":
+        return cls(StepModelInputs(timings, [priors.all_to_all], priors.lookup.bandwidth_bytes_per_ms,
+                                   priors.cores_per_rank), identity)
+
+    def predict(self, graph: SparseGraph) -> StepPrediction:
+        forward, backward, collectives, hidden, compute = self._simulate(graph)
+        step = max(self.inputs.timings.step_ms, default=0.0) + (forward + backward) - (self._base[0] + self._base[1])
+        return StepPrediction(step, forward, backward, collectives, hidden, compute)
+
+    def increment_ms(self, before: SparseGraph, after: SparseGraph) -> float:
+        """The step change from ``before`` to ``after`` (the sparse path's: the rest is the same)."""
+        a, b = self._simulate(after), self._simulate(before)
+        return (a[0] + a[1]) - (b[0] + b[1])
+
+    def record(self, plan: SparseGraph) -> StepModelRecord:
+        return StepModelRecord(self.inputs, self.predict(self.identity), self.predict(plan))
+
+    # ------------------------------------------------------------------ simulation
+    def link(self, process_group: str) -> AlphaBeta:
+        """The alpha-beta of ``process_group`` (a bucket's group spans the world's ranks: the world's)."""
+        for link in self.inputs.links:
+            if link.process_group == process_group:
+                return link
+        return self.inputs.links[0]
+
+    def copy_ms(self, nbytes: float, passes: float) -> float:
+        """``passes`` reads and writes of ``nbytes`` at the copy bandwidth."""
+        return passes * 2 * nbytes / max(self.inputs.bandwidth_bytes_per_ms, 1e-9)
+
+    def _simulate(self, graph: SparseGraph) -> tuple[float, float, float, float, float]:
+        """(forward, backward, collectives, hidden, compute) ms of the sparse path, summed over
+        modules, each the slowest rank's."""
+        nodes = graph.nodes
+        totals = [0.0] * 5
+        for m in graph.modules:
+            mine = [n for n in nodes if n.module == m.path]
+            for i, value in enumerate(_ModuleSimulation(self, graph, m, mine).run()):
+                totals[i] += value
+        return tuple(totals)
+
+
+class _ModuleSimulation:
+    """One module's sparse forward and backward, per rank: each rank's clock from the root
+    forward's start (forward) and from the module output's gradient (backward), the dense compute
+    of the window included."""
+
+    def __init__(self, model: StepModel, graph: SparseGraph, m: LiftedModule, nodes: list[Any]) -> None:
+        self.model, self.graph, self.m, self.nodes = model, graph, m, nodes
+        self.world = graph.world_size
+        window = model.inputs.timings.window_ms.get(m.path, [])
+        self.window = [window[r] if r < len(window) else 0.0 for r in range(self.world)]
+        self.collectives = [0.0] * self.world
+        self.hidden = [0.0] * self.world
+        self.compute = [0.0] * self.world
+        self.lookup_ms: dict[int, list[float]] = {}  # per group, per rank: this step's forward lookups
+        self.busy: dict[str, float] = {}  # per process group: when its collectives in flight end
+        self.ids = {(n.groups[0], n.rank): n.workload["ids"] for n in nodes
+                    if isinstance(n, ComputeNode) and n.op == "lookup"}
+
+    def run(self) -> tuple[float, float, float, float, float]:
+        forward = self._forward()
+        backward = self._backward()
+        # the slowest rank's clocks, beyond the dense compute of the slowest window (what every
+        # schedule waits for anyway)
+        r = max(range(self.world), key=lambda r: forward[r] + backward[r])
+        dense = max(self.window, default=0.0)
+        return (forward[r] - dense, backward[r] - self.model.inputs.backward_ratio * dense, self.collectives[r],
+                self.hidden[r], self.compute[r])
+
+    # -------------------------------------------------------------- costs
+    def _coll_ms(self, node: CollectiveNode) -> float:
+        return self.model.link(node.process_group).predict_ms(max(node.bytes_per_member, default=0))
+
+    def _compute_ms(self, node: ComputeNode, rank: int) -> float:
+        m, model = self.m, self.model
+        if node.op in INPUT_REGIONS:
+            kernel = GENERATED_KERNEL if node.kernel == GENERATED_KERNEL else "reference"
+            # (a recat's workload counts keys: it moves what arrived, about the rank's own ids)
+            ids = node.workload.get("ids", max(sum(stats.values()) for stats in m.ids_per_step))
+            return model.copy_ms(ids * _id_bytes(m), PASSES[("input", kernel)])
+        if node.op == "lookup" and node.rank in (None, rank):
+            return self._lookup_ms(node, "lookup_forward")
+        if node.op == "fused_update" and node.rank == rank:
+            return self._lookup_ms(node, "lookup_backward")
+        return 0.0
+
+    def _lookup_ms(self, node: ComputeNode, part: str) -> float:
+        (group,) = node.groups
+        dim = max(self.m.groups[group].embedding_dims, default=0)
+        kernel = GENERATED_KERNEL if node.kernel == GENERATED_KERNEL else "reference"
+        passes = PASSES.get((part, kernel), PASSES.get((part, "any")))
+        # (the fused update touches the rows its forward lookup read)
+        ids = self.ids.get((group, node.rank), 0.0)
+        return self.model.copy_ms(ids * dim * 4, passes) / self._concurrency(node)
+
+    def _concurrency(self, node: ComputeNode) -> float:
+        """How many of a lookup's buckets run at once: concurrent buckets, up to the rank's threads
+        and cores (pipelined ones run one after the other)."""
+        (group,) = node.groups
+        buckets = len(self.m.schedule.region("lookup", group).buckets) or 1
+        if buckets == 1 or any(e.split for e in self.m.schedule.outputs if group in e.groups):
+            return 1.0
+        threads = self.graph.threads_per_rank
+        rank_threads = threads[node.rank] if threads and node.rank is not None and node.rank < len(threads) else buckets
+        return max(1.0, min(buckets, rank_threads, self.model.inputs.cores_per_rank))
+
+    def _output_ms(self) -> float:
+        """The output region's copies of the pooled block, each direction's half."""
+        m = self.m
+        if not m.pooled:
+            return 0.0
+        kernel = CONSUMER_KERNEL if m.schedule.region("output").kernel == CONSUMER_KERNEL else "reference"
+        pooled = max(m.batch_size_per_rank, default=0) * sum(m.embedding_dims) * 4
+        return self.model.copy_ms(pooled, PASSES[("output", kernel)] / 2)
+
+    def _pack_ms(self, node: CollectiveNode) -> float:
+        """Packing and unpacking a merged collective's buffer (several groups' data in one)."""
+        merged = node.role == "input_payload" or (len(node.groups) > 1 and node.role != "input_splits")
+        return self.model.copy_ms(max(node.bytes_per_member, default=0), PASSES[("pack", "bytes")]) if merged else 0.0
+
+    def _advance(self, clock: list[float], ms: list[float]) -> list[float]:
+        """Compute on each rank's training thread."""
+        for r in range(self.world):
+            self.compute[r] += ms[r]
+        return [c + d for c, d in zip(clock, ms)]
+
+    def _sync(self, clock: list[float], node: CollectiveNode) -> list[float]:
+        """A collective waited where it is issued: every rank leaves it when the slowest one arrived,
+        plus its time."""
+        t = self._coll_ms(node)
+        for r in range(self.world):
+            self.collectives[r] += t
+        return [max(clock) + t] * self.world
+
+    def _issue(self, node: CollectiveNode, clock: list[float]) -> tuple[float, float]:
+        """(when it ends, its time) of a collective left in flight: it starts when the slowest rank
+        issued it and its process group finished the ones issued before."""
+        t = self._coll_ms(node)
+        end = max(max(clock), self.busy.get(node.process_group, 0.0)) + t
+        self.busy[node.process_group] = end
+        return end, t
+
+    def _overlap(self, clock: list[float], ends: list[float], times: list[float], dense: list[float]) -> list[float]:
+        """Collectives in flight (ending at ``ends``, taking ``times``) while each rank runs
+        ``dense`` ms of dense compute, then waits for them. (On this 2-core machine a
+        micro-benchmark of an all-to-all beside matrix products on both ranks hid none of it, yet
+        dlrm's early start measured about all of its two all-to-alls hidden: a training step's
+        threads block often enough for the collective's copies to run; the model hides all of it.)"""
+        out = []
+        for r in range(self.world):
+            at = clock[r] + dense[r]
+            end = max(ends, default=at)
+            for t in times:
+                self.collectives[r] += t
+            self.hidden[r] += max(sum(times) - max(end - at, 0.0), 0.0)
+            out.append(max(at, end))
+        return out
+
+    # -------------------------------------------------------------- forward
+    def _forward(self) -> list[float]:
+        s, world = self.m.schedule, self.world
+        early = s.lookup_at == "root_forward"
+        clock = [0.0] * world if early else list(self.window)
+        in_flight: list[tuple[float, float]] = []  # (end, time) of collectives waited at the module call
+        for node in (n for n in self.nodes if n.phase == "forward"):
+            if isinstance(node, ComputeNode):
+                ms = [self._compute_ms(node, r) for r in range(world)]
+                if node.op == "lookup":
+                    totals = self.lookup_ms.setdefault(node.groups[0], [0.0] * world)
+                    self.lookup_ms[node.groups[0]] = [a + b for a, b in zip(totals, ms)]
+                clock = self._advance(clock, ms)
+            elif node.issue == "previous_step":
+                # issued a step ahead, on the training thread: its packing, and the splits exchange
+                # (the ranks just met in the previous step's call: no wait for the slowest); the
+                # payload stays in flight through the rest of that step
+                clock = self._advance(clock, [self._pack_ms(node)] * world)
+                if node.role == "input_splits":
+                    clock = [c + self._coll_ms(node) for c in clock]
+                    for r in range(world):
+                        self.collectives[r] += self._coll_ms(node)
+                else:
+                    for r in range(world):
+                        self.collectives[r] += self._coll_ms(node)
+                        self.hidden[r] += self._coll_ms(node)
+            else:
+                clock = self._advance(clock, [self._pack_ms(node)] * world)
+                if "/b" in node.id.rsplit("/", 1)[-1]:
+                    in_flight += self._bucket(node, clock)
+                    continue
+                if node.wait == node.issue:
+                    clock = self._sync(clock, node)
+                else:
+                    in_flight.append(self._issue(node, clock))
+        dense = list(self.window) if early else [0.0] * world
+        if in_flight:
+            clock = self._overlap(clock, [e for e, _ in in_flight], [t for _, t in in_flight], dense)
+        elif early:
+            clock = [c + d for c, d in zip(clock, dense)]
+        return self._advance(clock, [self._output_ms()] * world)
+
+    def _bucket(self, node: CollectiveNode, clock: list[float]) -> list[tuple[float, float]]:
+        """A pipelined bucket's all-to-all: issued when its share of the group's lookups is done
+        (the buckets taken as equal shares), on a process group of its own."""
+        (group,) = node.groups
+        k = int(node.id.rsplit("/b", 1)[-1])
+        buckets = len(self.m.schedule.region("lookup", group).buckets)
+        lookups = self.lookup_ms.get(group, [0.0] * self.world)
+        issued = [clock[r] - lookups[r] * (buckets - 1 - k) / buckets for r in range(self.world)]
+        return [self._issue(node, issued)]
+
+    # -------------------------------------------------------------- backward
+    def _backward(self) -> list[float]:
+        world = self.world
+        window = [w * self.model.inputs.backward_ratio for w in self.window]
+        clock = self._advance([0.0] * world, [self._output_ms()] * world)
+        in_flight: list[tuple[float, float]] = []  # issued where forward waited, waited before the fused update
+        self.busy = {}  # (a clock of its own, from the module output's gradient)
+        overlapped = False
+        for node in (n for n in self.nodes if n.phase == "backward"):
+            if isinstance(node, ComputeNode):
+                if in_flight:  # the dense backward in between ran meanwhile
+                    clock = self._overlap(clock, [e for e, _ in in_flight], [t for _, t in in_flight], window)
+                    in_flight, overlapped = [], True
+                clock = self._advance(clock, [self._compute_ms(node, r) for r in range(world)])
+            elif node.issue == "ddp_backward":
+                continue  # DDP's all-reduces, outside the sparse path
+            else:
+                clock = self._advance(clock, [self._pack_ms(node)] * world)
+                if node.wait == BACKWARD_OF["root_forward"] and node.issue != node.wait:
+                    in_flight.append(self._issue(node, clock))
+                else:
+                    clock = self._sync(clock, node)
+        if in_flight:
+            clock = self._overlap(clock, [e for e, _ in in_flight], [t for _, t in in_flight], window)
+            overlapped = True
+        return clock if overlapped else [c + w for c, w in zip(clock, window)]
+
+
+def _id_bytes(m: LiftedModule) -> float:
+    return DTYPE_BYTES[m.values_dtype] + (4 if m.weighted else 0)

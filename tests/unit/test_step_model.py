@@ -1,0 +1,114 @@
+"""The step-time model on small graphs (process-free): what each schedule the passes write does to
+the predicted step, from hand-made inputs (graph_fixtures.step_model: 0.05 ms + 10 ns/byte per
+all-to-all, copies at 100 MB/s)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from graph_fixtures import EBC, USER, load, step_model
+from lightning_sparselift.ir import SparseGraph
+from lightning_sparselift.ir.graph import TableShard
+from lightning_sparselift.ir.schedule import GENERATED_KERNEL
+from lightning_sparselift.passes import select_passes
+from lightning_sparselift.plan import ExecutionPlan, PlanFingerprint, Planner
+
+ALPHA, BETA = 0.05, 1e-5
+
+
+def _applied(graph: SparseGraph, candidate_id: str, optimizations: list[str]) -> SparseGraph:
+    planner = Planner(select_passes(optimizations), None, calibrate=True)
+    (candidate,) = [c for c in planner.propose(graph)[0] if c.id == candidate_id]
+    return planner.apply(graph, candidate)
+
+
+@pytest.mark.parametrize("window_ms", [0.0, 0.02, 0.04, 1.0])
+def test_an_early_start_hides_its_all_to_alls_behind_the_dense_compute_around_the_module(window_ms):
+    two = load("two_modules_2ranks")
+    early = _applied(two, f"latency_hiding:early_start@{USER}", ["latency_hiding"])
+    model = step_model(two, window_ms=window_ms)
+    # the pooled all-to-all (128 B per member) behind the forward's window, its gradient behind
+    # backward's (twice as long)
+    t = ALPHA + 128 * BETA
+    assert model.increment_ms(two, early) == pytest.approx(-(min(t, window_ms) + min(t, 2 * window_ms)))
+    prediction = model.predict(early)
+    assert prediction.step_ms == pytest.approx(100.0 + model.increment_ms(two, early))
+    assert prediction.hidden_ms == pytest.approx(min(t, window_ms) + min(t, 2 * window_ms))
+
+
+def test_the_slowest_rank_gates_each_collective():
+    two = load("two_modules_2ranks")
+    early = _applied(two, f"latency_hiding:early_start@{USER}", ["latency_hiding"])
+    even, skewed = step_model(two, window_ms=1.0), step_model(two, window_ms=1.0)
+    # rank 1 reaches the module 1 ms after rank 0: rank 0 waits for it at the first collective, and
+    # the step is as long as it is when both take 1 ms
+    skewed.inputs.timings.window_ms[USER] = [0.0, 1.0]
+    assert skewed.predict(two).sparse_ms == pytest.approx(even.predict(two).sparse_ms)
+    # rank 0 has no dense compute to hide its all-to-all behind, but rank 1, which it waits for, has
+    t = ALPHA + 128 * BETA
+    assert skewed.increment_ms(two, early) == pytest.approx(even.increment_ms(two, early)) == pytest.approx(-2 * t)
+
+
+def test_next_batch_hides_the_payload_not_the_splits_exchange():
+    graph = load("table_and_column_wise_2ranks")
+    ahead = _applied(graph, f"latency_hiding:next_batch@{EBC}", ["latency_hiding"])
+    model = step_model(graph)
+    payload = [n for n in graph.collectives() if n.role in ("input_lengths", "input_values")]
+    assert model.increment_ms(graph, ahead) == pytest.approx(
+        -sum(ALPHA + max(n.bytes_per_member) * BETA for n in payload))
+
+
+def _eight_tables(threads: int) -> SparseGraph:
+    """One rank, one table-wise group of eight tables of dim 4, 100 ids each per step, a generated kernel."""
+    graph = load("table_wise_1rank")
+    module = graph.module(EBC)
+    group = module.groups[0]
+    template = group.tables[0]
+    group.tables = [TableShard(f"t{k}", 0, 100, 4, 0, 0, template.kernel, template.pooling, [f"f{k}"])
+                    for k in range(8)]
+    group.features = [f"f{k}" for k in range(8)]
+    group.features_per_rank = [8]
+    group.embedding_dims = [4] * 8
+    group.embedding_names = [f"t{k}" for k in range(8)]
+    group.lookup_kernels.append(GENERATED_KERNEL)
+    module.ids_per_step = [{f"f{k}": 100.0 for k in range(8)}]
+    graph.threads_per_rank = [threads]
+    return graph
+
+
+@pytest.mark.parametrize("cores, threads, expected", [(1.0, 4, 1.0), (4.0, 4, 2.0), (4.0, 1, 1.0), (8.0, 8, 2.0)])
+def test_concurrent_buckets_run_side_by_side_on_as_many_threads_and_cores_as_there_are(cores, threads, expected):
+    graph = _eight_tables(4)
+    generated = _applied(graph, f"codegen:lookup@{EBC}", ["codegen"])
+    buckets = _applied(generated, f"subgraph_parallelism:buckets2@{EBC}", ["codegen", "subgraph_parallelism"])
+    for g in (graph, generated, buckets):  # (the threads the rank runs: the pass proposes buckets on 2 or more)
+        g.threads_per_rank = [threads]
+    model = step_model(graph, cores=cores)
+    # 800 ids x 4 columns x 4 bytes: forward half a copy, the generated backward one
+    lookups = (0.5 + 1.0) * 2 * 800 * 16 / 1e5
+    assert model.increment_ms(generated, buckets) == pytest.approx(lookups / expected - lookups)
+
+
+def test_a_generated_lookup_reads_the_touched_rows_once_in_backward_where_the_reference_reads_them_twice():
+    graph = _eight_tables(1)
+    generated = _applied(graph, f"codegen:lookup@{EBC}", ["codegen"])
+    assert step_model(graph).increment_ms(graph, generated) == pytest.approx(-2 * 800 * 16 / 1e5)
+
+
+def test_a_plan_records_the_model_and_its_file_keeps_it(tmp_path):
+    two = load("two_modules_2ranks")
+    early = _applied(two, f"latency_hiding:early_start@{USER}", ["latency_hiding"])
+    model = step_model(two)
+    plan = ExecutionPlan(PlanFingerprint(two.fingerprint(), "sharding", 2, "gloo", {}, ["latency_hiding"]), early,
+                         step_model=model.record(early))
+    assert plan.predicted_change_ms == pytest.approx(model.increment_ms(two, early))
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    loaded = ExecutionPlan.load(str(path))
+    assert loaded.step_model == plan.step_model
+    text = loaded.explain()
+    assert "step-time model: all_to_all_single on world[2]: alpha 0.050 ms + 10.000 ms/MB" in text
+    assert f"change {plan.predicted_change_ms:+.3f} ms" in text
+    assert json.loads(path.read_text())["step_model"]["inputs"]["timings"]["window_ms"][USER] == [1.0, 1.0]
