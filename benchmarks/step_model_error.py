@@ -15,15 +15,17 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 from lightning_sparselift.bench.model_error import RecordedRun, error_rows, markdown
 
 SCENARIOS = ("dlrm", "sparse-heavy", "dlrm-multihot", "sequence")
 
 
-def record(scenario: str, rounds: int) -> RecordedRun:
+def record(scenario: str, rounds: int, keep: Optional[Path]) -> RecordedRun:
+    """One bench run of ``scenario``; its summary JSON kept at ``keep`` (the decisions, the checks)."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "bench.json"
+        out = keep if keep is not None else Path(tmp) / "bench.json"
         subprocess.run([sys.executable, "-m", "lightning_sparselift.cli", "bench", "--scenario", scenario,
                         "--systems", "sparselift-identity,sparselift", "--rounds", str(rounds), "--json", str(out)],
                        check=True, stdout=subprocess.DEVNULL)
@@ -40,6 +42,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=12, help="the bench's rounds per run")
     parser.add_argument("--out", type=Path, help="folder for the recorded runs")
+    parser.add_argument("--bench-json", type=Path, help="folder for each run's bench summary")
     parser.add_argument("--table", type=Path, help="print the table of the runs recorded in this folder")
     args = parser.parse_args()
     if args.table is not None:
@@ -48,7 +51,11 @@ def main() -> None:
     runs = []
     for n in range(1, args.runs + 1):
         for scenario in args.scenarios.split(","):
-            run = record(scenario, args.rounds)
+            keep = None
+            if args.bench_json is not None:
+                args.bench_json.mkdir(parents=True, exist_ok=True)
+                keep = args.bench_json / f"{scenario}_run{n}.json"
+            run = record(scenario, args.rounds, keep)
             runs.append(run)
             if args.out is not None:
                 args.out.mkdir(parents=True, exist_ok=True)

@@ -44,9 +44,10 @@ MAX_FACTORS = 6
 _HADAMARD_8 = np.kron(np.kron([[1, 1], [1, -1]], [[1, 1], [1, -1]]), [[1, 1], [1, -1]]).tolist()
 # the power the futility rule asks of the whole budget (nine times in ten: z of 0.9)
 _POWER_Z = 1.2816
-# how far the futility rule lets the model's prediction be off: the priors were 2-3x too small for
-# output layout on dlrm (a -1.32 ms prediction, -1.9 ms measured, the budget resolving -1.57 ms
-# stopped it at 1x) and 10x for the input kernel
+# how far the futility rule lets the model's prediction be off: the step-time model's kernel terms
+# are bytes over bandwidth, 2-10x small for the input kernel and the lookups of an EmbeddingCollection
+# (the earlier priors' output layout, 2-3x small on dlrm, was stopped at 1x: -1.32 ms predicted,
+# -1.9 ms measured, the budget resolving -1.57 ms)
 PREDICTION_SLACK = 3.0
 
 

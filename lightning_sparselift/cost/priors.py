@@ -9,14 +9,15 @@ import os
 import socket
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-# payload sizes of the all-to-all micro-benchmark (bytes per member)
+# payload sizes of the all-to-all micro-benchmark without a graph (bytes per member)
 _PROBE_BYTES = (256, 16 * 1024, 256 * 1024, 2 * 1024 * 1024)
-_PROBE_REPS = 5
+_PROBE_REPS = 7
+_MOST_PROBES = 6
 
 
 @dataclass
@@ -73,17 +74,31 @@ def _slowest(values: list[float], group: Any) -> list[float]:
     return t.tolist()
 
 
-def measure_priors(group: Any, device: torch.device) -> Priors:
-    """Fit the priors on this machine: ``_PROBE_REPS`` all-to-alls per size in ``_PROBE_BYTES``
-    (median per rank, max over ranks) and one large copy for the memory bandwidth."""
+def probe_sizes(graph_bytes: Sequence[int], most: int = _MOST_PROBES) -> list[int]:
+    """The all-to-all payloads to time: the smallest of ``_PROBE_BYTES`` (the latency) and up to
+    ``most - 1`` of the graph's own (bytes per member), spread from its smallest to its largest."""
+    sizes = sorted({int(b) for b in graph_bytes if b > 0} | {_PROBE_BYTES[0]})
+    if len(sizes) <= most:
+        return sizes
+    picks = {round(i * (len(sizes) - 1) / (most - 1)) for i in range(most)}
+    return [sizes[i] for i in sorted(picks)]
+
+
+def measure_priors(group: Any, device: torch.device, sizes: Sequence[int] = _PROBE_BYTES) -> Priors:
+    """Fit the priors on this machine: per size (bytes per member, e.g. :func:`probe_sizes` of
+    the graph's collectives), ``_PROBE_REPS`` all-to-alls, each after a barrier (so a rank's time is
+    the transfer, not its wait for the others), the median per rank and the slowest rank's; and
+    one large copy for the memory bandwidth."""
     start = time.perf_counter()
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     medians = []
-    for nbytes in _PROBE_BYTES:
+    for nbytes in sizes:
         send = torch.zeros(max(nbytes // 4 // world, 1) * world, dtype=torch.float32, device=device)
         recv = torch.empty_like(send)
         times = []
         for _ in range(_PROBE_REPS + 1):
+            if world > 1:
+                dist.barrier(group=group)
             t0 = time.perf_counter()
             if world > 1:
                 dist.all_to_all_single(recv, send, group=group)
@@ -94,7 +109,7 @@ def measure_priors(group: Any, device: torch.device) -> Priors:
             times.append((time.perf_counter() - t0) * 1e3)
         medians.append(float(torch.tensor(times[1:]).median()))  # the first one warms up
     medians = _slowest(medians, group)
-    samples = [(send_bytes, t) for send_bytes, t in zip(_PROBE_BYTES, medians)]
+    samples = [(send_bytes, t) for send_bytes, t in zip(sizes, medians)]
     alpha, beta = _fit(samples)
     source = torch.ones(8 * 1024 * 1024, dtype=torch.float32, device=device)
     target = torch.empty_like(source)

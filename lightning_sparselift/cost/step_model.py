@@ -12,8 +12,9 @@ Inputs (:class:`StepModelInputs`, recorded in the plan file):
 - collectives: alpha-beta per process group (the all-to-all micro-benchmark of
   :mod:`.priors`, slowest rank; a pipelined bucket's group spans the same ranks and takes the
   world group's), priced at the member that puts in the most bytes;
-- compute: bytes over the measured copy bandwidth, per region and kernel (:data:`PASSES`), the
-  lookups' spread over ``min(buckets, threads, cores)``.
+- compute: bytes over the measured copy bandwidth, per region and kernel (:data:`PASSES`); the
+  lookups' terms scaled per rank so that TorchRec's (the reference kernels) add up to what the
+  capture steps measured of its lookup modules, and spread over ``min(buckets, threads, cores)``.
 
 The step is simulated per module and rank, forward then backward: compute advances the rank's
 clock; a collective waited where it is issued ends at the slowest rank's arrival plus its
@@ -24,7 +25,7 @@ step plus the simulated sparse path's change from the identity plan, on the slow
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from statistics import median
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,7 @@ PASSES = {("input", "reference"): 2.0, ("input", GENERATED_KERNEL): 1.0,
           ("output", "reference"): 4.0, ("output", CONSUMER_KERNEL): 0.0,
           ("pack", "bytes"): 2.0}
 BACKWARD_RATIO = 2.0
+_PART = {"lookup": "lookup_forward", "fused_update": "lookup_backward"}  # the lookup's compute nodes
 
 
 @dataclass
@@ -59,13 +61,19 @@ class StepTimings:
 
     step_ms: list[float]
     window_ms: dict[str, list[float]]  # per sparse module path
+    # per sparse module path: TorchRec's lookups, forward and backward, on the training thread's CPU clock
+    lookup_ms: dict[str, list[float]] = field(default_factory=dict)
 
     @classmethod
     def from_captures(cls, captures: list[RankCapture]) -> "StepTimings":
         ordered = sorted(captures, key=lambda c: c.rank)
         paths = sorted({p for c in ordered for p in c.modules})
-        return cls([_typical(c.step_ms) for c in ordered],
-                   {p: [_typical(c.modules[p].window_ms) if p in c.modules else 0.0 for c in ordered] for p in paths})
+
+        def per_rank(what: str) -> dict[str, list[float]]:
+            return {p: [_typical(getattr(c.modules[p], what)) if p in c.modules else 0.0 for c in ordered]
+                    for p in paths}
+
+        return cls([_typical(c.step_ms) for c in ordered], per_rank("window_ms"), per_rank("lookup_ms"))
 
 
 def _typical(values: list[float]) -> float:
@@ -194,6 +202,7 @@ class _ModuleSimulation:
         self.busy: dict[str, float] = {}  # per process group: when its collectives in flight end
         self.ids = {(n.groups[0], n.rank): n.workload["ids"] for n in nodes
                     if isinstance(n, ComputeNode) and n.op == "lookup"}
+        self.scale = self._lookup_scale()
 
     def run(self) -> tuple[float, float, float, float, float]:
         forward = self._forward()
@@ -216,20 +225,34 @@ class _ModuleSimulation:
             # (a recat's workload counts keys: it moves what arrived, about the rank's own ids)
             ids = node.workload.get("ids", max(sum(stats.values()) for stats in m.ids_per_step))
             return model.copy_ms(ids * _id_bytes(m), PASSES[("input", kernel)])
-        if node.op == "lookup" and node.rank in (None, rank):
-            return self._lookup_ms(node, "lookup_forward")
-        if node.op == "fused_update" and node.rank == rank:
-            return self._lookup_ms(node, "lookup_backward")
+        if node.op in _PART and node.rank in (None, rank):
+            return self._lookup_ms(node, _PART[node.op], rank)
         return 0.0
 
-    def _lookup_ms(self, node: ComputeNode, part: str) -> float:
+    def _lookup_ms(self, node: ComputeNode, part: str, rank: int) -> float:
+        """A lookup's forward or its backward with the fused update on ``rank``: its touched rows'
+        passes, scaled to the rank's captured lookups, over the buckets that run at once."""
+        kernel = GENERATED_KERNEL if node.kernel == GENERATED_KERNEL else "reference"
+        return self._passes_ms(node, part, kernel) * self.scale[rank] / self._concurrency(node)
+
+    def _passes_ms(self, node: ComputeNode, part: str, kernel: str) -> float:
         (group,) = node.groups
         dim = max(self.m.groups[group].embedding_dims, default=0)
-        kernel = GENERATED_KERNEL if node.kernel == GENERATED_KERNEL else "reference"
-        passes = PASSES.get((part, kernel), PASSES.get((part, "any")))
         # (the fused update touches the rows its forward lookup read)
         ids = self.ids.get((group, node.rank), 0.0)
-        return self.model.copy_ms(ids * dim * 4, passes) / self._concurrency(node)
+        return self.model.copy_ms(ids * dim * 4, PASSES.get((part, kernel), PASSES.get((part, "any"))))
+
+    def _lookup_scale(self) -> list[float]:
+        """Per rank: the captured ms of TorchRec's lookups of this module over what the byte model
+        gives its reference kernels (1 where nothing was captured)."""
+        measured = self.model.inputs.timings.lookup_ms.get(self.m.path, [])
+        out = []
+        for r in range(self.world):
+            modelled = sum(self._passes_ms(n, _PART[n.op], "reference") for n in self.nodes
+                           if isinstance(n, ComputeNode) and n.op in _PART and n.rank in (r, None))
+            ms = measured[r] if r < len(measured) else 0.0
+            out.append(ms / modelled if ms > 0 and modelled > 0 else 1.0)
+        return out
 
     def _concurrency(self, node: ComputeNode) -> float:
         """How many of a lookup's buckets run at once: concurrent buckets, up to the rank's threads

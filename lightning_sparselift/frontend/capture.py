@@ -67,6 +67,9 @@ class ModuleCapture:
     # of the module's call itself (TorchRec's sparse forward, its output awaited)
     window_ms: list[float] = field(default_factory=list)
     call_ms: list[float] = field(default_factory=list)
+    # per captured step, the training thread's CPU ms in TorchRec's lookup modules of the module:
+    # their forward calls and their outputs' backward nodes (the fused update included)
+    lookup_ms: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -129,6 +132,10 @@ class SparseCapture:
         self._window_ms: dict[str, list[float]] = defaultdict(list)
         self._call_ms: dict[str, list[float]] = defaultdict(list)
         self._step_ms: list[float] = []
+        self._lookup_ms: dict[str, list[float]] = defaultdict(list)
+        self._lookup_now: dict[str, float] = defaultdict(float)  # this step's, per module path
+        self._timed: set[str] = set()  # the modules whose lookups carry the timing hooks
+        self._model, self._paths = model, list(module_paths)
         for path in module_paths:
             module = model.get_submodule(path)
             self._handles.append(module.register_forward_pre_hook(self._pre_hook(path), with_kwargs=True))
@@ -209,17 +216,49 @@ class SparseCapture:
             for path in (find_kjts((next_batch,), {}) if next_batch is not None else {}).values()}
         self._calls.clear()
         self._root_start, self._call_times = None, {}
+        self._time_lookups()
+        self._lookup_now.clear()
         start = time.perf_counter()
         try:
             yield
         finally:
             self._step_ms.append((time.perf_counter() - start) * 1e3)
             self._record_windows()
+            for path in self._timed:
+                self._lookup_ms[path].append(self._lookup_now[path])
             self._active = False
             self._batch_kjts = {}
             for path, calls in self._calls.items():
                 self._max_calls[path] = max(self._max_calls[path], calls)
             self.steps += 1
+
+    def _time_lookups(self) -> None:
+        """Hooks timing each sparse module's lookup modules (TorchRec keeps them in ``_lookups``,
+        a plain list), once they exist."""
+        for path in self._paths:
+            lookups = getattr(self._model.get_submodule(path), "_lookups", None)
+            if path in self._timed or not lookups:
+                continue
+            self._timed.add(path)
+            for lookup in lookups:
+                self._handles.append(lookup.register_forward_pre_hook(_lookup_started))
+                self._handles.append(lookup.register_forward_hook(self._lookup_done(path)))
+
+    def _lookup_done(self, path: str):
+        def hook(module: nn.Module, _args: tuple, output: Any) -> None:
+            if not self._active:
+                return
+            self._lookup_now[path] += (time.thread_time() - module._sparselift_capture_start) * 1e3
+            node = output.grad_fn if isinstance(output, torch.Tensor) else None
+            if node is not None:
+                started: list[float] = []
+                node.register_prehook(lambda *_: started.append(time.thread_time()))
+                node.register_hook(lambda *_: self._lookup_backward_done(path, started))
+        return hook
+
+    def _lookup_backward_done(self, path: str, started: list[float]) -> None:
+        if started and self._active:
+            self._lookup_now[path] += (time.thread_time() - started.pop()) * 1e3
 
     def _record_windows(self) -> None:
         """Each module's window and call in the step that ended (modules in call order)."""
@@ -247,7 +286,7 @@ class SparseCapture:
                                           announced_exact=self._announced_exact[path],
                                           calls_per_step=self._max_calls[path], **info,
                                           **self._consumer(path), window_ms=self._window_ms[path],
-                                          call_ms=self._call_ms[path])
+                                          call_ms=self._call_ms[path], lookup_ms=self._lookup_ms[path])
         return RankCapture(self.rank, self.world_size, modules, torch.get_num_threads(), self._step_ms)
 
     def _consumer(self, path: str) -> dict[str, Any]:
@@ -266,6 +305,10 @@ class SparseCapture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _lookup_started(module: nn.Module, _args: tuple) -> None:
+    module._sparselift_capture_start = time.thread_time()
 
 
 def common_path(paths: list[Any]) -> Any:

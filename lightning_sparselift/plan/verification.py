@@ -46,7 +46,7 @@ class PlanVerification:
     pairs: int  # measured pairs used (outlier pairs excluded)
     outliers: int  # pairs left out as outliers
     confidence: float
-    predicted_ms: Optional[float]  # the accepted candidates' predicted step change (priors); None: no priors
+    predicted_ms: Optional[float]  # the step-time model's step change of the plan; None: no model
     calibrated_ms: Optional[float]  # the sum of their calibrated increments; None: not calibrated (e.g. reused)
     measured_ms: Optional[float]  # the plan's step minus the identity plan's (Hodges-Lehmann estimate)
     interval_ms: Optional[list[float]]  # its confidence interval

@@ -247,8 +247,8 @@ class SparseLiftSession:
         """Start a new planning round from the lifted (identity) graph: the next steps calibrate
         the candidates on top of it as the first round did, and its plan is installed (and saved
         to ``plan_path``, which is not read: the round exists to measure again). Call it between
-        steps, on every rank at the same step (the priors are measured with collectives). A
-        steady-state check in progress is stopped (not judged)."""
+        steps, on every rank at the same step (the step-time model's constants are measured with
+        collectives). A steady-state check in progress is stopped (not judged)."""
         if self.phase == "verify" and not self._in_step:
             self._verified(self._check.stop(f"planning again ({reason})"))
         if self.phase != "done":
@@ -268,7 +268,7 @@ class SparseLiftSession:
 
     def _plan(self, reuse_saved: bool) -> bool:
         """Start a planning round (or install the saved plan); True when a plan was installed."""
-        from lightning_sparselift.cost.priors import measure_priors
+        from lightning_sparselift.cost.priors import measure_priors, probe_sizes
 
         start = time.perf_counter()
         self.watch = None
@@ -297,8 +297,11 @@ class SparseLiftSession:
             self.time.add(reuse_s, reuse_s)
             self._steady(plan, saved.decided_on)
             return True
-        model = (StepModel.measure(measure_priors(self.group, self.device), self.timings, self.identity)
-                 if self.passes and self.options.calibrate else None)
+        model = None
+        if self.passes and self.options.calibrate:
+            sizes = probe_sizes([max(n.bytes_per_member) for n in self.identity.collectives()
+                                 if n.op == "all_to_all_single"])
+            model = StepModel.measure(measure_priors(self.group, self.device, sizes), self.timings, self.identity)
         planner = Planner(self.passes, model, self.options.calibrate, self.options.decision_rule)
         self.loop = PlanningLoop(planner, fingerprint, self.identity, self.group, self.events)
         self.loop.plan.kernel_builds = self.kernel_builds

@@ -97,6 +97,16 @@ def test_a_generated_lookup_reads_the_touched_rows_once_in_backward_where_the_re
     assert step_model(graph).increment_ms(graph, generated) == pytest.approx(-2 * 800 * 16 / 1e5)
 
 
+def test_the_lookups_cost_what_the_capture_steps_measured_of_torchrecs():
+    graph = _eight_tables(1)
+    generated = _applied(graph, f"codegen:lookup@{EBC}", ["codegen"])
+    model = step_model(graph)
+    model.inputs.timings.lookup_ms = {EBC: [5.0]}  # TorchRec's lookups: 5 ms forward and backward
+    # forward half a pass, backward two (the reference) or one (generated): the generated lookups
+    # take 1.5 / 2.5 of the 5 ms
+    assert model.increment_ms(graph, generated) == pytest.approx(-5.0 * (1 - 1.5 / 2.5))
+
+
 def test_a_plan_records_the_model_and_its_file_keeps_it(tmp_path):
     two = load("two_modules_2ranks")
     early = _applied(two, f"latency_hiding:early_start@{USER}", ["latency_hiding"])
