@@ -20,14 +20,14 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 ifeq ($(GPU),1)
-	$(PIP) install -e ".[gpu,test,bench]"
+	$(PIP) install -e ".[gpu,test,bench,logging]"
 else
-	$(PIP) install -e ".[cpu,test,bench]"
+	$(PIP) install -e ".[cpu,test,bench,logging]"
 endif
 	# torchrec without its requirements: they name the CUDA fbgemm-gpu (wrong on the CPU path)
 	# and pin torchmetrics==1.0.3; its real runtime dependencies are ours.
 	$(PIP) install --no-deps torchrec==1.8.0
-	$(PY) -c "import torchrec, fbgemm_gpu, lightning_sparselift"
+	$(PY) -c "import torchrec, fbgemm_gpu, tensorboard, lightning_sparselift"
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

@@ -85,7 +85,17 @@ def combine_optimizers(dmp: nn.Module, dense: torch.optim.Optimizer) -> Any:
     if unknown:
         raise ValueError(f"the dense optimizer holds {len(unknown)} tensor(s) that are not parameters of the model")
     keyed_dense = KeyedOptimizerWrapper({names[id(p)]: p for p in params}, lambda _: dense)
+    _name_groups("embedding", dmp.fused_optimizer.param_groups)
+    _name_groups("dense", dense.param_groups)
     return CombinedOptimizer([("embedding", dmp.fused_optimizer), ("dense", keyed_dense)])
+
+
+def _name_groups(optimizer: str, groups: list[dict[str, Any]]) -> None:
+    """Name each param group after its optimizer (``embedding``, ``dense``; ``/pgN`` when there are
+    several), unless it has a name: Lightning's LearningRateMonitor logs a group's LR under its name
+    (else under ``pgN`` of the one combined optimizer, which does not say whose LR it is)."""
+    for i, group in enumerate(groups):
+        group.setdefault("name", optimizer if len(groups) == 1 else f"{optimizer}/pg{i + 1}")
 
 
 EMBEDDING_LR_SCHEDULES = ("constant", "follow_dense")
