@@ -127,17 +127,23 @@ class StepModelRecord:
     def explain(self) -> list[str]:
         links = "; ".join(f"{link.op} on {link.process_group}: alpha {link.alpha_ms:.3f} ms + "
                           f"{link.beta_ms_per_byte * 1e6:.3f} ms/MB" for link in self.inputs.links)
-        windows = ", ".join(f"{path} {'/'.join(f'{w:.2f}' for w in ms)}"
-                            for path, ms in self.inputs.timings.window_ms.items())
+        timings = self.inputs.timings
+
+        def per_module(values: dict[str, list[float]]) -> str:
+            return ", ".join(f"{path} {'/'.join(f'{v:.2f}' for v in ms)}" for path, ms in values.items()) or "none"
+
         return [f"step-time model: {links}; copy bandwidth {self.inputs.bandwidth_bytes_per_ms / 1e6:.2f} GB/s; "
                 f"{self.inputs.cores_per_rank:g} core(s) per rank; captured step "
-                f"{'/'.join(f'{t:.2f}' for t in self.inputs.timings.step_ms)} ms per rank, dense window before the "
-                f"module (ms per rank) {windows or 'none'}",
+                f"{'/'.join(f'{t:.2f}' for t in timings.step_ms)} ms per rank, dense window before the module "
+                f"(ms per rank) {per_module(timings.window_ms)}, TorchRec's lookups {per_module(timings.lookup_ms)}",
                 f"  identity plan: {self.identity.describe()}",
                 f"  this plan:     {self.plan.describe()}; change {self.change_ms:+.3f} ms"]
 
 
 class StepModel:
+    """The model of one run: its inputs, and the identity graph whose captured step the
+    predictions start from."""
+
     def __init__(self, inputs: StepModelInputs, identity: SparseGraph) -> None:
         self.inputs = inputs
         self.identity = identity
@@ -145,6 +151,7 @@ class StepModel:
 
     @classmethod
     def measure(cls, priors: Priors, timings: StepTimings, identity: SparseGraph) -> "StepModel":
+        """From this run's machine constants (:func:`~.priors.measure_priors`) and capture steps."""
         return cls(StepModelInputs(timings, [priors.all_to_all], priors.lookup.bandwidth_bytes_per_ms,
                                    priors.cores_per_rank), identity)
 
