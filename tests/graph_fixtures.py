@@ -10,6 +10,8 @@ from typing import Optional
 from lightning_sparselift.cost.priors import AlphaBeta
 from lightning_sparselift.cost.step_model import StepModel, StepModelInputs, StepTimings
 from lightning_sparselift.ir import SparseGraph
+from lightning_sparselift.ir.graph import OutputBlock, TableShard
+from lightning_sparselift.ir.schedule import GENERATED_KERNEL
 from lightning_sparselift.passes import select_passes
 from lightning_sparselift.plan import ExecutionPlan, PlanFingerprint, Planner
 
@@ -26,6 +28,33 @@ NOT_IN_BATCH = "the module's input was not found in the training step's batch on
 
 def load(name: str) -> SparseGraph:
     return SparseGraph.from_dict(json.loads((FIXTURES / f"{name}.json").read_text()))
+
+
+def generated(graph: SparseGraph) -> SparseGraph:
+    """As the session marks it once every rank built every group's generated kernel."""
+    for module in graph.modules:
+        for group in module.groups:
+            group.lookup_kernels.append(GENERATED_KERNEL)
+    return graph
+
+
+def four_tables_two_ranks() -> SparseGraph:
+    """Two ranks of one thread each; g0 (table-wise) holds t0, t1 on rank 0 and t2, t3 on rank 1
+    (t_k's feature brings 4 * (k + 1) ids per step on each rank); g1 stays the column-wise t_c."""
+    graph = load("table_and_column_wise_2ranks")
+    graph.threads_per_rank = [1, 1]
+    module = graph.module(EBC)
+    group = module.groups[0]
+    template = group.tables[0]
+    group.tables = [TableShard(f"t{k}", k // 2, 100, 4, 0, 0, template.kernel, template.pooling, [f"f{k}"])
+                    for k in range(4)]
+    group.features = [f"f{k}" for k in range(4)]
+    group.features_per_rank, group.dim_sum_per_rank = [2, 2], [8, 8]
+    group.embedding_names, group.embedding_dims = list(group.features), [4] * 4
+    group.output_blocks = [[OutputBlock(f"t{k}", 4) for k in (2 * r, 2 * r + 1)] for r in range(2)]
+    for stats in module.ids_per_step:
+        stats.update({f"f{k}": 4.0 * (k + 1) for k in range(4)})
+    return generated(graph)
 
 
 def step_model(identity: SparseGraph, alpha_ms: float = 0.05, beta_ms_per_byte: float = 1e-5,

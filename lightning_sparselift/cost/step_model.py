@@ -352,10 +352,9 @@ class _ModuleSimulation:
                         self.hidden[r] += self._coll_ms(node)
             else:
                 clock = self._advance(clock, [self._pack_ms(node)] * world)
-                if "/b" in node.id.rsplit("/", 1)[-1]:
-                    in_flight += self._bucket(node, clock)
-                    continue
-                if node.wait == node.issue:
+                if node.bucket is not None:
+                    in_flight.append(self._bucket(node, clock))
+                elif node.wait == node.issue:
                     clock = self._sync(clock, node)
                 else:
                     in_flight.append(self._issue(node, clock))
@@ -366,15 +365,14 @@ class _ModuleSimulation:
             clock = [c + d for c, d in zip(clock, dense)]
         return self._advance(clock, [self._output_ms()] * world)
 
-    def _bucket(self, node: CollectiveNode, clock: list[float]) -> list[tuple[float, float]]:
+    def _bucket(self, node: CollectiveNode, clock: list[float]) -> tuple[float, float]:
         """A pipelined bucket's all-to-all: issued when its share of the group's lookups is done
         (the buckets taken as equal shares), on a process group of its own."""
         (group,) = node.groups
-        k = int(node.id.rsplit("/b", 1)[-1])
         buckets = len(self.m.schedule.region("lookup", group).buckets)
         lookups = self.lookup_ms.get(group, [0.0] * self.world)
-        issued = [clock[r] - lookups[r] * (buckets - 1 - k) / buckets for r in range(self.world)]
-        return [self._issue(node, issued)]
+        issued = [clock[r] - lookups[r] * (buckets - 1 - node.bucket) / buckets for r in range(self.world)]
+        return self._issue(node, issued)
 
     # -------------------------------------------------------------- backward
     def _backward(self) -> list[float]:

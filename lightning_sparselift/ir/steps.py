@@ -32,6 +32,7 @@ class CollectiveNode:
     issue: Point
     wait: Point
     after: list[str] = field(default_factory=list)
+    bucket: Optional[int] = None  # a pipelined bucket's all-to-all: the bucket's index among its group's lookups
 
 
 @dataclass
@@ -97,12 +98,12 @@ def _pg(world: int, exchange_pg: str) -> str:
 
 
 def _per_bucket(m: "LiftedModule", e: OutputExchange, nbytes: list[int], forward: bool
-                ) -> list[tuple[str, str, list[int]]]:
-    """(id suffix, process group, bytes per member) of each all-to-all ``e`` runs: one, or (split
+                ) -> list[tuple[Optional[int], str, list[int]]]:
+    """(bucket, process group, bytes per member) of each all-to-all ``e`` runs: one (bucket None), or (split
     per bucket of a pooled group's lookups) one per bucket, its columns' share of the bytes: of
     the member's own columns forward, of every rank's (the member's samples' gradients) backward."""
     if not e.split:
-        return [("", e.process_group, nbytes)]
+        return [(None, e.process_group, nbytes)]
     (i,) = e.groups
     g = m.groups[i]
     out = []
@@ -110,8 +111,12 @@ def _per_bucket(m: "LiftedModule", e: OutputExchange, nbytes: list[int], forward
         widths = [len(c) for c in per_rank]
         share = [w / max(d, 1) for w, d in zip(widths, g.dim_sum_per_rank)] if forward else \
             [sum(widths) / max(sum(g.dim_sum_per_rank), 1)] * len(widths)
-        out.append((f"/b{k}", pg, [round(n * f) for n, f in zip(nbytes, share)]))
+        out.append((k, pg, [round(n * f) for n, f in zip(nbytes, share)]))
     return out
+
+
+def _suffix(bucket: Optional[int]) -> str:
+    return "" if bucket is None else f"/b{bucket}"
 
 
 def _forward(step: _Step, m: "LiftedModule") -> None:
@@ -205,11 +210,11 @@ def _forward(step: _Step, m: "LiftedModule") -> None:
         else:
             nbytes = [sum(B) * sum(groups[0].embedding_dims) * 4] * world
             role = "output_partial_sums"
-        nodes = [step.collective(id=f"{m.path}/{e.label}/{role}{suffix}", module=m.path, groups=list(e.groups),
-                                 phase="forward", op=e.op, role=role, dtype="float32",
+        nodes = [step.collective(id=f"{m.path}/{e.label}/{role}{_suffix(bucket)}", module=m.path,
+                                 groups=list(e.groups), phase="forward", op=e.op, role=role, dtype="float32",
                                  process_group=_pg(world, pg), bytes_per_member=share, data_dependent=not m.pooled,
-                                 issue=s.lookup_at, wait=e.wait, after=after)
-                 for suffix, pg, share in _per_bucket(m, e, nbytes, forward=True)]
+                                 issue=s.lookup_at, wait=e.wait, after=after, bucket=bucket)
+                 for bucket, pg, share in _per_bucket(m, e, nbytes, forward=True)]
         for i in e.groups:
             ready[i] = [n.id for n in nodes]
     outputs = sorted({d for g in m.groups for d in ready[g.index]})
@@ -239,11 +244,12 @@ def _backward(step: _Step, m: "LiftedModule") -> None:
             op, role = "all_gather", "grad_all_gather"
             nbytes = [B[r] * sum(groups[0].embedding_dims) * 4 for r in range(world)]
         # autograd runs forward's points in reverse: issued where the forward waited, waited where it was issued
-        nodes = [step.collective(id=f"{m.path}/{e.label}/{role}{suffix}", module=m.path, groups=list(e.groups),
-                                 phase="backward", op=op, role=role, dtype="float32",
+        nodes = [step.collective(id=f"{m.path}/{e.label}/{role}{_suffix(bucket)}", module=m.path,
+                                 groups=list(e.groups), phase="backward", op=op, role=role, dtype="float32",
                                  process_group=_pg(world, pg), bytes_per_member=share, data_dependent=not m.pooled,
-                                 issue=BACKWARD_OF[e.wait], wait=BACKWARD_OF[s.lookup_at], after=[f"{m.path}/output"])
-                 for suffix, pg, share in _per_bucket(m, e, nbytes, forward=False)]
+                                 issue=BACKWARD_OF[e.wait], wait=BACKWARD_OF[s.lookup_at], after=[f"{m.path}/output"],
+                                 bucket=bucket)
+                 for bucket, pg, share in _per_bucket(m, e, nbytes, forward=False)]
         for i in e.groups:
             start[i] = [n.id for n in nodes]
     for g in reversed(m.groups):

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from graph_fixtures import EBC, USER, load, step_model
+from graph_fixtures import EBC, USER, four_tables_two_ranks, load, step_model
 from lightning_sparselift.ir import SparseGraph
 from lightning_sparselift.ir.graph import TableShard
 from lightning_sparselift.ir.schedule import GENERATED_KERNEL
@@ -89,6 +89,32 @@ def test_concurrent_buckets_run_side_by_side_on_as_many_threads_and_cores_as_the
     # 800 ids x 4 columns x 4 bytes: forward half a copy, the generated backward one
     lookups = (0.5 + 1.0) * 2 * 800 * 16 / 1e5
     assert model.increment_ms(generated, buckets) == pytest.approx(lookups / expected - lookups)
+
+
+def test_a_pipelined_buckets_all_to_all_overlaps_the_next_buckets_lookups():
+    graph = four_tables_two_ranks()
+    generated = _applied(graph, f"codegen:lookup@{EBC}", ["codegen"])
+    pipelined = _applied(generated, f"subgraph_parallelism:pipelined2@{EBC}", ["codegen", "subgraph_parallelism"])
+    # copies at 100 B/ms: a bucket's lookups take far longer than any all-to-all here
+    model = step_model(graph, bandwidth_bytes_per_ms=100.0, window_ms=0.0)
+
+    def a2a(node) -> float:
+        return ALPHA + max(node.bytes_per_member) * BETA
+
+    (whole,) = [n for n in generated.collectives() if n.role == "output_pooled" and n.groups == [0]]
+    (grad,) = [n for n in generated.collectives() if n.role == "grad_pooled" and n.groups == [0]]
+    first, second = [n for n in pipelined.collectives("forward") if n.bucket is not None]
+    grads = [n for n in pipelined.collectives("backward") if n.bucket is not None]
+    assert (first.bucket, second.bucket, len(grads)) == (0, 1, 2)
+    (other,) = [n for n in generated.collectives() if n.role == "output_pooled" and n.groups == [1]]
+    assert a2a(other) < a2a(second)
+    # forward: the first bucket's all-to-all runs behind the second bucket's lookups, the second's behind
+    # g1's exchange (on the world's process group; each bucket has its own) and then is waited for;
+    # backward: each bucket's gradient all-to-all is waited for where it is issued
+    assert model.predict(generated).hidden_ms == 0.0
+    assert model.predict(pipelined).hidden_ms == pytest.approx(a2a(first) + a2a(other))
+    assert model.increment_ms(generated, pipelined) == pytest.approx(
+        -a2a(whole) + (a2a(second) - a2a(other)) + sum(a2a(n) for n in grads) - a2a(grad))
 
 
 def test_a_generated_lookup_reads_the_touched_rows_once_in_backward_where_the_reference_reads_them_twice():

@@ -6,21 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from graph_fixtures import EBC, load
+from graph_fixtures import EBC, four_tables_two_ranks, generated, load
 from lightning_sparselift.ir import SparseGraph
-from lightning_sparselift.ir.graph import OutputBlock, TableShard
+from lightning_sparselift.ir.graph import TableShard
 from lightning_sparselift.ir.schedule import GENERATED_KERNEL, check_schedule
 from lightning_sparselift.passes import InfeasibleCandidate, select_passes
 from lightning_sparselift.passes.subgraph_parallelism import SubgraphParallelism, partition
 from lightning_sparselift.plan import PlanFingerprint, Planner, PlanningLoop
-
-
-def _generated(graph: SparseGraph) -> SparseGraph:
-    """As the session marks it once every rank built every group's generated kernel."""
-    for module in graph.modules:
-        for group in module.groups:
-            group.lookup_kernels.append(GENERATED_KERNEL)
-    return graph
 
 
 def _eight_tables() -> SparseGraph:
@@ -33,7 +25,7 @@ def _eight_tables() -> SparseGraph:
                     for k in range(8)]
     group.features = [f"f{k}" for k in range(8)]
     module.ids_per_step = [{f"f{k}": 10.0 * (k + 1) for k in range(8)}]
-    return _generated(graph)
+    return generated(graph)
 
 
 def test_tables_are_balanced_over_the_buckets_by_ids_times_dim():
@@ -57,7 +49,7 @@ def test_buckets_apply_to_groups_with_a_generated_kernel_where_a_rank_holds_two_
     assert not first.feasible and "no generated lookup kernel" in first.reasons[0]
     with pytest.raises(InfeasibleCandidate):
         sweep.apply(graph, first)
-    graph = _generated(graph)
+    graph = generated(graph)
     two, four, eight = sweep.candidates(graph)[:3]  # (then the pipelined rungs)
     assert [c.role for c in (two, four, eight)] == ["buckets2", "buckets4", "buckets8"]
     assert (two.follows, four.follows, eight.follows) == (None, two.id, four.id)
@@ -73,7 +65,7 @@ def test_buckets_apply_to_groups_with_a_generated_kernel_where_a_rank_holds_two_
     assert sweep.candidates(graph)[0].reasons == [
         "every rank runs 1 intra-op thread (torch.get_num_threads()): buckets would run one after the other"]
     # each table on its own rank: nothing runs side by side
-    spread = _generated(load("table_and_column_wise_2ranks"))
+    spread = generated(load("table_and_column_wise_2ranks"))
     assert sweep.candidates(spread)[0].reasons == ["g0 (table_wise): no rank holds two of its tables",
                                                    "g1 (column_wise): no rank holds two of its tables"]
 
@@ -192,7 +184,7 @@ def test_a_rung_selected_alone_stands_alone_and_one_after_an_infeasible_rung_is_
     planner = Planner(select_passes(["subgraph_parallelism:buckets4"]), None, calibrate=True)
     (four,), rejected = planner.propose(graph)
     assert four.role == "buckets4" and four.follows is None and not rejected
-    two_tables = _generated(load("table_and_column_wise_2ranks"))
+    two_tables = generated(load("table_and_column_wise_2ranks"))
     feasible, rejected = Planner(select_passes(["subgraph_parallelism"]), None, calibrate=True).propose(two_tables)
     assert not feasible and [d.candidate.split("@")[0] for d in rejected] == [
         f"subgraph_parallelism:{family}{g}" for family in ("buckets", "pipelined") for g in (2, 4, 8)]
@@ -230,31 +222,12 @@ def test_on_gpus_the_buckets_run_on_streams_whatever_the_threads_and_hold_no_mor
 
 # ------------------------------------------------------------------------------------ pipelined buckets
 
-def _four_tables_two_ranks() -> SparseGraph:
-    """Two ranks of one thread each; g0 (table-wise) holds t0, t1 on rank 0 and t2, t3 on rank 1
-    (t_k's feature brings 4 * (k + 1) ids per step on each rank); g1 stays the column-wise t_c."""
-    graph = load("table_and_column_wise_2ranks")
-    graph.threads_per_rank = [1, 1]
-    module = graph.module(EBC)
-    group = module.groups[0]
-    template = group.tables[0]
-    group.tables = [TableShard(f"t{k}", k // 2, 100, 4, 0, 0, template.kernel, template.pooling, [f"f{k}"])
-                    for k in range(4)]
-    group.features = [f"f{k}" for k in range(4)]
-    group.features_per_rank, group.dim_sum_per_rank = [2, 2], [8, 8]
-    group.embedding_names, group.embedding_dims = list(group.features), [4] * 4
-    group.output_blocks = [[OutputBlock(f"t{k}", 4) for k in (2 * r, 2 * r + 1)] for r in range(2)]
-    for stats in module.ids_per_step:
-        stats.update({f"f{k}": 4.0 * (k + 1) for k in range(4)})
-    return _generated(graph)
-
-
 def _rungs(graph: SparseGraph) -> dict[str, object]:
     return {c.role: c for c in SubgraphParallelism().candidates(graph)}
 
 
 def test_pipelined_buckets_split_a_groups_all_to_all_over_process_groups_of_their_own():
-    graph = _four_tables_two_ranks()
+    graph = four_tables_two_ranks()
     rungs = _rungs(graph)
     # one thread per rank: nothing runs side by side, but the buckets' exchanges can overlap the
     # next bucket's lookups
@@ -295,30 +268,30 @@ def test_pipelined_buckets_split_a_groups_all_to_all_over_process_groups_of_thei
 
 
 def test_pipelined_buckets_are_infeasible_with_their_reasons():
-    graph = _four_tables_two_ranks()
+    graph = four_tables_two_ranks()
     merged = select_passes(["aggregation"])[0]
     merged = merged.apply(graph, {c.role: c for c in merged.candidates(graph)}["output"])
     assert _rungs(merged)["pipelined2"].reasons == [
         "g0 (table_wise): its output all-to-all carries g0+g1 together (aggregation)",
         "g1 (column_wise): its output all-to-all carries g0+g1 together (aggregation)"]
     # each table on its own rank (the fixture as it is): nothing to pipeline
-    assert _rungs(_generated(load("table_and_column_wise_2ranks")))["pipelined2"].reasons == [
+    assert _rungs(generated(load("table_and_column_wise_2ranks")))["pipelined2"].reasons == [
         "g0 (table_wise): no rank holds tables of two buckets", "g1 (column_wise): no rank holds tables of two buckets"]
-    one_rank_holds_all = _four_tables_two_ranks()
+    one_rank_holds_all = four_tables_two_ranks()
     for t in one_rank_holds_all.module(EBC).groups[0].tables:
         t.rank = 0
     assert "g0 (table_wise): some rank holds none of its tables" in _rungs(one_rank_holds_all)["pipelined2"].reasons
     no_kernel = load("table_and_column_wise_2ranks")
     assert "no generated lookup kernel" in _rungs(no_kernel)["pipelined2"].reasons[0]
-    older = _four_tables_two_ranks()
+    older = four_tables_two_ranks()
     older.module(EBC).groups[0].output_blocks = []
     assert "g0 (table_wise): the graph records no output blocks per rank (lifted by an older version)" in \
         _rungs(older)["pipelined2"].reasons
-    cuda = _four_tables_two_ranks()
+    cuda = four_tables_two_ranks()
     cuda.device = "cuda"
     assert "device tables" in _rungs(cuda)["pipelined2"].reasons[0]
     assert _rungs(_eight_tables())["pipelined2"].reasons == ["one rank: no all-to-all to pipeline"]
-    budget = _four_tables_two_ranks()
+    budget = four_tables_two_ranks()
     pieces = 4 * (2 * 8 * 8 + 8 * 16)  # rank 0's output sent once more, the module's 16 columns received once more
     assert _rungs(budget)["pipelined2"].cost_inputs["workspace_bytes"] == pieces
     budget.workspace_budget_bytes = pieces - 1
@@ -326,7 +299,7 @@ def test_pipelined_buckets_are_infeasible_with_their_reasons():
 
 
 def test_the_schedule_refuses_a_split_the_runtime_cannot_run():
-    graph = _four_tables_two_ranks()
+    graph = four_tables_two_ranks()
     applied = SubgraphParallelism().apply(graph, _rungs(graph)["pipelined2"])
     schedule = applied.module(EBC).schedule
     schedule.outputs[0].split = ["bucket0", "bucket0"]
@@ -340,7 +313,7 @@ def test_the_schedule_refuses_a_split_the_runtime_cannot_run():
 
 
 def test_with_one_thread_per_rank_the_pipelined_rungs_are_measured_on_whole_steps_and_rejected_when_no_faster():
-    graph = _four_tables_two_ranks()
+    graph = four_tables_two_ranks()
     passes = ["codegen:lookup", "subgraph_parallelism"]
     fingerprint = PlanFingerprint(graph.fingerprint(), "sharding", 2, "gloo", {}, passes)
     loop = PlanningLoop(Planner(select_passes(passes), None, calibrate=True), fingerprint, graph, None)
