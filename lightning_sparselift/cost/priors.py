@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -36,13 +36,10 @@ class AlphaBeta:
 
 @dataclass
 class LookupModel:
-    """A lookup is memory-bound: t = bytes touched / bandwidth (rows read, pooled rows written)."""
+    """The copy bandwidth (a read and a write per byte): what the step-time model prices its
+    compute with (:meth:`~.step_model.StepModel.copy_ms`)."""
 
     bandwidth_bytes_per_ms: float
-
-    def copy_ms(self, nbytes: float) -> float:
-        """Packing / unpacking: read and write ``nbytes``."""
-        return 2 * nbytes / self.bandwidth_bytes_per_ms
 
 
 @dataclass
@@ -51,9 +48,6 @@ class Priors:
     lookup: LookupModel
     seconds: float  # time the micro-benchmarks took
     cores_per_rank: float = 1.0  # the cores of a rank's host over the ranks on it (the fewest of any rank)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _fit(samples: list[tuple[int, float]]) -> tuple[float, float]:

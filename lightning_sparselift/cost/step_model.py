@@ -342,14 +342,13 @@ class _ModuleSimulation:
                 # (the ranks just met in the previous step's call: no wait for the slowest); the
                 # payload stays in flight through the rest of that step
                 clock = self._advance(clock, [self._pack_ms(node)] * world)
-                if node.role == "input_splits":
-                    clock = [c + self._coll_ms(node) for c in clock]
-                    for r in range(world):
-                        self.collectives[r] += self._coll_ms(node)
-                else:
-                    for r in range(world):
-                        self.collectives[r] += self._coll_ms(node)
-                        self.hidden[r] += self._coll_ms(node)
+                t = self._coll_ms(node)
+                for r in range(world):
+                    self.collectives[r] += t
+                    if node.role == "input_splits":
+                        clock[r] += t
+                    else:
+                        self.hidden[r] += t
             else:
                 clock = self._advance(clock, [self._pack_ms(node)] * world)
                 if node.bucket is not None:
