@@ -28,6 +28,11 @@ class TableInfo:
     # input range (it remaps them to rows)
     id_bound: int = 0
     managed_collision: bool = False
+    data_type: str = "FP32"  # TorchRec's DataType name of the weights
+
+    @property
+    def half(self) -> bool:
+        return self.data_type in ("FP16", "BF16")
 
 
 def _sharders() -> dict[type, type]:
@@ -122,7 +127,7 @@ def describe_tables(model: nn.Module) -> dict[str, TableInfo]:
                                  f"{path!r}; sharding plans address tables by name, so names must be unique")
             tables[cfg.name] = TableInfo(path, cfg.name, cfg.num_embeddings, cfg.embedding_dim,
                                          list(cfg.feature_names), bounds.get(cfg.name, cfg.num_embeddings),
-                                         cfg.name in bounds)
+                                         cfg.name in bounds, cfg.data_type.name)
     return tables
 
 
@@ -143,7 +148,17 @@ def validate_sharding_types(sharding_types: Optional[dict[str, str]], tables: di
         if kind not in offered[module]:
             raise ValueError(f"sharding type {kind!r} (table {table!r}): TorchRec's sharder of the module {module!r} "
                              f"offers {offered[module]}")
+        if kind == "data_parallel" and tables[table].half:
+            why = _HALF_DATA_PARALLEL.format(data_type=tables[table].data_type)
+            raise ValueError(f"sharding type 'data_parallel' (table {table!r}): {why}; choose another sharding type "
+                             f"for it")
     return dict(sharding_types)
+
+
+# why a table in half precision is not made data-parallel (TorchRec's planner would, for a small one)
+_HALF_DATA_PARALLEL = ("a data-parallel table is a plain parameter that the dense optimizer updates in the table's own "
+                       "dtype ({data_type}), with no fused update and no fp32 optimizer state (Adam's state underflows "
+                       "to inf/NaN in fp16)")
 
 
 def build_sharding_plan(model: nn.Module, sharders: list[Any], world_size: int, device_type: str,
@@ -169,6 +184,11 @@ def build_sharding_plan(model: nn.Module, sharders: list[Any], world_size: int, 
     constructed = device_type == "cpu" and any(k in _CONSTRUCTED_ON_CPU for k in sharding_types.values())
     if not constructed:
         constraints = {t: ParameterConstraints(sharding_types=[k]) for t, k in sharding_types.items()}
+        # (see _HALF_DATA_PARALLEL: the planner makes small tables data-parallel)
+        modules = find_sparse_modules(model)
+        constraints.update({t: ParameterConstraints(sharding_types=[
+            k for k in sharder_for(modules[info.module_path]).sharding_types(device_type) if k != "data_parallel"])
+            for t, info in tables.items() if info.half and t not in sharding_types})
         planner = EmbeddingShardingPlanner(
             topology=planner_topology(world_size, device_type),
             batch_size=batch_size, constraints=constraints, debug=False,
@@ -253,6 +273,7 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
                          f"optimizer on CPU: evicting rows resets their optimizer state with "
                          f"fbgemm::reset_weight_momentum, which fbgemm implements for CUDA only; use sgd or adagrad on "
                          f"CPU (or CUDA devices)")
+    check_data_types(tables, device)
     # TorchRec shards managed-collision collections row-wise only: their tables are row-wise unless
     # asked otherwise (which the validation refuses)
     requested = {**{t: "row_wise" for t, info in tables.items() if info.managed_collision}, **(sharding_types or {})}
@@ -278,6 +299,15 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
         install_input_checks(module, sorted(modules), tables, input_check_group, having("row_wise", "table_row_wise"),
                              having("data_parallel"), _pooling_data_parallel(modules, plan), weighted)
     return ShardedModel(dmp, tables, sorted(modules))
+
+
+def check_data_types(tables: dict[str, TableInfo], device: torch.device) -> None:
+    """The tables' weights in a dtype fbgemm trains on ``device``: FP32 and FP16, BF16 on CUDA."""
+    trained = ("FP32", "FP16", "BF16") if device.type == "cuda" else ("FP32", "FP16")
+    wrong = {name: t.data_type for name, t in tables.items() if t.data_type not in trained}
+    if wrong:
+        raise ValueError(f"table(s) {wrong} (EmbeddingBagConfig/EmbeddingConfig data_type): fbgemm's training lookups "
+                         f"on {device.type} take {', '.join(trained)} weights")
 
 
 def _tables_for(embedding_optimizer: EmbeddingOptimizer, device: torch.device, generated_adam: bool) -> Any:

@@ -22,13 +22,14 @@ class UserModel(L.LightningModule):
     """An EBC over the data module's features, a bottom MLP, a top layer. Subclasses choose how
     ``training_step`` hands the KJT to ``forward``."""
 
-    def __init__(self, table_sizes: list[int], feature_names: list[str], dim: int = 8):
+    def __init__(self, table_sizes: list[int], feature_names: list[str], dim: int = 8, data_type: str = "FP32"):
         super().__init__()
         from torchrec import EmbeddingBagCollection
-        from torchrec.modules.embedding_configs import EmbeddingBagConfig
+        from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 
         self.embeddings = EmbeddingBagCollection(
-            tables=[EmbeddingBagConfig(name=f"table_{f}", embedding_dim=dim, num_embeddings=rows, feature_names=[f])
+            tables=[EmbeddingBagConfig(name=f"table_{f}", embedding_dim=dim, num_embeddings=rows, feature_names=[f],
+                                       data_type=DataType[data_type])
                     for f, rows in zip(feature_names, table_sizes)], device=torch.device("meta"))
         self.feature_names = list(feature_names)
         self.bottom = nn.Sequential(nn.Linear(13, 16), nn.ReLU(), nn.Linear(16, dim))

@@ -47,6 +47,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--pin-cores", action="store_true", help="pin rank r to CPU core r")
     parser.add_argument("--num-samples", type=int, default=None, help="training samples generated (default 64 batches per rank)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--precision", default="32-true", help="the Trainer precision every system runs under: "
+                                                                "32-true or bf16-mixed (the dense part autocast)")
     parser.add_argument("--parity", action="store_true", help="quality-parity mode: train torchrec and sparselift "
                                                               "for one epoch from the same weights and compare")
     parser.add_argument("--json", default=None, help="write the summary JSON here")
@@ -73,7 +75,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                          steps_per_round=args.steps_per_round, warmup_steps=args.warmup_steps,
                          breakdown_steps=args.breakdown_steps, threads_per_rank=args.threads_per_rank,
                          pin_cores=args.pin_cores,
-                         num_samples=args.num_samples, seed=args.seed,
+                         num_samples=args.num_samples, seed=args.seed, precision=args.precision,
                          cache_dir=os.environ.get("SPARSELIFT_CACHE"))
     try:
         config.validate()

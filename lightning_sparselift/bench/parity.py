@@ -60,7 +60,7 @@ def _worker(rank: int, config: BenchConfig, port: int, out: str) -> None:
     dm = _data(config, scenario)
     train = dm.split("train")
     steps = len(train) // (scenario.batch_size * config.world_size)
-    env = BenchEnv(scenario, rank, config.world_size, train, seed=config.seed, pool=steps)
+    env = BenchEnv(scenario, rank, config.world_size, train, seed=config.seed, pool=steps, precision=config.precision)
     torchrec, sparselift = TorchRecSparseDist(env), SparseLift(env)
     torchrec.setup()
     sparselift.setup()

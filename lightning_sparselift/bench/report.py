@@ -71,7 +71,8 @@ def markdown(summary: dict[str, Any]) -> str:
     lines = [f"### {s['name']}: {s['description']}",
              f"world size {summary['world_size']}, global batch {summary['global_batch']}, "
              f"{summary['config']['rounds']} rounds x {summary['config']['steps_per_round']} steps, "
-             f"{summary['config']['warmup_steps']} warmup steps per system (excluded)", "",
+             f"{summary['config']['warmup_steps']} warmup steps per system (excluded), precision "
+             f"{summary['config'].get('precision', '32-true')}", "",
              "| system | step ms, median [p25, p75] | samples/s, median [p25, p75] | CPU ms/step | sparse-path CPU "
              "ms/step beyond dense-only (training thread) | collectives/step (MB) | " + " | ".join(x.replace("_", " ") for x in STAGES)
              + " |", "|---|---|---|---|---|---|" + "---|" * len(STAGES)]

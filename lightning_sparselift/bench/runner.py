@@ -26,7 +26,7 @@ import torch.distributed as dist
 from lightning_sparselift.bench import scenarios
 from lightning_sparselift.bench.measure import StepClock, quantiles, record_collectives
 from lightning_sparselift.bench.systems import ALL_SYSTEMS, SYSTEMS
-from lightning_sparselift.bench.systems.base import BenchEnv, System
+from lightning_sparselift.bench.systems.base import PRECISIONS, BenchEnv, System
 from lightning_sparselift.bench.systems.lightning import LIGHTNING_SYSTEM, run_in_trainer
 from lightning_sparselift.bench.systems.sparselift import ABLATIONS
 
@@ -51,6 +51,7 @@ class BenchConfig:
     threads_per_rank: int = 1
     pin_cores: bool = False  # pin rank r to core r (os.sched_setaffinity)
     seed: int = 0
+    precision: str = "32-true"  # the Trainer's precision every system's step runs under (PRECISIONS)
     num_samples: Optional[int] = None  # default: 64 batches per rank
     cache_dir: Optional[str] = None
     timeout_s: float = 600.0
@@ -72,6 +73,8 @@ class BenchConfig:
         if not 1 <= self.world_size <= cores:
             raise ValueError(f"world size {self.world_size} does not fit this machine: it has {cores} core(s), and "
                              f"oversubscribed ranks would measure the scheduler, not the systems")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision {self.precision!r}: the systems run {PRECISIONS}")
         for name in ("rounds", "steps_per_round"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -98,7 +101,7 @@ class _Worker:
         self.scenario = scenarios.load(config.scenario)
         self.control = dist.new_group(backend="gloo")  # decisions travel apart from the systems' collectives
         self.env = BenchEnv(self.scenario, rank, config.world_size, _data(config, self.scenario).split("train"),
-                            seed=config.seed, warmup_steps=config.warmup_steps)
+                            seed=config.seed, warmup_steps=config.warmup_steps, precision=config.precision)
         self.systems: dict[str, System] = {}
         self.result: dict[str, dict[str, Any]] = {name: {"status": "ok", "error": None} for name in config.systems}
         self.clocks: dict[str, StepClock] = {}

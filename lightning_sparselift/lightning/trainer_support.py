@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
@@ -36,10 +36,28 @@ def check_trainer(trainer: Any, module: Any, precision_plugin: Precision) -> Non
     check_precision(precision_plugin)
 
 
+# what the tables' own dtype is set with (the dense part's precision does not reach them)
+_TABLE_DTYPE = "table weights in FP16 are set per table: EmbeddingBagConfig(data_type=DataType.FP16)"
+
+
 def check_precision(precision_plugin: Precision) -> None:
-    if type(precision_plugin) is not Precision:
-        raise MisconfigurationException(f"SparseLiftStrategy supports only precision='32-true', got "
-                                        f"{type(precision_plugin).__name__}")
+    """'32-true' and 'bf16-mixed' (the dense part under autocast; the sparse path in the tables'
+    own dtype, fp32 outputs) run; any other precision is refused with the reason."""
+    flag = getattr(precision_plugin, "precision", type(precision_plugin).__name__)
+    if type(precision_plugin) is Precision:
+        return
+    if type(precision_plugin) is MixedPrecision:
+        if precision_plugin.precision == "bf16-mixed":
+            return
+        raise MisconfigurationException(
+            f"SparseLiftStrategy cannot train with precision={flag!r}: its loss scaling (GradScaler) unscales the "
+            f"gradients, or skips the step on an overflow, after backward, but the embedding optimizer is fused into "
+            f"backward and would already have applied the scaled gradients to the tables. Use precision='bf16-mixed' "
+            f"(no loss scaling); {_TABLE_DTYPE}.")
+    raise MisconfigurationException(
+        f"SparseLiftStrategy supports precision='32-true' and 'bf16-mixed', got precision={flag!r} "
+        f"({type(precision_plugin).__name__}): a '-true' precision converts every parameter, the sharded tables' "
+        f"included, which TorchRec's fused tables do not take; {_TABLE_DTYPE}.")
 
 
 def check_accumulation(trainer: Any) -> None:

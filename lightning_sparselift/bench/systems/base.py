@@ -16,6 +16,16 @@ from lightning_sparselift.bench.scenarios import FAMILIES, Scenario
 from lightning_sparselift.data.batch import RecArrays, RecBatch
 
 
+# the Trainer precisions the systems run (each system's forward under :func:`autocast`)
+PRECISIONS = ("32-true", "bf16-mixed")
+
+
+def autocast(precision: str) -> Any:
+    """The forward's context under ``precision``, as Lightning's precision plugin sets it on CPU:
+    bf16-mixed autocasts the dense part's matmuls to bfloat16."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
+
+
 @dataclass
 class BenchEnv:
     scenario: Scenario
@@ -25,6 +35,7 @@ class BenchEnv:
     seed: int = 0
     pool: int = 32  # distinct batches per rank, cycled
     warmup_steps: int = 5  # untimed steps before measuring
+    precision: str = "32-true"  # one of PRECISIONS
     _local: list[RecBatch] = field(default_factory=list)
     _global: list[list[RecBatch]] = field(default_factory=list)
 
@@ -70,13 +81,15 @@ def build_rec_model(scenario: Scenario, seed: int) -> nn.Module:
 class WithLoss(nn.Module):
     """``model(batch) -> (loss, logits)``, the interface TorchRec's train pipelines expect."""
 
-    def __init__(self, rec: nn.Module):
+    def __init__(self, rec: nn.Module, precision: str):
         super().__init__()
         self.rec = rec
+        self.precision = precision
 
     def forward(self, batch: RecBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.rec(batch.dense, batch.sparse).squeeze(-1)
-        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        with autocast(self.precision):
+            logits = self.rec(batch.dense, batch.sparse).squeeze(-1)
+            loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
         return loss, logits.detach()
 
 
@@ -151,7 +164,7 @@ def build_sharded(env: BenchEnv, validate_inputs: bool, sharding_types: Optional
     from lightning_sparselift.embedding_optimizer import EmbeddingOptimizer, combine_optimizers
     from lightning_sparselift.sharding import shard_model
 
-    wrapped = WithLoss(build_rec_model(env.scenario, env.seed))
+    wrapped = WithLoss(build_rec_model(env.scenario, env.seed), env.precision)
     sharded = shard_model(wrapped, env.world_size, torch.device("cpu"), sharding_types,
                           EmbeddingOptimizer.parse(embedding_optimizer or env.scenario.embedding_optimizer()),
                           dist.group.WORLD, dist.group.WORLD if validate_inputs else None, generated_adam)

@@ -78,7 +78,7 @@ class DenseOnly(LoopSystem):
     def setup(self) -> None:
         rec = build_rec_model(self.env.scenario, self.env.seed)
         rec.sparse_arch = stand_in_sparse(rec, self.env)
-        self.model = nn.parallel.DistributedDataParallel(WithLoss(rec), broadcast_buffers=False)
+        self.model = nn.parallel.DistributedDataParallel(WithLoss(rec, self.env.precision), broadcast_buffers=False)
         self.optimizer = dense_optimizer(self.env.scenario, self.model.parameters())
         self._timed_model(self.model.module, rec.sparse_arch, self.optimizer)
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_sparselift.bench.systems.base import System, build_rec_model, dense_optimizer
+from lightning_sparselift.bench.systems.base import System, autocast, build_rec_model, dense_optimizer
 from lightning_sparselift.cost.calibration import RegionClock
 from lightning_sparselift.runtime.buffers import Buffers
 from lightning_sparselift.runtime.collectives import IssueOutputAllToAll, WaitOutputAllToAll
@@ -84,19 +84,20 @@ class DLRMBaseline(System):
         batch = env.local_batch(step)
         timer = self.timer
         timer.forward_start()
-        with timer.sparse_region():
-            local = [bag(ids, offsets) for bag, (ids, offsets) in zip(self.bags, self._owned_inputs(step))]
-            # [W*B, owned width]: per destination rank, its B rows of every owned table
-            pooled = torch.cat(local, dim=1) if local else torch.zeros(w * b, 0)
-            box: dict = {}
-            received = IssueOutputAllToAll.apply(self.layout, box, self.clock, pooled)
-        dense = self.bottom(batch.dense)
-        with timer.sparse_region():
-            # [B, sum of dims], in table order
-            (embeddings,) = WaitOutputAllToAll.apply(received, self.layout, box, self.clock)
-        timer.watch_backward(embeddings)
-        logits = self.top(dense, embeddings)
-        loss = nn.functional.binary_cross_entropy_with_logits(logits.squeeze(-1), batch.labels)
+        with autocast(env.precision):
+            with timer.sparse_region():
+                local = [bag(ids, offsets) for bag, (ids, offsets) in zip(self.bags, self._owned_inputs(step))]
+                # [W*B, owned width]: per destination rank, its B rows of every owned table
+                pooled = torch.cat(local, dim=1) if local else torch.zeros(w * b, 0)
+                box: dict = {}
+                received = IssueOutputAllToAll.apply(self.layout, box, self.clock, pooled)
+            dense = self.bottom(batch.dense)
+            with timer.sparse_region():
+                # [B, sum of dims], in table order
+                (embeddings,) = WaitOutputAllToAll.apply(received, self.layout, box, self.clock)
+            timer.watch_backward(embeddings)
+            logits = self.top(dense, embeddings)
+            loss = nn.functional.binary_cross_entropy_with_logits(logits.squeeze(-1), batch.labels)
         timer.forward_end(loss)
         loss.backward()
         self.dense_optimizer.step()

@@ -126,6 +126,7 @@ def run_in_trainer(worker: Interleaved, max_extra_warmup: int) -> None:
     strategy = SparseLiftStrategy(**bench_strategy_kwargs(env))
     start = time.perf_counter()
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=cfg.world_size, max_steps=total,
+                        precision=cfg.precision,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                         use_distributed_sampler=False, callbacks=[Interleave()])
