@@ -18,6 +18,8 @@ _LAZY = {
     "SequenceRankingModule": "lightning_sparselift.models",
     "SequenceDataModule": "lightning_sparselift.data",
     "EmbeddingOptimizer": "lightning_sparselift.embedding_optimizer",
+    "export_checkpoint": "lightning_sparselift.checkpoint.export",
+    "load_from_checkpoint": "lightning_sparselift.checkpoint.export",
 }
 
 __all__ = ["SparseLiftStrategy", "__version__", *_LAZY]

@@ -4,6 +4,7 @@
     sparselift fit --config configs/sequence_synthetic.yaml
     sparselift validate --config configs/tiny.yaml --ckpt_path path/to/checkpoint.ckpt
     sparselift bench --scenario dlrm --world-size 2 --json out.json
+    sparselift export path/to/checkpoint.ckpt model.pt
     sparselift plan explain PLAN.json
     sparselift plan diff A.json B.json
 """
@@ -41,13 +42,17 @@ class SparseLiftCLI(LightningCLI):
 
 
 def main(args: Optional[list[str]] = None) -> Optional[int]:
-    """The ``sparselift`` command; returns the exit status of ``sparselift plan`` (the console
-    script exits with it)."""
+    """The ``sparselift`` command; returns the exit status of ``sparselift plan`` and ``sparselift
+    export`` (the console script exits with it)."""
     argv = list(args if args is not None else sys.argv[1:])
     if argv[:1] == ["bench"]:
         from lightning_sparselift.bench.cli import main as bench
 
         return bench(argv[1:])
+    if argv[:1] == ["export"]:
+        from lightning_sparselift.checkpoint.export import main as export
+
+        return export(argv[1:])
     if argv[:1] == ["plan"]:
         from lightning_sparselift.plan.cli import main as plan
 

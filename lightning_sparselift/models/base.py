@@ -6,6 +6,7 @@ optimizer and its schedule). A model family subclasses it and builds ``self.mode
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -46,6 +47,24 @@ class RecModule(pl.LightningModule):
         self.loss_fn = nn.BCEWithLogitsLoss(reduction="none")
         self.val_metrics = RecMetrics(prefix="val/")
         self.test_metrics = RecMetrics(prefix="test/")
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, map_location: Any = None, hparams_file: Any = None,
+                             strict: Optional[bool] = None, **kwargs: Any) -> "RecModule":
+        """Lightning's, for a SparseLift checkpoint folder too: the model rebuilt without the
+        strategy, every table whole (:func:`lightning_sparselift.load_from_checkpoint`), on CPU or
+        ``map_location``."""
+        if not (isinstance(checkpoint_path, (str, Path)) and Path(checkpoint_path).is_dir()):
+            return super().load_from_checkpoint(checkpoint_path, map_location=map_location, hparams_file=hparams_file,
+                                                strict=strict, **kwargs)
+        from lightning_sparselift.checkpoint.export import load_from_checkpoint
+
+        if hparams_file is not None:
+            raise ValueError("hparams_file: a SparseLift checkpoint folder holds its own hyper-parameters; pass "
+                             "overrides as keyword arguments")
+        kwargs.pop("weights_only", None)  # (a folder is always read as plain data)
+        module = load_from_checkpoint(cls, checkpoint_path, strict=strict is not False, **kwargs)
+        return module.to(map_location) if map_location is not None else module
 
     def forward(self, batch: RecBatch) -> torch.Tensor:
         return self.model(batch.dense, batch.sparse).squeeze(-1)
