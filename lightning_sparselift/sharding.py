@@ -257,7 +257,7 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
     from torchrec.distributed.types import ShardingEnv
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    from lightning_sparselift.torchrec_parts import DenseDataParallelWrapper
+    from lightning_sparselift.torchrec_parts import DenseDataParallelWrapper, register_dense_lookup_autograd
 
     modules = find_sparse_modules(module)
     # plain weighted EBCs take weights from the batch (a feature-processed one computes its own)
@@ -286,6 +286,7 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
     plan = build_sharding_plan(module, sharders, world_size, device.type, checked, process_group)
     if input_check_group is not None:
         _without_lookup_bounds_check(plan)
+    register_dense_lookup_autograd()
     with _tables_for(embedding_optimizer, device, generated_adam):
         dmp = DistributedModelParallel(module, env=ShardingEnv.from_process_group(process_group), device=device,
                                        plan=plan, sharders=sharders, data_parallel_wrapper=DenseDataParallelWrapper())

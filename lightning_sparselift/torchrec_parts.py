@@ -1,6 +1,7 @@
 """The TorchRec pieces that ``sharding.py`` configures explicitly instead of taking TorchRec's
 defaults, which warn (deprecations in torch 2.13 / torchrec 1.8): the planner's topology, its
-storage reservation and the data-parallel wrapper of the unsharded part. Each gives what the
+storage reservation and the data-parallel wrapper of the unsharded part; and fbgemm's CPU
+data-parallel lookup's dispatch (:func:`register_dense_lookup_autograd`). Each gives what the
 default gave. This module imports torchrec; ``sharding.py`` imports it when a model is sharded."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import copy
 import math
 from typing import Any, Optional
 
+import torch
 from torch import nn
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.planner.constants import BIGINT_DTYPE, POOLING_FACTOR
@@ -134,3 +136,23 @@ class DenseDataParallelWrapper(DefaultDataParallelWrapper):
             bucket_cap_mb=self._bucket_cap_mb,
             **self._ddp_kwargs,
         )
+
+
+_DENSE_LOOKUP = "fbgemm::dense_embedding_codegen_lookup_function"
+_DENSE_LOOKUP_LIBRARY: list[Any] = []  # (the registration lives as long as its Library object)
+
+
+def register_dense_lookup_autograd() -> None:
+    """fbgemm's lookup of data-parallel tables on CPU registers its kernel for the CPU dispatch key
+    only; that kernel applies its own autograd Function (the gradient is right:
+    ``tests/unit/test_dense_lookup.py`` compares it with ``embedding_bag``'s, per-sample weights
+    included). With no Autograd kernel, torch's deprecated autograd fallback warns at every
+    backward ("an autograd kernel was not registered ... may lead to silently incorrect behavior")
+    and then falls through to it. Registering that fallthrough for AutogradCPU is the same dispatch
+    without the warning, and keeps it once torch removes the fallback. Idempotent; nothing is
+    registered where fbgemm has an AutogradCPU kernel of its own."""
+    if _DENSE_LOOKUP_LIBRARY or torch._C._dispatch_has_kernel_for_dispatch_key(_DENSE_LOOKUP, "AutogradCPU"):
+        return
+    library = torch.library.Library("fbgemm", "IMPL")
+    library.impl(_DENSE_LOOKUP.split("::")[1], torch.library.fallthrough_kernel, "AutogradCPU")
+    _DENSE_LOOKUP_LIBRARY.append(library)
