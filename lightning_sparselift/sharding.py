@@ -257,6 +257,7 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
     from torchrec.distributed.types import ShardingEnv
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+    from lightning_sparselift.initial_tables import built_tables, copy_into_shards
     from lightning_sparselift.torchrec_parts import DenseDataParallelWrapper, register_dense_lookup_autograd
 
     modules = find_sparse_modules(module)
@@ -280,7 +281,9 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
     # (what the sharder offers on CUDA: on CPU it leaves out the row-wise types, whose plan we construct)
     offered = {path: list(sharder_for(m).sharding_types("cuda")) for path, m in modules.items()}
     checked = validate_sharding_types(requested, tables, offered)
-    embedding_optimizer.apply_in_backward([p for m in modules.values() for p in table_parameters(m)])
+    parameters = [p for m in modules.values() for p in table_parameters(m)]
+    values = built_tables(module, parameters)
+    embedding_optimizer.apply_in_backward(parameters)
     # (one per module type, in the order the modules appear: the same list on every rank)
     sharders = [cls() for cls in dict.fromkeys(_sharders()[type(m)] for m in modules.values())]
     plan = build_sharding_plan(module, sharders, world_size, device.type, checked, process_group)
@@ -290,6 +293,7 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
     with _tables_for(embedding_optimizer, device, generated_adam):
         dmp = DistributedModelParallel(module, env=ShardingEnv.from_process_group(process_group), device=device,
                                        plan=plan, sharders=sharders, data_parallel_wrapper=DenseDataParallelWrapper())
+    copy_into_shards(dmp, values)
     if input_check_group is not None:
         from lightning_sparselift.validation import install_input_checks
 
