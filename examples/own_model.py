@@ -155,10 +155,8 @@ def main() -> None:
         print("sharding plan:", {table: placement.sharding_type
                                  for module_plan in strategy.sharding_plan.plan.values()
                                  for table, placement in module_plan.items()})
-        if plan is not None:
-            print(plan.explain())
-        else:
-            print("TorchRec's path was kept:", strategy.executor_fallback_reason)
+        # the plan (or, read before training ended, the calibration so far), or why TorchRec's path was kept
+        print(strategy.session.explain() if strategy.session is not None else "executor='torchrec'")
     if args.result_dir:
         result = {"rank": trainer.global_rank, "node_rank": trainer.node_rank, "world_size": trainer.world_size,
                   "steps": trainer.global_step, "executor": strategy.executor_in_use,

@@ -156,6 +156,20 @@ class PlanningLoop:
             remaining += self._design.planned - self._design.recorded
         return self.plan.calibration_steps, self.plan.calibration_steps + remaining
 
+    def describe(self) -> list[str]:
+        """Where the round stands, a line each: the steps calibrated, the candidates decided so
+        far, and the design in progress with what its last look measured of each factor."""
+        steps, planned = self.progress or (self.plan.calibration_steps, self.plan.calibration_steps)
+        lines = [f"calibrating: {steps} step(s) so far, about {planned} planned"
+                 + ("; waiting for the generated kernels' builds" if self.waiting and self.expecting else "")]
+        lines += [f"  {'ACCEPT' if d.accepted else 'reject'}     {d.candidate}: {d.reason}"
+                  for d in self.plan.decisions if d.measured_ms is not None]
+        for c in self._round:
+            measured = self._measured.get(c.id)
+            lines.append(f"  measuring  {c.id}: " + (self.planner.evidence(measured) if measured is not None
+                                                     else "no look yet"))
+        return lines
+
     def _heads(self, members: list[Candidate]) -> dict[str, int]:
         """The queued candidates (but ``members``) that will start a design of their own, with that
         design's fewest steps (:func:`~lightning_sparselift.cost.design.fewest_steps`)."""

@@ -113,7 +113,7 @@ class Planner:
             return Decision(candidate.id, candidate.pass_name, candidate.module, candidate.role, True, [], predicted,
                             None, None, True, "accepted without calibration (calibrate=False)")
         e = measurement.estimate
-        evidence = self._evidence(measurement)
+        evidence = self.evidence(measurement)
         short = (f"its interval lies above the smallest gain accepted ({e.threshold_ms:+.3f} ms)"
                  if e.interval_ms[0] > e.threshold_ms else
                  f"the estimate is not half the smallest gain accepted ({e.threshold_ms:+.3f} ms), so more pairs "
@@ -132,11 +132,12 @@ class Planner:
         with what was ``measured`` of it so far, if anything."""
         if measured is not None:
             return self._measured(candidate, measured, False,
-                                  f"not calibrated: {why}; measured so far: {self._evidence(measured)}")
+                                  f"not calibrated: {why}; measured so far: {self.evidence(measured)}")
         return Decision(candidate.id, candidate.pass_name, candidate.module, candidate.role, True, [],
                         self.predict_ms(candidate), None, None, False, f"not calibrated: {why}")
 
-    def _evidence(self, measurement: Measurement) -> str:
+    def evidence(self, measurement: Measurement) -> str:
+        """What ``measurement`` says of a candidate, in a line."""
         e = measurement.estimate
         low, high = e.interval_ms
         return (f"{e.increment_ms:+.3f} ms, {self.rule.confidence:.0%} bounds [{low:+.3f}, {high:+.3f}] over "

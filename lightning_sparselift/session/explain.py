@@ -1,4 +1,4 @@
-"""A session explained: the installed plan, then what happened to it in steady state (its
+"""A session explained: the calibration in progress, or the installed plan, then what happened to it in steady state (its
 steady-state checks, rollbacks, workload drift and re-planning), what the compiler cost so far,
 and the training steps a lifted module ran on TorchRec's path."""
 
@@ -12,6 +12,8 @@ if TYPE_CHECKING:
 
 def explain(session: SparseLiftSession) -> str:
     s = session
+    if s.loop is not None:  # (the plan is the round's once it ends)
+        return "\n".join(["SparseLift session calibrating (no plan installed yet)", *s.loop.describe()])
     if s.plan is None:
         return f"SparseLift session in its {s.phase} phase" + (
             f"; TorchRec's path kept: {s.fallback_reason}" if s.fallback_reason else "")

@@ -271,3 +271,28 @@ def test_kernel_candidates_join_the_round_once_every_ranks_background_builds_are
         session.end_step()
     assert {d.candidate.split("@")[0] for d in session.plan.decisions if d.feasible} == {
         "latency_hiding:early_start", "codegen:lookup"}
+
+
+def test_a_session_calibrating_says_so():
+    from lightning_sparselift.plan import Planner
+    from lightning_sparselift.plan.loop import PlanningLoop
+
+    identity = load("table_and_column_wise_2ranks")
+    session = SparseLiftSession(nn.Linear(1, 1), None, [], None, torch.device("cpu"), SessionOptions())
+    session.capture = None
+    session.installed = _FakeExecutor()
+    session.identity = identity
+    planner = Planner(select_passes(["latency_hiding:early_start"]), None, True, SessionOptions().decision_rule)
+    session.loop = PlanningLoop(planner, unmeasured_plan(identity, []).fingerprint, identity, None, session.events)
+    session.loop.propose()
+    session.phase = "plan"
+    session.begin_step()
+    session.end_step()
+    lines = session.explain().splitlines()
+    assert lines[0] == "SparseLift session calibrating (no plan installed yet)"
+    assert lines[1].startswith("calibrating: 1 step(s) so far, about ")
+    assert lines[2] == "  measuring  latency_hiding:early_start@model.sparse_arch.embedding_bag_collection: no look yet"
+    while session.loop is not None:  # (every step takes 10 ms on both arms: no change, rejected)
+        session.begin_step()
+        session.end_step()
+    assert session.explain().startswith("ExecutionPlan") and "reject" in session.explain()
