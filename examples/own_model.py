@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
 import lightning_sparselift  # noqa: F401  (registers the strategy names "sparselift", "sparselift_fork", ...)
+from lightning_sparselift.lightning.callbacks import RunReport
 
 # feature -> rows of its table; "category" is multi-hot (0..4 ids per sample), the others one-hot
 FEATURES = {"user": 2_000, "item": 5_000, "category": 100}
@@ -143,7 +144,7 @@ def main() -> None:
                         shuffle=True, collate_fn=collate)  # Lightning adds a DistributedSampler per rank
     trainer = L.Trainer(strategy="sparselift", accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes,
                         max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+                        enable_model_summary=False, callbacks=[RunReport(warmup_steps=10)])  # prints the throughput
     model = ClickModel()
     trainer.fit(model, train_dataloaders=loader)
 

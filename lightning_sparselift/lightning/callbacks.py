@@ -10,6 +10,21 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 
+def samples_in(batch: Any) -> int:
+    """The samples of a training batch: as its (first) KeyedJaggedTensor counts them, else the
+    first dimension of its first tensor (a dict, tuple or dataclass of tensors is entered), else
+    ``len(batch)``."""
+    import torch
+
+    from lightning_sparselift.kjt import find_objects, kjts_with_paths
+
+    kjts = kjts_with_paths((batch,), {}, depth=3)
+    if kjts:
+        return int(kjts[0][1].stride())
+    tensors = find_objects((batch,), {}, lambda obj: isinstance(obj, torch.Tensor) and obj.dim() > 0, depth=3)
+    return int(tensors[0][1].shape[0]) if tensors else len(batch)
+
+
 class RunReport(pl.Callback):
     """Prints steady-state training throughput (all ranks' samples per second of wall time,
     excluding the first ``warmup_steps``) and the final validation metrics, and logs the
@@ -29,7 +44,7 @@ class RunReport(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._start is not None:
-            self._samples += len(batch) * trainer.world_size
+            self._samples += samples_in(batch) * trainer.world_size
             self._steps += 1
 
     def throughput(self) -> float | None:
