@@ -19,6 +19,22 @@ if TYPE_CHECKING:
     from lightning_sparselift.session import SparseLiftSession
 
 
+def check_uneven_batch(trainer: pl.Trainer, step: int) -> None:
+    """A training step whose ranks passed different batch sizes ran TorchRec's path: the epoch's
+    short last batch is taken so; any other is per-rank batch sizes, an input error. Every rank
+    raises alike (they exchanged their sizes; their epochs have as many batches)."""
+    if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+        return
+    from lightning_sparselift.validation import SparseInputError
+
+    raise SparseInputError(
+        f"training step {step}: the ranks passed different batch sizes, and not in the epoch's last batch. The "
+        f"lifted executor runs one batch size on every rank (a short last batch runs TorchRec's path, alone), so "
+        f"per-rank batch sizes would train every step on TorchRec's path while calibration measured nothing. Give "
+        f"every rank the same batch size, or train with SparseLiftStrategy(executor='torchrec'), whose path takes "
+        f"per-rank batch sizes (not on row-wise tables).")
+
+
 class SessionConnector:
     def __init__(self) -> None:
         self.session: Optional[SparseLiftSession] = None  # kept once done (its executor and plan)
@@ -62,7 +78,10 @@ class SessionConnector:
         advances; its progress is reported from here (a hook where Lightning allows logging)."""
         if self.session is None:
             return
+        uneven = self.session.torchrec_path_steps
         finished = self.session.end_step()
+        if self.session.torchrec_path_steps > uneven:
+            check_uneven_batch(module.trainer, self.session.steps)
         report_events(self.session)
         progress = self.session.calibration_progress
         if progress is not None:

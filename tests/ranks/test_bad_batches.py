@@ -8,7 +8,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as L
 import pytest
@@ -24,10 +24,10 @@ AT = 5  # after the 3 captured steps: the lifted executor runs (and has announce
 
 
 class Corrupted:
-    """A training loader whose batch ``at`` is changed by ``corrupt`` on ``ranks``, before anything
-    (the lookahead included) sees it."""
+    """A training loader whose batch ``at`` (None: every batch) is changed by ``corrupt`` on
+    ``ranks``, before anything (the lookahead included) sees it."""
 
-    def __init__(self, loader: Any, rank: int, ranks: tuple[int, ...], at: int, corrupt: Callable) -> None:
+    def __init__(self, loader: Any, rank: int, ranks: tuple[int, ...], at: Optional[int], corrupt: Callable) -> None:
         self.loader, self.rank, self.ranks, self.at, self.corrupt = loader, rank, ranks, at, corrupt
 
     def __len__(self) -> int:
@@ -35,11 +35,12 @@ class Corrupted:
 
     def __iter__(self):
         for i, batch in enumerate(self.loader):
-            yield self.corrupt(batch) if i == self.at and self.rank in self.ranks else batch
+            yield self.corrupt(batch) if self.at in (i, None) and self.rank in self.ranks else batch
 
 
 class CorruptedData(CriteoDataModule):
-    def __init__(self, corrupt: Callable, ranks: tuple[int, ...] = (1,), at: int = AT, **kwargs: Any) -> None:
+    def __init__(self, corrupt: Callable, ranks: tuple[int, ...] = (1,), at: Optional[int] = AT,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.corrupt, self.ranks, self.at = corrupt, ranks, at
 
@@ -222,3 +223,22 @@ def test_different_numbers_of_training_batches_raise(data_cache):
     dm = Shorter(**tiny_data(data_cache).hparams)
     with pytest.raises(Exception, match=r"different numbers of fit batches \(\[\[8.0\], \[7.0\]\]\)"):
         _fit(dm)
+
+
+TABLE_WISE = {f"t_cat_{i}": "table_wise" for i in range(6)}
+
+
+@pytest.mark.parametrize("executor", ["sparselift", "torchrec"])
+def test_per_rank_batch_sizes_are_an_input_error_for_the_lifted_executor(executor, data_cache):
+    dm = _data(data_cache, lambda b: _first_samples(b, 28), at=None)  # rank 1: 28 samples a batch, rank 0: 32
+    if executor == "torchrec":  # (TorchRec's path takes them on table-wise tables)
+        _fit(dm, executor=executor, sharding_types=TABLE_WISE)
+        return
+    with pytest.raises(Exception, match=r"training step 4: the ranks passed different batch sizes, and not in the "
+                                        r"epoch's last batch.*executor='torchrec'") as error:
+        _fit(dm, executor=executor, sharding_types=TABLE_WISE)  # (steps 1-3 are captured on TorchRec's path)
+    assert SparseInputError.__name__ in str(error.value) or isinstance(error.value, SparseInputError)
+
+
+def test_a_short_last_batch_trains_on_torchrecs_path(data_cache):
+    _fit(_data(data_cache, lambda b: _first_samples(b, 28), at=7), sharding_types=TABLE_WISE)  # (8 batches a rank)
