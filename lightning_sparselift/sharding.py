@@ -297,12 +297,14 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
     if input_check_group is not None:
         from lightning_sparselift.validation import install_input_checks
 
-        def having(*kinds: str) -> set[str]:
-            return {path for path, tables_plan in plan.plan.items()
-                    if any(p.sharding_type in kinds for p in tables_plan.values())}
+        def having(*kinds: str) -> dict[str, tuple[str, ...]]:
+            """Per module with tables of these sharding types, their names."""
+            found = {path: tuple(sorted(t for t, p in tables_plan.items() if p.sharding_type in kinds))
+                     for path, tables_plan in plan.plan.items()}
+            return {path: names for path, names in found.items() if names}
 
         install_input_checks(module, sorted(modules), tables, input_check_group, having("row_wise", "table_row_wise"),
-                             having("data_parallel"), _pooling_data_parallel(modules, plan), weighted)
+                             set(having("data_parallel")), _pooling_data_parallel(modules, plan), weighted)
     return ShardedModel(dmp, tables, sorted(modules))
 
 

@@ -119,7 +119,7 @@ class RankComparison:
         self.gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
         self.work = dist.all_gather(self.gathered, local, group=group, async_op=async_op)
 
-    def finish(self, module_path: str, uneven_batches_ok: bool) -> None:
+    def finish(self, module_path: str, row_wise: tuple[str, ...] = ()) -> None:
         """Raise the same :class:`SparseInputError` on every rank when any rank's input has a
         problem or the ranks' inputs cannot go through one collective together."""
         if self.work is not None:
@@ -136,11 +136,13 @@ class RankComparison:
             if 0 in sizes:
                 raise SparseInputError(f"{module_path}: some ranks have a batch with 0 samples and others not "
                                        f"({per_rank}); drop empty batches on every rank alike (e.g. drop_last=True)")
-            if not uneven_batches_ok:
-                raise SparseInputError(f"{module_path}: ranks passed different batch sizes ({per_rank}), which "
-                                       f"row-wise sharded tables cannot take (TorchRec's row-wise backward needs one "
-                                       f"batch size); use the same batch size on every rank (drop_last=True) or no "
-                                       f"row-wise tables")
+            if row_wise:
+                pinned = ", ".join(f"{t!r}: 'table_wise'" for t in row_wise)
+                raise SparseInputError(f"{module_path}: ranks passed different batch sizes ({per_rank}), which its "
+                                       f"row-wise sharded tables {list(row_wise)} cannot take in training (TorchRec's "
+                                       f"row-wise backward needs one batch size); use the same batch size on every "
+                                       f"rank (drop_last=True), or pin another sharding type for those tables: "
+                                       f"SparseLiftStrategy(sharding_types={{{pinned}}})")
         for column, name in ((2, "ids"), (3, "lengths")):
             dtypes = {row[column] for row in rows}
             if len(dtypes) > 1:
@@ -160,7 +162,7 @@ class InputCheck:
     then and leaves the ranks' all-gather in flight until that call, which only waits for it.
     Every rank passes the same objects around, so all ranks decide alike."""
 
-    def __init__(self, path: str, rows_per_feature: dict[str, int], group: Any, row_wise: bool,
+    def __init__(self, path: str, rows_per_feature: dict[str, int], group: Any, row_wise: tuple[str, ...] = (),
                  data_parallel: bool = False, single_id_on_cpu: frozenset[str] = frozenset(),
                  weighted: bool = False) -> None:
         self.path, self.rows, self.group, self.row_wise = path, rows_per_feature, group, row_wise
@@ -182,11 +184,11 @@ class InputCheck:
         if self._checked is not None and _same_identity(self._checked, identity):
             return
         started, self._started = self._started, None
-        uneven_batches_ok = not (self.row_wise and backward)
+        row_wise = self.row_wise if backward else ()
         if started is not None and _same_identity(started[0], identity):
-            started[1].finish(self.path, uneven_batches_ok)
+            started[1].finish(self.path, row_wise)
         elif self._compares_ranks():
-            RankComparison(kjt, self._problem(kjt), self.group).finish(self.path, uneven_batches_ok)
+            RankComparison(kjt, self._problem(kjt), self.group).finish(self.path, row_wise)
         else:
             check_kjt(self.path, kjt, self.rows, *self._rules(kjt), self.weighted)
         self._checked = identity
@@ -213,15 +215,15 @@ def _same_identity(a: tuple, b: tuple) -> bool:
 
 
 def install_input_checks(model: nn.Module, module_paths: list[str], tables: dict[str, Any], group: Any,
-                         row_wise_paths: set[str], data_parallel_paths: set[str],
+                         row_wise_tables: dict[str, tuple[str, ...]], data_parallel_paths: set[str],
                          single_id_on_cpu: dict[str, frozenset[str]], weighted_paths: set[str]) -> None:
     """Register an :class:`InputCheck` on each (sharded) embedding module at ``module_paths``.
-    ``row_wise_paths`` are the modules with row-wise sharded tables (one batch size on all ranks
+    ``row_wise_tables`` are the row-wise sharded tables per module (one batch size on all ranks
     in training), ``data_parallel_paths`` those with data-parallel tables (no variable batch per
     feature on CPU), ``single_id_on_cpu`` per module the features whose bags must hold one id on
     CPU, ``weighted_paths`` the modules that weight every id (their KJTs must carry weights)."""
     for path in module_paths:
         rows = {f: t.id_bound for t in tables.values() if t.module_path == path for f in t.feature_names}
-        check = InputCheck(path, rows, group, path in row_wise_paths, path in data_parallel_paths,
+        check = InputCheck(path, rows, group, row_wise_tables.get(path, ()), path in data_parallel_paths,
                            single_id_on_cpu.get(path, frozenset()), path in weighted_paths)
         model.get_submodule(path).register_forward_pre_hook(check, with_kwargs=True)

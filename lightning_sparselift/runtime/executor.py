@@ -207,7 +207,8 @@ class ModuleExecutor:
             if ran is None:
                 # every rank saw the same batch sizes in the splits exchange, so every rank takes this
                 # branch together: TorchRec's path handles per-rank batch sizes (e.g. a short last batch)
-                self.torchrec_steps += 1
+                # and empty batches on every rank (not counted: such a training step is skipped)
+                self.torchrec_steps += features.stride() > 0
                 result = self.torchrec_forward(features)
             else:
                 result = self._finish(*ran, features)

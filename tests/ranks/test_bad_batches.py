@@ -189,7 +189,8 @@ def test_empty_batches_on_every_rank_are_skipped(executor, tmp_path, data_cache)
 
 @pytest.mark.parametrize("corrupt, sharding, match", [
     (lambda b: _first_samples(b, 0), None, r"0 samples and others not \(rank 0: 32, rank 1: 0\)"),
-    (lambda b: _first_samples(b, 20), "row_wise", r"different batch sizes \(rank 0: 32, rank 1: 20\).*row-wise"),
+    (lambda b: _first_samples(b, 20), "row_wise", r"different batch sizes \(rank 0: 32, rank 1: 20\).*row-wise "
+                                                  r"sharded tables \['t_cat_2'\].*sharding_types=\{'t_cat_2': 'table_wise'\}"),
     (_with_int32_ids, None, r"ids have different dtypes on different ranks \(rank 0: torch.int64, rank 1: torch.int32"),
     (_with_lengths_off_by_one, None, r"rank 1: the KeyedJaggedTensor's lengths add up to \d+ but it holds \d+ ids"),
 ], ids=["empty_on_one_rank", "row_wise_short_batch", "int32_on_one_rank", "lengths_values_disagree"])

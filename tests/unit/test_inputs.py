@@ -134,7 +134,7 @@ def test_input_check_skips_only_what_it_checked_unchanged(monkeypatch):
 
     calls = []
     monkeypatch.setattr(validation, "check_kjt", lambda path, kjt, *rest: calls.append(kjt) or check_kjt(path, kjt, *rest))
-    hook, module = validation.InputCheck("ebc", ROWS, None, row_wise=False), nn.Module()
+    hook, module = validation.InputCheck("ebc", ROWS, None), nn.Module()
     kjt = _kjt(["a", "b"], [0, 4], [1, 1])
     hook(module, (kjt,), {})
     hook(module, (kjt,), {})  # the executor's early start, then the module's call: checked once
