@@ -173,6 +173,7 @@ def build_sharding_plan(model: nn.Module, sharders: list[Any], world_size: int, 
     """
     from torchrec.distributed.comm import get_topology_group_world_size
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
+    from torchrec.distributed.planner.types import PlannerError
     from torchrec.distributed.sharding_plan import (
         column_wise, construct_module_sharding_plan, data_parallel, row_wise, table_row_wise, table_wise,
     )
@@ -194,9 +195,15 @@ def build_sharding_plan(model: nn.Module, sharders: list[Any], world_size: int, 
             batch_size=batch_size, constraints=constraints, debug=False,
             storage_reservation=DenseAndInputReservation(),
         )
-        if process_group is not None and world_size > 1:
-            return planner.collective_plan(model, sharders, process_group)
-        return planner.plan(model, sharders)
+        try:
+            if process_group is not None and world_size > 1:
+                return planner.collective_plan(model, sharders, process_group)
+            return planner.plan(model, sharders)
+        except PlannerError as error:
+            pinned = f"sharding_types={sharding_types}" if sharding_types else "no sharding_types"
+            raise ValueError(f"TorchRec's planner found no sharding plan for the tables {sorted(tables)} on "
+                             f"{world_size} {device_type} rank(s) ({pinned}): {error}. Pin a sharding type per table "
+                             f"with SparseLiftStrategy(sharding_types={{table: type}}).") from error
 
     # ranks per host matter to table-row-wise tables only (TorchRec's lookup of it logs warnings
     # when the environment does not say)
@@ -210,6 +217,13 @@ def build_sharding_plan(model: nn.Module, sharders: list[Any], world_size: int, 
             load[rank] += info.num_embeddings * info.embedding_dim
             gen = table_wise(rank=rank)
         elif kind == "column_wise":
+            if info.embedding_dim % world_size:
+                raise ValueError(f"table {name!r} (embedding_dim {info.embedding_dim}): sharding type 'column_wise' "
+                                 f"next to row-wise tables on CPU splits its columns evenly over the {world_size} "
+                                 f"ranks (TorchRec's CPU planner cannot place row-wise tables, so the plan is "
+                                 f"constructed), and {info.embedding_dim} columns do not split in {world_size}; pin "
+                                 f"another type for it in sharding_types, or use a world size that divides its "
+                                 f"dimension")
             gen = column_wise(ranks=list(range(world_size)))
         elif kind == "row_wise":
             gen = row_wise()
