@@ -270,7 +270,9 @@ class SparseLiftStrategy(ProcessGroupStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        check_accumulation(self.lightning_module.trainer)
+        trainer = self.lightning_module.trainer
+        check_accumulation(trainer)
+        trainer._signal_connector.requeue_if_signalled()  # (between two steps: collectives are safe here)
         self._sessions.begin_step(batch, batch_idx)
 
     @override
