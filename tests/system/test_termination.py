@@ -1,4 +1,5 @@
-"""SIGTERM during training stops every rank promptly (popen launcher, lifted executor running).
+"""SIGTERM during training, or an exception on one rank alone, stops every rank promptly (popen
+launcher, lifted executor running).
 
 Each run starts ``sigterm_training.py`` as a user would (the launcher re-runs it for rank 1),
 waits until both ranks run the lifted executor, sends SIGTERM at a random moment of a step to
@@ -81,3 +82,28 @@ def test_sigterm_stops_every_rank_promptly(runs, tmp_path, data_cache):
     report = ", ".join(f"{run} {t:.1f}s" for run, t in times.items())
     assert not slow, f"{len(slow)} of {runs} run(s) took over {EXIT_BOUND_S:.0f} s to exit after SIGTERM: {report}"
     print(f"time to exit after SIGTERM: {report}")
+
+
+@pytest.mark.parametrize("rank", [pytest.param(0, marks=pytest.mark.slow), 1])
+def test_a_rank_raising_alone_stops_every_rank_promptly(rank, tmp_path, data_cache):
+    # (the other rank is then inside the next step's collectives, or waiting for the in-flight ones)
+    log = tmp_path / "run.log"
+    with log.open("w") as out:
+        main = subprocess.Popen([sys.executable, str(SCRIPT), str(data_cache), str(tmp_path), str(rank)], cwd=tmp_path,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        returncode = main.wait(timeout=300)
+        other = int((tmp_path / "rank1").read_text())  # (the main process is rank 0)
+        while _running(other) and time.monotonic() < float((tmp_path / "raised").read_text()) + 120:
+            time.sleep(0.05)
+        exited = time.monotonic()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(main.pid, signal.SIGKILL)
+        main.wait()
+    text = log.read_text()
+    assert (tmp_path / "raised").exists(), text[-3000:]
+    took = exited - float((tmp_path / "raised").read_text())
+    assert returncode != 0 and f"user code failed on rank {rank} alone" in text, text[-3000:]
+    assert took < EXIT_BOUND_S, f"every rank exited {took:.1f} s after rank {rank} raised"
+    print(f"exited {took:.1f} s after rank {rank} raised")
