@@ -52,3 +52,26 @@ def test_one_gpu_runs_the_triton_lookups_in_buckets_on_streams_bit_identical_to_
     lookups = [r for m in plans["buckets"].graph.modules for r in m.schedule.regions if r.name == "lookup"]
     assert [len(r.buckets) for r in lookups if r.kernel == "generated"] == [2]
     assert plans["buckets"].graph.device == "cuda"
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_two_gpus_under_mixed_precision_match_torchrecs_path_or_refuse(precision, tmp_path, data_cache):
+    """bf16-mixed: the lifted executor (every pass forced on) trains bit-identically to TorchRec's
+    path under the same precision; 16-mixed's loss scaling is refused, naming the flag."""
+    dm = tiny_data(data_cache)
+
+    def fit(name, **strategy_kwargs):
+        L.seed_everything(0)
+        L.Trainer(strategy=SparseLiftStrategy(start_method="spawn", **strategy_kwargs), accelerator="gpu", devices=2,
+                  precision=precision, max_epochs=1, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, limit_val_batches=0,
+                  callbacks=[DumpLocalState(tmp_path / name)]).fit(tiny_model(dm), dm)
+
+    if precision == "16-mixed":
+        with pytest.raises(Exception, match=r"precision='16-mixed'.*GradScaler"):
+            fit("lifted", calibrate=False)
+        return
+    fit("torchrec", executor="torchrec")
+    fit("lifted", calibrate=False)
+    assert_same_dumps(tmp_path / "torchrec", tmp_path / "lifted", world_size=2)
