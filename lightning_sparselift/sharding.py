@@ -257,7 +257,7 @@ class ShardedModel:
 
 def shard_model(module: nn.Module, world_size: int, device: torch.device, sharding_types: Optional[dict[str, str]],
                 embedding_optimizer: EmbeddingOptimizer, process_group: Any, input_check_group: Optional[Any],
-                generated_adam: bool = True) -> ShardedModel:
+                generated_adam: bool = True, qcomms_config: Optional[Any] = None) -> ShardedModel:
     """Shard every TorchRec sparse module of ``module`` (EmbeddingBagCollection,
     EmbeddingCollection, FeatureProcessedEmbeddingBagCollection, the managed-collision
     collections: row-wise, as TorchRec allows) with TorchRec's sharders and
@@ -266,7 +266,9 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
     an ``input_check_group`` every sharded module checks its input (ranks compare on that group,
     over the same ranks as ``process_group``) and fbgemm's lookups skip their own check of the ids;
     None: no checks (fbgemm's stay). ``generated_adam``: Adam on CPU tables runs SparseLift's
-    generated kernel (False: TorchRec and fbgemm alone, which have no CPU Adam: ValueError)."""
+    generated kernel (False: TorchRec and fbgemm alone, which have no CPU Adam: ValueError).
+    ``qcomms_config``: TorchRec's ``QCommsConfig``, whose codecs TorchRec's sharders apply to the
+    output exchanges (its registry for ``device``: on CPU TorchRec turns BF16 into FP16)."""
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -299,7 +301,8 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
     values = built_tables(module, parameters)
     embedding_optimizer.apply_in_backward(parameters)
     # (one per module type, in the order the modules appear: the same list on every rank)
-    sharders = [cls() for cls in dict.fromkeys(_sharders()[type(m)] for m in modules.values())]
+    codecs = quantized_comms(qcomms_config, device)
+    sharders = [cls(qcomm_codecs_registry=codecs) for cls in dict.fromkeys(_sharders()[type(m)] for m in modules.values())]
     plan = build_sharding_plan(module, sharders, world_size, device.type, checked, process_group)
     if input_check_group is not None:
         _without_lookup_bounds_check(plan)
@@ -320,6 +323,18 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
         install_input_checks(module, sorted(modules), tables, input_check_group, having("row_wise", "table_row_wise"),
                              set(having("data_parallel")), _pooling_data_parallel(modules, plan), weighted)
     return ShardedModel(dmp, tables, sorted(modules))
+
+
+def quantized_comms(config: Optional[Any], device: torch.device) -> Optional[dict[str, Any]]:
+    """TorchRec's codec registry of a ``QCommsConfig`` (None: none, or fp32 both ways)."""
+    if config is None:
+        return None
+    from torchrec.distributed.fbgemm_qcomm_codec import QCommsConfig, get_qcomm_codecs_registry
+
+    if not isinstance(config, QCommsConfig):
+        raise TypeError(f"qcomms_config takes TorchRec's QCommsConfig "
+                        f"(torchrec.distributed.fbgemm_qcomm_codec), got {type(config).__name__}")
+    return get_qcomm_codecs_registry(config, device=device)
 
 
 def check_data_types(tables: dict[str, TableInfo], device: torch.device) -> None:

@@ -277,7 +277,8 @@ def _lift_module(model: nn.Module, path: str, sharding_plan: Any, captures: list
                         f"ShardedEmbeddingCollection; the lifted executor handles only those module types (this "
                         f"module keeps TorchRec's path)")
     if getattr(sharded, "qcomm_codecs_registry", None):
-        raise LiftError(f"{path}: quantized communication codecs are not supported by the lifted executor")
+        raise LiftError(f"{path}: its output exchanges are quantized (qcomms_config: TorchRec's codecs), which the "
+                        f"lifted executor does not apply yet; the module keeps TorchRec's path, which does")
     if not pooled:
         for flag, what in (("_need_indices", "need_indices=True (ids returned with the embeddings)"),
                            ("_use_index_dedup", "index deduplication"),

@@ -126,6 +126,7 @@ class SparseLiftStrategy(ProcessGroupStrategy):
         validate_inputs: bool = True,
         allow_optimizer_state_reset: bool = False,
         non_finite: str = "raise",
+        qcomms_config: Optional[Any] = None,
         warmup_batches: Optional[int] = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -161,6 +162,7 @@ class SparseLiftStrategy(ProcessGroupStrategy):
         self.validate_inputs = validate_inputs
         self.allow_optimizer_state_reset = allow_optimizer_state_reset
         self.non_finite = non_finite
+        self.qcomms_config = qcomms_config  # TorchRec's QCommsConfig: quantized output exchanges (TorchRec's path)
         self._step_check: Optional[StepCheck] = None
         self._dmp: Optional[torch.nn.Module] = None
         self._tables: dict[str, Any] = {}
@@ -196,7 +198,7 @@ class SparseLiftStrategy(ProcessGroupStrategy):
     def _shard(self, module: torch.nn.Module) -> torch.nn.Module:
         sharded = shard_model(module, self.world_size, self.root_device, self.sharding_types,
                               self.embedding_optimizer, torch.distributed.group.WORLD,
-                              self.check_group if self.validate_inputs else None)
+                              self.check_group if self.validate_inputs else None, qcomms_config=self.qcomms_config)
         self._tables = sharded.tables
         self.sparse_module_paths = sharded.sparse_module_paths
         return sharded.dmp

@@ -31,3 +31,10 @@ def test_no_plan_from_torchrecs_planner_names_the_tables_and_the_option():
                                          r"cpu rank\(s\) \(no sharding_types\): Unable to find a plan.*"
                                          r"SparseLiftStrategy\(sharding_types="):
         build_sharding_plan(model, [sharder_for(model.ebc)], 2, "cpu", {}, None)
+
+
+def test_qcomms_config_must_be_torchrecs():
+    from lightning_sparselift.sharding import quantized_comms
+
+    with pytest.raises(TypeError, match="qcomms_config takes TorchRec's QCommsConfig"):
+        quantized_comms({"forward_precision": "fp16"}, torch.device("cpu"))

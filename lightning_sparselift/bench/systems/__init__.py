@@ -15,9 +15,9 @@ from lightning_sparselift.bench.systems.dense_only import DenseOnly
 from lightning_sparselift.bench.systems.dlrm_baseline import DLRMBaseline
 from lightning_sparselift.bench.systems.lightning import LIGHTNING_SYSTEM
 from lightning_sparselift.bench.systems.sparselift import ABLATIONS, SparseLift
-from lightning_sparselift.bench.systems.torchrec import TorchRecBase, TorchRecSparseDist
+from lightning_sparselift.bench.systems.torchrec import TorchRecBase, TorchRecQComm, TorchRecSparseDist
 
 # the systems a step loop runs, by name (the Lightning one is run by the runner's Trainer.fit)
 SYSTEMS: dict[str, type[System]] = {cls.name: cls for cls in (DLRMBaseline, TorchRecBase, TorchRecSparseDist,
-                                                              DenseOnly, SparseLift, *ABLATIONS)}
+                                                              TorchRecQComm, DenseOnly, SparseLift, *ABLATIONS)}
 ALL_SYSTEMS = [*SYSTEMS, LIGHTNING_SYSTEM]

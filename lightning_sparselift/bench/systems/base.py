@@ -157,16 +157,18 @@ class LoopSystem(System):
 
 
 def build_sharded(env: BenchEnv, validate_inputs: bool, sharding_types: Optional[dict[str, str]] = None,
-                  embedding_optimizer: Optional[Any] = None, generated_adam: bool = True
-                  ) -> tuple[nn.Module, Any, nn.Module, list[str]]:
+                  embedding_optimizer: Optional[Any] = None, generated_adam: bool = True,
+                  qcomms_config: Optional[Any] = None) -> tuple[nn.Module, Any, nn.Module, list[str]]:
     """The scenario's model sharded by TorchRec's DMP: (the DMP, its combined optimizer, the
-    :class:`WithLoss` it wraps, the sparse modules' paths)."""
+    :class:`WithLoss` it wraps, the sparse modules' paths); ``qcomms_config``: TorchRec's
+    quantized output exchanges."""
     from lightning_sparselift.embedding_optimizer import EmbeddingOptimizer, combine_optimizers
     from lightning_sparselift.sharding import shard_model
 
     wrapped = WithLoss(build_rec_model(env.scenario, env.seed), env.precision)
     sharded = shard_model(wrapped, env.world_size, torch.device("cpu"), sharding_types,
                           EmbeddingOptimizer.parse(embedding_optimizer or env.scenario.embedding_optimizer()),
-                          dist.group.WORLD, dist.group.WORLD if validate_inputs else None, generated_adam)
+                          dist.group.WORLD, dist.group.WORLD if validate_inputs else None, generated_adam,
+                          qcomms_config)
     dense = dense_optimizer(env.scenario, sharded.dmp.parameters())
     return sharded.dmp, combine_optimizers(sharded.dmp, dense), wrapped, sharded.sparse_module_paths

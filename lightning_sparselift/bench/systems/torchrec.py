@@ -1,5 +1,7 @@
 """TorchRec's train pipelines: ``torchrec-base`` (``TrainPipelineBase``) and ``torchrec``
-(``TrainPipelineSparseDist``: the input dist of batch i+1 during batch i)."""
+(``TrainPipelineSparseDist``: the input dist of batch i+1 during batch i); ``torchrec-qcomm``:
+``torchrec`` with TorchRec's quantized communication (FP16 forward, BF16 backward: its usual
+setting, which TorchRec's CPU registry turns into FP16 both ways)."""
 
 from __future__ import annotations
 
@@ -16,9 +18,13 @@ class _TorchRecPipeline(System):
 
     pipeline_class: Callable[..., Any]
 
+    def qcomms_config(self) -> Any:
+        return None
+
     def setup(self) -> None:
         # (TorchRec as its users run it: no generated kernel, so no Adam on CPU tables)
-        dmp, optimizer, wrapped, _ = build_sharded(self.env, validate_inputs=False, generated_adam=False)
+        dmp, optimizer, wrapped, _ = build_sharded(self.env, validate_inputs=False, generated_adam=False,
+                                                   qcomms_config=self.qcomms_config())
         self.dmp, self.optimizer = dmp, optimizer
         self.pipeline = self.pipeline_class(model=dmp, optimizer=optimizer, device=torch.device("cpu"))
         self.batches = self.env.local_iterator()
@@ -47,3 +53,12 @@ class TorchRecSparseDist(_TorchRecPipeline):
 
         return TrainPipelineSparseDist
 
+
+
+class TorchRecQComm(TorchRecSparseDist):
+    name = "torchrec-qcomm"
+
+    def qcomms_config(self) -> Any:
+        from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig
+
+        return QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.BF16)
