@@ -25,7 +25,7 @@ from lightning_sparselift.ir.graph import (
 )
 from lightning_sparselift.ir.schedule import identity_schedule
 from lightning_sparselift.ir.vocab import (
-    COLUMN_SHARDED, DTYPE_BYTES, INPUT_ALL_TO_ALL, LIFTED_SHARDING_TYPES, POOLED_ALL_TO_ALL, ROW_SHARDED,
+    COLUMN_SHARDED, DTYPE_BYTES, INPUT_ALL_TO_ALL, LIFTED_SHARDING_TYPES, POOLED_ALL_TO_ALL, ROW_SHARDED, dtype_name,
 )
 
 
@@ -276,9 +276,7 @@ def _lift_module(model: nn.Module, path: str, sharding_plan: Any, captures: list
         raise LiftError(f"{path}: {type(sharded).__name__} is not a plain ShardedEmbeddingBagCollection or "
                         f"ShardedEmbeddingCollection; the lifted executor handles only those module types (this "
                         f"module keeps TorchRec's path)")
-    if getattr(sharded, "qcomm_codecs_registry", None):
-        raise LiftError(f"{path}: its output exchanges are quantized (qcomms_config: TorchRec's codecs), which the "
-                        f"lifted executor does not apply yet; the module keeps TorchRec's path, which does")
+    wire = _wire(path, sharded)
     if not pooled:
         for flag, what in (("_need_indices", "need_indices=True (ids returned with the embeddings)"),
                            ("_use_index_dedup", "index deduplication"),
@@ -318,7 +316,32 @@ def _lift_module(model: nn.Module, path: str, sharding_plan: Any, captures: list
                         next_batch_note=next_batch_note, mean_after_reduce=mean_after_reduce,
                         reduce_sum_features=reduce_sum_features, pooled=pooled,
                         column_shard_order={} if pooled else _column_shard_order(_configs(sharded, False), plan),
-                        consumer=consumer, consumer_note=consumer_note)
+                        consumer=consumer, consumer_note=consumer_note, wire=wire)
+
+
+# the output collectives' roles (ir/steps) each of TorchRec's quantized comm ops covers, forward and backward
+_WIRE_ROLES = {"POOLED_EMBEDDINGS_ALL_TO_ALL": ("output_pooled", "grad_pooled"),
+               "POOLED_EMBEDDINGS_REDUCE_SCATTER": ("output_partial_sums", "grad_all_gather"),
+               "SEQUENCE_EMBEDDINGS_ALL_TO_ALL": ("output_sequence", "grad_sequence")}
+
+
+def _wire(path: str, sharded: nn.Module) -> dict[str, str]:
+    """The dtype on the wire of each output collective that TorchRec's quantized communication
+    encodes (by role; the others exchange float32). LiftError for a codec the lifted executor does
+    not apply: one that quantizes groups of 32 values (INT8, MX4, FP8) follows the layout of
+    TorchRec's own send buffers; FP16 and BF16 (loss scale included) act value by value."""
+    wire = {}
+    for op, codecs in (getattr(sharded, "qcomm_codecs_registry", None) or {}).items():
+        for role, codec in zip(_WIRE_ROLES.get(op, ()), (codecs.forward, codecs.backward)):
+            dtype = codec.quantized_dtype
+            if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+                raise LiftError(f"{path}: TorchRec's quantized communication encodes its {role.replace('_', ' ')} "
+                                f"exchange as {codec._comm_precision.name}, in groups of values laid out as "
+                                f"TorchRec's send buffers are; the lifted executor applies FP16 and BF16 codecs only "
+                                f"(this module keeps TorchRec's path)")
+            if dtype != torch.float32:
+                wire[role] = dtype_name(dtype)
+    return wire
 
 
 def _consumer(captured: list[Any], pooled: bool) -> tuple[Optional[OutputConsumer], str]:

@@ -148,6 +148,9 @@ class LiftedModule:
     # every rank (["generated"]; the reference kernels are always there), else why not
     input_kernels: list[str] = field(default_factory=list)
     input_notes: dict[str, str] = field(default_factory=dict)
+    # TorchRec's quantized communication: the dtype on the wire of each output collective it
+    # encodes, by role (ir/steps: output_pooled, grad_pooled, ...); the others exchange float32
+    wire: dict[str, Dtype] = field(default_factory=dict)
 
     @property
     def embedding_names(self) -> list[str]:

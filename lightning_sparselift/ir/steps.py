@@ -201,17 +201,19 @@ def _forward(step: _Step, m: "LiftedModule") -> None:
         after = sorted({d for i in e.groups for d in ready[i]})
         if e.op == "all_to_all_single" and not m.pooled:
             # each member sends back a row for every id it received
-            nbytes = [round(sum(m.ids_to_each_rank(src, g, world)[r] * g.dim_sum_per_rank[r] * 4
-                                for g in groups for src in range(world))) for r in range(world)]
+            values = [sum(m.ids_to_each_rank(src, g, world)[r] * g.dim_sum_per_rank[r]
+                          for g in groups for src in range(world)) for r in range(world)]
             role = "output_sequence"
         elif e.op == "all_to_all_single":
-            nbytes = [sum(sum(B) * g.dim_sum_per_rank[r] * 4 for g in groups) for r in range(world)]
+            values = [sum(sum(B) * g.dim_sum_per_rank[r] for g in groups) for r in range(world)]
             role = "output_pooled"
         else:
-            nbytes = [sum(B) * sum(groups[0].embedding_dims) * 4] * world
+            values = [sum(B) * sum(groups[0].embedding_dims)] * world
             role = "output_partial_sums"
+        dtype = m.wire.get(role, "float32")
+        nbytes = [round(v * DTYPE_BYTES[dtype]) for v in values]
         nodes = [step.collective(id=f"{m.path}/{e.label}/{role}{_suffix(bucket)}", module=m.path,
-                                 groups=list(e.groups), phase="forward", op=e.op, role=role, dtype="float32",
+                                 groups=list(e.groups), phase="forward", op=e.op, role=role, dtype=dtype,
                                  process_group=_pg(world, pg), bytes_per_member=share, data_dependent=not m.pooled,
                                  issue=s.lookup_at, wait=e.wait, after=after, bucket=bucket)
                  for bucket, pg, share in _per_bucket(m, e, nbytes, forward=True)]
@@ -235,17 +237,19 @@ def _backward(step: _Step, m: "LiftedModule") -> None:
         if e.op == "all_to_all_single" and not m.pooled:
             # each member sends the gradient of a row for every id it sent
             op, role = "all_to_all_single", "grad_sequence"
-            nbytes = [round(sum(ids * g.dim_sum_per_rank[dst] * 4 for g in groups
-                                for dst, ids in enumerate(m.ids_to_each_rank(r, g, world)))) for r in range(world)]
+            values = [sum(ids * g.dim_sum_per_rank[dst] for g in groups
+                          for dst, ids in enumerate(m.ids_to_each_rank(r, g, world))) for r in range(world)]
         elif e.op == "all_to_all_single":
             op, role = "all_to_all_single", "grad_pooled"
-            nbytes = [B[r] * sum(sum(g.dim_sum_per_rank) for g in groups) * 4 for r in range(world)]
+            values = [B[r] * sum(sum(g.dim_sum_per_rank) for g in groups) for r in range(world)]
         else:
             op, role = "all_gather", "grad_all_gather"
-            nbytes = [B[r] * sum(groups[0].embedding_dims) * 4 for r in range(world)]
+            values = [B[r] * sum(groups[0].embedding_dims) for r in range(world)]
+        dtype = m.wire.get(role, "float32")
+        nbytes = [round(v * DTYPE_BYTES[dtype]) for v in values]
         # autograd runs forward's points in reverse: issued where the forward waited, waited where it was issued
         nodes = [step.collective(id=f"{m.path}/{e.label}/{role}{_suffix(bucket)}", module=m.path,
-                                 groups=list(e.groups), phase="backward", op=op, role=role, dtype="float32",
+                                 groups=list(e.groups), phase="backward", op=op, role=role, dtype=dtype,
                                  process_group=_pg(world, pg), bytes_per_member=share, data_dependent=not m.pooled,
                                  issue=BACKWARD_OF[e.wait], wait=BACKWARD_OF[s.lookup_at], after=[f"{m.path}/output"],
                                  bucket=bucket)

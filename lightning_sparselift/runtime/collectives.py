@@ -13,7 +13,7 @@ from torch import Tensor
 
 from lightning_sparselift.cost.calibration import RegionClock
 from lightning_sparselift.runtime.buffers import Buffer
-from lightning_sparselift.runtime.layout import PooledLayout, SequenceLayout
+from lightning_sparselift.runtime.layout import PooledLayout, SequenceLayout, Wire
 
 Layout = Union[PooledLayout, SequenceLayout]
 
@@ -81,22 +81,27 @@ class WaitOutputAllToAll(torch.autograd.Function):
 
 class PooledReduceScatter(torch.autograd.Function):
     """Row-wise output dist: partial sums of every rank's rows, reduced and scattered by sample
-    block; the gradient is all-gathered and divided by world size."""
+    block; the gradient is all-gathered and divided by world size. Under TorchRec's quantized
+    communication (``wire``) the partial sums are encoded before the reduce-scatter (which then
+    sums the quantized values, as TorchRec's does) and decoded after it, the gradient encoded
+    before the all-gather and decoded before the division, in TorchRec's order."""
 
     @staticmethod
-    def forward(ctx: Any, local: Tensor, group: Any, clock: RegionClock) -> Tensor:
+    def forward(ctx: Any, local: Tensor, group: Any, clock: RegionClock, wire: Wire) -> Tensor:
         world = dist.get_world_size(group)
-        out = local.new_empty((local.size(0) // world, local.size(1)))
+        sent = wire.encode(local, [], True)[0]
+        out = sent.new_empty((local.size(0) // world, local.size(1)))
         # reduce_scatter_single is what torch 2.13's deprecated reduce_scatter_tensor forwards
         # to (same backend call, gloo and NCCL): same result, no FutureWarning.
-        dist.reduce_scatter_single(out, local, group=group)
-        ctx.group, ctx.world, ctx.shape, ctx.clock = group, world, local.shape, clock
-        return out
+        dist.reduce_scatter_single(out, sent, group=group)
+        ctx.group, ctx.world, ctx.shape, ctx.clock, ctx.wire = group, world, local.shape, clock, wire
+        return wire.decode(out, True)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
         with ctx.clock.region():
-            full = grad.new_empty(ctx.shape)
+            sent = ctx.wire.encode(grad.contiguous(), [], False)[0]
+            full = sent.new_empty(ctx.shape)
             # all_gather_single: what the deprecated all_gather_into_tensor forwards to
-            dist.all_gather_single(full, grad.contiguous(), group=ctx.group)
-            return full.div_(ctx.world), None, None
+            dist.all_gather_single(full, sent.contiguous(), group=ctx.group)
+            return ctx.wire.decode(full, False).div_(ctx.world), None, None, None

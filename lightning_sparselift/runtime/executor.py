@@ -28,6 +28,7 @@ from lightning_sparselift.runtime.consumer_layout import ConsumerOutput, LayoutK
 from lightning_sparselift.runtime.input_dist import Distributed, GroupRuntime, InputDistribution
 from lightning_sparselift.runtime.input_layout import InputKernel
 from lightning_sparselift.runtime.kernels import kernel
+from lightning_sparselift.runtime.layout import WIRE_OPS, Wire
 from lightning_sparselift.runtime.mean_pooling import MeanAfterReduce
 from lightning_sparselift.runtime.output_dist import KeptPending, OutputDistribution, Pending
 from lightning_sparselift.runtime.pipeline import Pipeline
@@ -76,6 +77,9 @@ class ModuleExecutor:
                        for g, lookup in zip(spec.groups, sharded._lookups)]
         self.kept = {g.index: TorchRecGroup(sharded, g.index) for g in spec.groups if g.not_lifted}
         self.mean = MeanAfterReduce(spec, device) if spec.mean_after_reduce else None
+        # TorchRec's quantized communication: its codecs, per output exchange (the lift admitted them)
+        codecs = getattr(sharded, "qcomm_codecs_registry", None) or {}
+        self.wires = {role: Wire(codecs.get(op)) for role, op in WIRE_OPS.items()}
         # TorchRec's own forward, for the steps where ranks pass different batch sizes
         self.torchrec_forward = type(sharded).forward.__get__(sharded)
         self._started: Optional[_Started] = None
@@ -127,7 +131,7 @@ class ModuleExecutor:
         self.schedule = schedule
         self.inputs, self.lookups, self.output = inputs, lookups, output
         self.outputs = OutputDistribution(schedule, self.groups, self.kept, self.process_groups, self.rank, self.clock,
-                                          self.buffers, pipelines)
+                                          self.buffers, pipelines, self.wires)
         self.starts_early = schedule.lookup_at == "root_forward"
         self.distributes_ahead = schedule.input_issue == "previous_step"
 

@@ -1,10 +1,16 @@
 """The layout of a (possibly merged) output all-to-all: how every rank's pooled blocks, or an
 EmbeddingCollection's rows, are packed for the exchange and unpacked after it, in both directions.
-The output all-to-alls (``runtime.collectives``) take either layout."""
+The output all-to-alls (``runtime.collectives``) take either layout.
+
+Under TorchRec's quantized communication (``codecs``: the sharded module's
+``QuantizedCommCodecs`` for that exchange) what is packed is encoded with TorchRec's own codec
+before it leaves and decoded as it arrives, before it is unpacked (and before the gradient's
+division by world size), as TorchRec's comm ops do; the lift admits only element-wise codecs
+(FP16, BF16), so packing before encoding gives the very values TorchRec's path exchanges."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -30,6 +36,35 @@ class ExchangeBuffers:
         return cls(*(buffers.at((role, key)) for role in ("received", "grad_received", "grad_send")))
 
 
+# the output exchanges a lifted module runs, by TorchRec's name of their comm op (its codec registry's keys)
+WIRE_OPS = {"pooled": "POOLED_EMBEDDINGS_ALL_TO_ALL", "reduce_scatter": "POOLED_EMBEDDINGS_REDUCE_SCATTER",
+            "sequence": "SEQUENCE_EMBEDDINGS_ALL_TO_ALL"}
+
+
+@dataclass
+class Wire:
+    """A layout's quantized exchange (TorchRec's ``QuantizedCommCodecs``; None: float32 both ways)."""
+
+    codecs: Optional[Any] = None
+
+    def encode(self, send: Tensor, sizes: list[int], forward: bool) -> tuple[Tensor, list[int]]:
+        if self.codecs is None:
+            return send, sizes
+        codec = self.codecs.forward if forward else self.codecs.backward
+        return codec.encode(send), [codec.calc_quantized_size(n) for n in sizes]
+
+    def sizes(self, sizes: list[int], forward: bool) -> list[int]:
+        if self.codecs is None:
+            return sizes
+        codec = self.codecs.forward if forward else self.codecs.backward
+        return [codec.calc_quantized_size(n) for n in sizes]
+
+    def decode(self, received: Tensor, forward: bool) -> Tensor:
+        if self.codecs is None:
+            return received
+        return (self.codecs.forward if forward else self.codecs.backward).decode(received)
+
+
 @dataclass
 class PooledLayout:
     """The layout of one (possibly merged) table/column-wise output all-to-all: every rank's
@@ -47,6 +82,7 @@ class PooledLayout:
     buffers: ExchangeBuffers
     raw: bool = False
     divide_grads: bool = True
+    wire: Wire = field(default_factory=Wire)
 
     @property
     def world(self) -> int:
@@ -59,9 +95,11 @@ class PooledLayout:
         else:
             send = torch.cat([local[r * b:(r + 1) * b].reshape(-1) for r in range(self.world) for local in locals_])
         recv_sizes = [b * sum(d[s] for d in self.dims) for s in range(self.world)]
-        return send, recv_sizes, [b * sum(d[self.rank] for d in self.dims)] * self.world
+        send, send_sizes = self.wire.encode(send, [b * sum(d[self.rank] for d in self.dims)] * self.world, True)
+        return send, self.wire.sizes(recv_sizes, True), send_sizes
 
     def unpack_outputs(self, received: Tensor) -> tuple[Tensor, ...]:
+        received = self.wire.decode(received, True)
         if self.raw:
             return (received,)
         b = self.batch_size
@@ -80,7 +118,8 @@ class PooledLayout:
         send_sizes = [b * sum(d[s] for d in self.dims) for s in range(self.world)]
         local = sum(b * d[self.rank] for d in self.dims)
         if self.raw:
-            return grads[0].contiguous(), [local] * self.world, send_sizes
+            send, send_sizes = self.wire.encode(grads[0].contiguous(), send_sizes, False)
+            return send, self.wire.sizes([local] * self.world, False), send_sizes
         by_source = []
         for grad, index, d in zip(grads, self.column_index, self.dims):
             if index is not None:
@@ -94,9 +133,11 @@ class PooledLayout:
             for g, d in enumerate(self.dims):
                 send[offset:offset + b * d[s]].view(b, d[s]).copy_(by_source[g][s])
                 offset += b * d[s]
-        return send, [local] * self.world, send_sizes
+        send, send_sizes = self.wire.encode(send, send_sizes, False)
+        return send, self.wire.sizes([local] * self.world, False), send_sizes
 
     def unpack_grads(self, received: Tensor) -> list[Tensor]:
+        received = self.wire.decode(received, False)
         b, world = self.batch_size, self.world
         if len(self.dims) == 1:  # one group: the sources' blocks are already its rows, in order
             grads = [received.view(world * b, self.dims[0][self.rank])]
@@ -128,6 +169,7 @@ class SequenceLayout:
     group: Any
     rank: int
     buffers: ExchangeBuffers
+    wire: Wire = field(default_factory=Wire)
 
     def __post_init__(self) -> None:
         self.permuted_lengths: list[Optional[Tensor]] = [None] * len(self.dims)
@@ -167,10 +209,11 @@ class SequenceLayout:
         send = self._per_destination(flats, self.received, own)
         send_sizes = [sum(c[dst] * d for c, d in zip(self.received, own)) for dst in range(self.world)]
         recv_sizes = [sum(c[s] * d[s] for c, d in zip(self.sent, self.dims)) for s in range(self.world)]
-        return send, recv_sizes, send_sizes
+        send, send_sizes = self.wire.encode(send, send_sizes, True)
+        return send, self.wire.sizes(recv_sizes, True), send_sizes
 
     def unpack_outputs(self, received: Tensor) -> tuple[Tensor, ...]:
-        flats = self._per_group(received, self.sent, self.dims)
+        flats = self._per_group(self.wire.decode(received, True), self.sent, self.dims)
         return tuple(flat.view(-1, d[0]) for flat, d in zip(flats, self.dims))
 
     def send_grads(self, grads: tuple[Tensor, ...]) -> tuple[Tensor, list[int], list[int]]:
@@ -179,12 +222,13 @@ class SequenceLayout:
         own = [d[self.rank] for d in self.dims]
         send_sizes = [sum(c[dst] * w for c, w in zip(self.sent, widths)) for dst in range(self.world)]
         recv_sizes = [sum(c[s] * d for c, d in zip(self.received, own)) for s in range(self.world)]
-        return send, recv_sizes, send_sizes
+        send, send_sizes = self.wire.encode(send, send_sizes, False)
+        return send, self.wire.sizes(recv_sizes, False), send_sizes
 
     def unpack_grads(self, received: Tensor) -> list[Tensor]:
         own = [[d[self.rank]] * self.world for d in self.dims]
         out = []
-        for g, flat in enumerate(self._per_group(received, self.received, own)):
+        for g, flat in enumerate(self._per_group(self.wire.decode(received, False), self.received, own)):
             if self.back[g] is not None:
                 _, flat, _ = torch.ops.fbgemm.permute_2D_sparse_data(
                     self.back[g], self.permuted_lengths[g], flat, None, flat.numel())

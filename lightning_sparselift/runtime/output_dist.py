@@ -22,7 +22,7 @@ from lightning_sparselift.runtime.collectives import (
     IssueOutputAllToAll, Layout, OutputAllToAll, PooledReduceScatter, WaitOutputAllToAll,
 )
 from lightning_sparselift.runtime.input_dist import Distributed, GroupRuntime
-from lightning_sparselift.runtime.layout import ExchangeBuffers, PooledLayout, SequenceLayout
+from lightning_sparselift.runtime.layout import ExchangeBuffers, PooledLayout, SequenceLayout, Wire
 from lightning_sparselift.runtime.pipeline import Pipeline
 from lightning_sparselift.runtime.torchrec_group import TorchRecGroup
 
@@ -60,9 +60,10 @@ class KeptPending:
 class OutputDistribution:
     def __init__(self, schedule: ModuleSchedule, groups: list[GroupRuntime], kept: dict[int, TorchRecGroup],
                  process_groups: dict[str, Any], rank: int, clock: RegionClock, buffers: Buffers,
-                 pipelines: dict[int, Pipeline]) -> None:
-        """``pipelines``: by group, the pipelines of the groups whose exchange the schedule splits."""
-        self.groups, self.kept, self.rank, self.clock = groups, kept, rank, clock
+                 pipelines: dict[int, Pipeline], wires: dict[str, Wire]) -> None:
+        """``pipelines``: by group, the pipelines of the groups whose exchange the schedule splits;
+        ``wires``: the quantized exchanges (``pooled``, ``reduce_scatter``, ``sequence``)."""
+        self.groups, self.kept, self.rank, self.clock, self.wires = groups, kept, rank, clock, wires
         # the consumer layout reads what the all-to-alls received as it arrived (and gives their
         # gradients back laid out as the send buffers)
         self.raw = schedule.region("output").kernel == CONSUMER_KERNEL
@@ -90,7 +91,7 @@ class OutputDistribution:
         for b in self.buckets:
             if not b.all_to_all:
                 (i,) = b.groups
-                out[i] = PooledReduceScatter.apply(locals_[i], b.process_group, self.clock)
+                out[i] = PooledReduceScatter.apply(locals_[i], b.process_group, self.clock, self.wires["reduce_scatter"])
                 continue
             layout = self._layout(b, inputs, batch_size)
             if b.pipeline is not None:
@@ -130,11 +131,13 @@ class OutputDistribution:
         groups = [self.groups[i] for i in b.groups]
         if groups[0].row_width is None:
             return PooledLayout([g.spec.dim_sum_per_rank for g in groups], batch_size, b.process_group,
-                                [g.column_index for g in groups], self.rank, b.buffers, self.raw)
+                                [g.column_index for g in groups], self.rank, b.buffers, self.raw,
+                                wire=self.wires["pooled"])
         got = [inputs[i] for i in b.groups]
         return SequenceLayout([g.spec.dim_sum_per_rank for g in groups], [d.kjt.lengths() for d in got],
                               [g.row_recat for g in groups], [g.row_back for g in groups],
-                              [d.sent for d in got], [d.received for d in got], b.process_group, self.rank, b.buffers)
+                              [d.sent for d in got], [d.received for d in got], b.process_group, self.rank, b.buffers,
+                              self.wires["sequence"])
 
     def wait(self, out: list[Tensor], pending: list[Pending | KeptPending]) -> list[Tensor]:
         for p in pending:

@@ -35,7 +35,7 @@ class SparseLift(LoopSystem):
 
         s = self.strategy
         self.model, self.optimizer, wrapped, paths = build_sharded(self.env, s.validate_inputs, s.sharding_types,
-                                                                   s.embedding_optimizer)
+                                                                   s.embedding_optimizer, qcomms_config=s.qcomms_config)
         self.session = (SparseLiftSession(wrapped, self.model.plan, paths, dist.group.WORLD, torch.device("cpu"),
                                           s.session_options)
                         if s.executor == "sparselift" else None)
@@ -60,6 +60,17 @@ class SparseLift(LoopSystem):
 
     def report(self) -> dict[str, Any]:
         return session_report(self.session)
+
+
+class SparseLiftQComm(SparseLift):
+    """``sparselift`` with TorchRec's quantized communication, as ``torchrec-qcomm`` runs it."""
+
+    name = "sparselift-qcomm"
+
+    def __init__(self, env: BenchEnv) -> None:
+        from lightning_sparselift.bench.systems.torchrec import TorchRecQComm
+
+        super().__init__(env, {"qcomms_config": TorchRecQComm.qcomms_config(None)})
 
 
 def session_report(session: Any) -> dict[str, Any]:

@@ -58,7 +58,8 @@ class TorchRecSparseDist(_TorchRecPipeline):
 class TorchRecQComm(TorchRecSparseDist):
     name = "torchrec-qcomm"
 
-    def qcomms_config(self) -> Any:
+    @staticmethod
+    def qcomms_config(*_: Any) -> Any:
         from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig
 
         return QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.BF16)
