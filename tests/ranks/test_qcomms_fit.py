@@ -22,11 +22,11 @@ from user_models import PositionalKJT, WithSequenceFeature
 SHARDING = {"table_cat_4": "column_wise", "table_cat_2": "row_wise"}
 
 
-def _fit(dm, folder, sharding=SHARDING, model=PositionalKJT, **strategy_kwargs) -> dict:
+def _fit(dm, folder, sharding=SHARDING, model=PositionalKJT, world=2, **strategy_kwargs) -> dict:
     L.seed_everything(0)
     strategy = SparseLiftStrategy(start_method="fork", embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05},
                                   sharding_types=sharding, **strategy_kwargs)
-    trainer(2, strategy, limit_val_batches=0, callbacks=[DumpLocalState(folder), ExecutorReport(folder),
+    trainer(world, strategy, limit_val_batches=0, callbacks=[DumpLocalState(folder), ExecutorReport(folder),
                                                          GraphReport(folder)]).fit(
         model(dm.table_sizes, dm.feature_names), dm)
     return {**json.loads((folder / "report0.json").read_text()), **json.loads((folder / "graph0.json").read_text())}
@@ -38,21 +38,24 @@ def _config(forward: str, backward: str, **kwargs):
     return QCommsConfig(forward_precision=CommType[forward], backward_precision=CommType[backward], **kwargs)
 
 
-@pytest.mark.parametrize("forward, backward, loss_scale", [("FP16", "FP16", None), ("FP16", "BF16", 4.0)])
-def test_quantized_exchanges_lifted_bit_identical_to_torchrecs_path(forward, backward, loss_scale, tmp_path,
+@pytest.mark.parametrize("forward, backward, loss_scale, world", [("FP16", "FP16", None, 2), ("FP16", "BF16", 4.0, 2),
+                                                                  ("FP16", "FP16", 2.0, 3)])
+def test_quantized_exchanges_lifted_bit_identical_to_torchrecs_path(forward, backward, loss_scale, world, tmp_path,
                                                                      data_cache):
-    dm = tiny_data(data_cache)
+    dm = tiny_data(data_cache, num_train=768)
     config = _config(forward, backward, forward_loss_scale=loss_scale, backward_loss_scale=loss_scale)
-    _fit(dm, tmp_path / "torchrec", executor="torchrec", qcomms_config=config)
-    report = _fit(dm, tmp_path / "lifted", calibrate=False, qcomms_config=config)
+    # (3 ranks: an 8-wide table does not split in 3 column shards)
+    sharding = SHARDING if world == 2 else {"table_cat_2": "row_wise"}
+    _fit(dm, tmp_path / "torchrec", sharding, world=world, executor="torchrec", qcomms_config=config)
+    report = _fit(dm, tmp_path / "lifted", sharding, world=world, calibrate=False, qcomms_config=config)
     assert report["executor"] in LIFTED, report["fallback"]
     assert "latency_hiding:early_start@embeddings" in {c for c, ok, _ in report["decisions"] if ok}
     # the graph's collectives carry the wire's dtype
     assert re.search(r"output_pooled .* float16", report["explain"]), report["explain"]
     assert re.search(r"output_partial_sums .* float16", report["explain"]), report["explain"]
-    states = assert_same_dumps(tmp_path / "torchrec", tmp_path / "lifted")
-    _fit(dm, tmp_path / "fp32", executor="torchrec")  # the codecs really ran: fp32 exchanges train other tables
-    fp32 = load_dumps(tmp_path / "fp32", 2)[0]
+    states = assert_same_dumps(tmp_path / "torchrec", tmp_path / "lifted", world)
+    _fit(dm, tmp_path / "fp32", sharding, world=world, executor="torchrec")  # the codecs really ran: fp32 exchanges train other tables
+    fp32 = load_dumps(tmp_path / "fp32", world)[0]
     tables = [k for k in states[0] if "embedding_bags" in k and not k.startswith("optim/")]
     assert any(not torch.equal(states[0][k], fp32[k]) for k in tables)
 
