@@ -25,7 +25,7 @@ from lightning_sparselift.ir.graph import (
 )
 from lightning_sparselift.ir.schedule import identity_schedule
 from lightning_sparselift.ir.vocab import (
-    COLUMN_SHARDED, DTYPE_BYTES, INPUT_ALL_TO_ALL, LIFTED_SHARDING_TYPES, POOLED_ALL_TO_ALL, ROW_SHARDED, dtype_name,
+    COLUMN_SHARDED, DTYPE_BYTES, INPUT_ALL_TO_ALL, LIFTED_SHARDING_TYPES, POOLED_ALL_TO_ALL, ROW_SHARDED, WIRE_FORMATS,
 )
 
 
@@ -326,21 +326,23 @@ _WIRE_ROLES = {"POOLED_EMBEDDINGS_ALL_TO_ALL": ("output_pooled", "grad_pooled"),
 
 
 def _wire(path: str, sharded: nn.Module) -> dict[str, str]:
-    """The dtype on the wire of each output collective that TorchRec's quantized communication
-    encodes (by role; the others exchange float32). LiftError for a codec the lifted executor does
-    not apply: one that quantizes groups of 32 values (INT8, MX4, FP8) follows the layout of
-    TorchRec's own send buffers; FP16 and BF16 (loss scale included) act value by value."""
+    """The format on the wire of each output collective that TorchRec's quantized communication
+    encodes (by role; the others exchange float32). FP16 and BF16 (loss scale included) act value
+    by value; INT8 quantizes rows of 32 values of the send buffer as laid out, which the lifted
+    all-to-alls reproduce exchange by exchange (aggregation then leaves them apart; on a row-wise
+    reduce-scatter TorchRec's own path fails under it, in the capture steps); LiftError for the
+    others (MX4, FP8)."""
     wire = {}
     for op, codecs in (getattr(sharded, "qcomm_codecs_registry", None) or {}).items():
         for role, codec in zip(_WIRE_ROLES.get(op, ()), (codecs.forward, codecs.backward)):
-            dtype = codec.quantized_dtype
-            if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            name = codec._comm_precision.name.lower()
+            if name == "fp32":
+                continue
+            if name not in WIRE_FORMATS:
                 raise LiftError(f"{path}: TorchRec's quantized communication encodes its {role.replace('_', ' ')} "
-                                f"exchange as {codec._comm_precision.name}, in groups of values laid out as "
-                                f"TorchRec's send buffers are; the lifted executor applies FP16 and BF16 codecs only "
-                                f"(this module keeps TorchRec's path)")
-            if dtype != torch.float32:
-                wire[role] = dtype_name(dtype)
+                                f"exchange as {name.upper()}, which the lifted executor does not apply (it applies "
+                                f"FP16, BF16 and INT8); this module keeps TorchRec's path")
+            wire[role] = name
     return wire
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_sparselift.ir.schedule import ModuleSchedule
-from lightning_sparselift.ir.vocab import ROW_SHARDED, Dtype, LiftedShardingType
+from lightning_sparselift.ir.vocab import ROW_SHARDED, Dtype, LiftedShardingType, WireFormat
 
 GRAPH_VERSION = 3
 
@@ -148,9 +148,9 @@ class LiftedModule:
     # every rank (["generated"]; the reference kernels are always there), else why not
     input_kernels: list[str] = field(default_factory=list)
     input_notes: dict[str, str] = field(default_factory=dict)
-    # TorchRec's quantized communication: the dtype on the wire of each output collective it
+    # TorchRec's quantized communication: the format on the wire of each output collective it
     # encodes, by role (ir/steps: output_pooled, grad_pooled, ...); the others exchange float32
-    wire: dict[str, Dtype] = field(default_factory=dict)
+    wire: dict[str, WireFormat] = field(default_factory=dict)
 
     @property
     def embedding_names(self) -> list[str]:

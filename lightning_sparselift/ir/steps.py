@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Union
 
 from lightning_sparselift.ir.schedule import InputExchange, OutputExchange
-from lightning_sparselift.ir.vocab import BACKWARD_OF, DTYPE_BYTES, POINTS, ROW_SHARDED, Point, aligned
+from lightning_sparselift.ir.vocab import BACKWARD_OF, DTYPE_BYTES, POINTS, ROW_SHARDED, WIRE_FORMATS, Point, aligned
 
 if TYPE_CHECKING:
     from lightning_sparselift.ir.graph import LiftedModule, ShardingGroup, SparseGraph
@@ -210,8 +210,8 @@ def _forward(step: _Step, m: "LiftedModule") -> None:
         else:
             values = [sum(B) * sum(groups[0].embedding_dims)] * world
             role = "output_partial_sums"
-        dtype = m.wire.get(role, "float32")
-        nbytes = [round(v * DTYPE_BYTES[dtype]) for v in values]
+        dtype, size = WIRE_FORMATS.get(m.wire.get(role, ""), ("float32", 4))
+        nbytes = [round(v * size) for v in values]
         nodes = [step.collective(id=f"{m.path}/{e.label}/{role}{_suffix(bucket)}", module=m.path,
                                  groups=list(e.groups), phase="forward", op=e.op, role=role, dtype=dtype,
                                  process_group=_pg(world, pg), bytes_per_member=share, data_dependent=not m.pooled,
@@ -245,8 +245,8 @@ def _backward(step: _Step, m: "LiftedModule") -> None:
         else:
             op, role = "all_gather", "grad_all_gather"
             values = [B[r] * sum(groups[0].embedding_dims) for r in range(world)]
-        dtype = m.wire.get(role, "float32")
-        nbytes = [round(v * DTYPE_BYTES[dtype]) for v in values]
+        dtype, size = WIRE_FORMATS.get(m.wire.get(role, ""), ("float32", 4))
+        nbytes = [round(v * size) for v in values]
         # autograd runs forward's points in reverse: issued where the forward waited, waited where it was issued
         nodes = [step.collective(id=f"{m.path}/{e.label}/{role}{_suffix(bucket)}", module=m.path,
                                  groups=list(e.groups), phase="backward", op=op, role=role, dtype=dtype,

@@ -103,6 +103,11 @@ Packing = Literal["per_tensor", "bytes"]  # one collective per tensor (TorchRec'
 # the dtypes a graph names (uint8: byte-packed payloads), and their element sizes
 Dtype = Literal["int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64", "uint8", "bool"]
 DTYPE_BYTES: dict[str, int] = {name: getattr(torch, name).itemsize for name in get_args(Dtype)}
+# TorchRec's quantized communication formats the lifted executor applies: their dtype on the wire
+# and bytes per value (INT8: rows of 32 codes with a float32 scale and bias)
+WireFormat = Literal["fp16", "bf16", "int8"]
+WIRE_FORMATS: dict[str, tuple[str, float]] = {"fp16": ("float16", 2.0), "bf16": ("bfloat16", 2.0),
+                                              "int8": ("uint8", 40 / 32)}
 # each destination's chunk of a byte-packed buffer is padded to this many bytes
 PACK_ALIGNMENT = 8
 

@@ -63,6 +63,10 @@ class CommunicationAggregation(OptimizationPass):
             reasons.append("already aggregated" if buckets and len(buckets[0].groups) > 1 else
                            f"{len(buckets)} output all-to-all bucket(s): nothing to merge (row-wise reduce-scatters "
                            f"and data-parallel groups have no all-to-all)")
+        int8 = sorted(r for r, f in module.wire.items() if f == "int8") if role == "output" else []
+        if int8:
+            reasons.append(f"TorchRec's INT8 codec quantizes rows of 32 values of each exchange's own send buffer "
+                           f"({', '.join(int8)}): a merged buffer would group other values")
         split = [e.label for e in s.outputs if e.split] if role == "output" else []
         if split:
             reasons.append(f"output {', '.join(split)} runs one all-to-all per bucket of its lookups, pipelined "

@@ -46,14 +46,16 @@ class IssueOutputAllToAll(torch.autograd.Function):
     """Starts the output all-to-all; :class:`WaitOutputAllToAll` finishes it. In backward the
     roles swap: the wait's backward starts the gradient all-to-all and this backward waits for
     it, so whatever autograd runs in between (the backward of compute that ran between issue and
-    wait in forward, e.g. the bottom MLP) overlaps the exchange."""
+    wait in forward, e.g. the bottom MLP) overlaps the exchange. What the exchange receives stays
+    in the box; the two are joined in autograd by an empty floating-point token (what arrives may
+    be quantized to integers, which autograd would not connect)."""
 
     @staticmethod
     def forward(ctx: Any, layout: Layout, box: dict, clock: RegionClock, *locals_: Tensor) -> Tensor:
-        received, box["work"] = exchange(layout.buffers.received, *layout.send_outputs(locals_), layout.group,
-                                         async_op=True)
+        box["received"], box["work"] = exchange(layout.buffers.received, *layout.send_outputs(locals_),
+                                                layout.group, async_op=True)
         ctx.layout, ctx.box, ctx.clock = layout, box, clock
-        return received
+        return locals_[0].new_empty(0)
 
     @staticmethod
     def backward(ctx: Any, _unused: Tensor) -> tuple[Optional[Tensor], ...]:
@@ -64,11 +66,11 @@ class IssueOutputAllToAll(torch.autograd.Function):
 
 class WaitOutputAllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, received: Tensor, layout: Layout, box: dict, clock: RegionClock) -> tuple[Tensor, ...]:
+    def forward(ctx: Any, token: Tensor, layout: Layout, box: dict, clock: RegionClock) -> tuple[Tensor, ...]:
         with clock.region():
             box.pop("work").wait()
-        ctx.layout, ctx.box, ctx.shape = layout, box, received.shape
-        return layout.unpack_outputs(received)
+        ctx.layout, ctx.box = layout, box
+        return layout.unpack_outputs(box.pop("received"))
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Optional[Tensor], ...]:
@@ -76,7 +78,7 @@ class WaitOutputAllToAll(torch.autograd.Function):
                                                                    *ctx.layout.send_grads(grads), ctx.layout.group,
                                                                    async_op=True)
         # the issue's backward reads the gradient from the box; this one only orders autograd
-        return grads[0].new_empty(ctx.shape), None, None, None
+        return grads[0].new_empty(0), None, None, None
 
 
 class PooledReduceScatter(torch.autograd.Function):

@@ -43,26 +43,37 @@ WIRE_OPS = {"pooled": "POOLED_EMBEDDINGS_ALL_TO_ALL", "reduce_scatter": "POOLED_
 
 @dataclass
 class Wire:
-    """A layout's quantized exchange (TorchRec's ``QuantizedCommCodecs``; None: float32 both ways)."""
+    """A layout's quantized exchange (TorchRec's ``QuantizedCommCodecs``; None: float32 both
+    ways). As TorchRec's comm ops, each encode makes the codec's context, which the sizes of that
+    exchange and the decode of what it receives then use (``contexts``, by direction: the layout
+    of one step encodes and decodes each direction once)."""
 
     codecs: Optional[Any] = None
+    contexts: dict[bool, Any] = field(default_factory=dict)
+
+    def _codec(self, forward: bool) -> Any:
+        return self.codecs.forward if forward else self.codecs.backward
 
     def encode(self, send: Tensor, sizes: list[int], forward: bool) -> tuple[Tensor, list[int]]:
         if self.codecs is None:
             return send, sizes
-        codec = self.codecs.forward if forward else self.codecs.backward
-        return codec.encode(send), [codec.calc_quantized_size(n) for n in sizes]
+        codec = self._codec(forward)
+        ctx = self.contexts[forward] = codec.create_context()
+        return codec.encode(send, ctx), [codec.calc_quantized_size(n, ctx) for n in sizes]
 
     def sizes(self, sizes: list[int], forward: bool) -> list[int]:
         if self.codecs is None:
             return sizes
-        codec = self.codecs.forward if forward else self.codecs.backward
-        return [codec.calc_quantized_size(n) for n in sizes]
+        return [self._codec(forward).calc_quantized_size(n, self.contexts[forward]) for n in sizes]
 
     def decode(self, received: Tensor, forward: bool) -> Tensor:
         if self.codecs is None:
             return received
-        return (self.codecs.forward if forward else self.codecs.backward).decode(received)
+        return self._codec(forward).decode(received, self.contexts[forward])
+
+    def for_step(self) -> "Wire":
+        """This wire with contexts of its own (a layout's, for one step's exchanges)."""
+        return Wire(self.codecs)
 
 
 @dataclass

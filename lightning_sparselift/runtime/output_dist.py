@@ -44,9 +44,9 @@ class Pending:
     groups: list[int]
     layout: Layout
     box: dict
-    received: Tensor
+    token: Tensor  # joins the issue and the wait in autograd (what arrives is in the box)
     unbucketize: list[Optional[Tensor]]
-    pipeline: Optional[Pipeline] = None  # a pipelined group's buckets' all-to-alls (``received``: its token)
+    pipeline: Optional[Pipeline] = None  # a pipelined group's buckets' all-to-alls
 
 
 @dataclass
@@ -91,7 +91,8 @@ class OutputDistribution:
         for b in self.buckets:
             if not b.all_to_all:
                 (i,) = b.groups
-                out[i] = PooledReduceScatter.apply(locals_[i], b.process_group, self.clock, self.wires["reduce_scatter"])
+                out[i] = PooledReduceScatter.apply(locals_[i], b.process_group, self.clock,
+                                                   self.wires["reduce_scatter"].for_step())
                 continue
             layout = self._layout(b, inputs, batch_size)
             if b.pipeline is not None:
@@ -132,12 +133,12 @@ class OutputDistribution:
         if groups[0].row_width is None:
             return PooledLayout([g.spec.dim_sum_per_rank for g in groups], batch_size, b.process_group,
                                 [g.column_index for g in groups], self.rank, b.buffers, self.raw,
-                                wire=self.wires["pooled"])
+                                wire=self.wires["pooled"].for_step())
         got = [inputs[i] for i in b.groups]
         return SequenceLayout([g.spec.dim_sum_per_rank for g in groups], [d.kjt.lengths() for d in got],
                               [g.row_recat for g in groups], [g.row_back for g in groups],
                               [d.sent for d in got], [d.received for d in got], b.process_group, self.rank, b.buffers,
-                              self.wires["sequence"])
+                              self.wires["sequence"].for_step())
 
     def wait(self, out: list[Tensor], pending: list[Pending | KeptPending]) -> list[Tensor]:
         for p in pending:
@@ -146,9 +147,9 @@ class OutputDistribution:
                 continue
             if p.pipeline is not None:
                 with self.clock.region():
-                    received = p.pipeline.wait(p.received, p.layout, p.box)
+                    received = p.pipeline.wait(p.token, p.layout, p.box)
             else:
-                received = WaitOutputAllToAll.apply(p.received, p.layout, p.box, self.clock)
+                received = WaitOutputAllToAll.apply(p.token, p.layout, p.box, self.clock)
             self._place(out, p.groups, received, p.unbucketize)
         return out
 

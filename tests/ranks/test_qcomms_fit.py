@@ -39,20 +39,23 @@ def _config(forward: str, backward: str, **kwargs):
 
 
 @pytest.mark.parametrize("forward, backward, loss_scale, world", [("FP16", "FP16", None, 2), ("FP16", "BF16", 4.0, 2),
-                                                                  ("FP16", "FP16", 2.0, 3)])
+                                                                  ("FP16", "FP16", 2.0, 3), ("INT8", "INT8", None, 2)])
 def test_quantized_exchanges_lifted_bit_identical_to_torchrecs_path(forward, backward, loss_scale, world, tmp_path,
                                                                      data_cache):
     dm = tiny_data(data_cache, num_train=768)
     config = _config(forward, backward, forward_loss_scale=loss_scale, backward_loss_scale=loss_scale)
-    # (3 ranks: an 8-wide table does not split in 3 column shards)
-    sharding = SHARDING if world == 2 else {"table_cat_2": "row_wise"}
+    # (3 ranks: an 8-wide table does not split in 3 column shards; INT8: TorchRec's own row-wise reduce-scatter
+    # fails under it)
+    sharding = {"table_cat_2": "row_wise"} if world == 3 else {"table_cat_4": "column_wise"} if forward == "INT8" \
+        else SHARDING
     _fit(dm, tmp_path / "torchrec", sharding, world=world, executor="torchrec", qcomms_config=config)
     report = _fit(dm, tmp_path / "lifted", sharding, world=world, calibrate=False, qcomms_config=config)
     assert report["executor"] in LIFTED, report["fallback"]
     assert "latency_hiding:early_start@embeddings" in {c for c, ok, _ in report["decisions"] if ok}
     # the graph's collectives carry the wire's dtype
-    assert re.search(r"output_pooled .* float16", report["explain"]), report["explain"]
-    assert re.search(r"output_partial_sums .* float16", report["explain"]), report["explain"]
+    wire = "uint8" if forward == "INT8" else "float16"
+    assert re.search(rf"output_pooled .* {wire}", report["explain"]), report["explain"]
+    assert forward == "INT8" or re.search(r"output_partial_sums .* float16", report["explain"]), report["explain"]
     states = assert_same_dumps(tmp_path / "torchrec", tmp_path / "lifted", world)
     _fit(dm, tmp_path / "fp32", sharding, world=world, executor="torchrec")  # the codecs really ran: fp32 exchanges train other tables
     fp32 = load_dumps(tmp_path / "fp32", world)[0]
@@ -62,10 +65,10 @@ def test_quantized_exchanges_lifted_bit_identical_to_torchrecs_path(forward, bac
 
 def test_a_codec_the_lifted_executor_does_not_apply_keeps_torchrecs_path(tmp_path, data_cache):
     dm = tiny_data(data_cache)
-    config = _config("INT8", "FP16")  # (TorchRec's row-wise reduce-scatter fails under INT8 itself)
-    report = _fit(dm, tmp_path / "int8", sharding={"table_cat_4": "column_wise"}, qcomms_config=config)
+    config = _config("MX4", "FP16")
+    report = _fit(dm, tmp_path / "mx4", sharding={"table_cat_4": "column_wise"}, qcomms_config=config)
     assert report["executor"] == "torchrec"
-    assert "applies FP16 and BF16 codecs only" in report["fallback"], report["fallback"]
+    assert "as MX4, which the lifted executor does not apply" in report["fallback"], report["fallback"]
 
 
 def test_an_embedding_collections_quantized_rows_are_lifted_bit_identical(tmp_path, data_cache):
