@@ -34,6 +34,7 @@ def _sharding_worker(rank: int, world: int, port: int, out: str) -> None:
 
     from lightning_sparselift.cost.calibration import RegionClock
     from lightning_sparselift.runtime.collectives import PooledReduceScatter
+    from lightning_sparselift.runtime.layout import Wire
     from lightning_sparselift.sharding import shard_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -55,7 +56,7 @@ def _sharding_worker(rank: int, world: int, port: int, out: str) -> None:
             ddp = sharded.dmp._dmp_wrapped_module
             # the runtime's row-wise collectives (reduce-scatter forward, all-gather backward)
             local = torch.arange(8.0).reshape(4, 2).mul(rank + 1).requires_grad_()
-            reduced = PooledReduceScatter.apply(local, dist.group.WORLD, RegionClock(torch.device("cpu")))
+            reduced = PooledReduceScatter.apply(local, dist.group.WORLD, RegionClock(torch.device("cpu")), Wire())
             reduced.backward(torch.ones_like(reduced) * (rank + 1))
         # (DeprecationWarnings are not shown outside __main__ by default; torch.jit's are in TorchRec's code)
         shown = [w for w in caught if not issubclass(w.category, (DeprecationWarning, PendingDeprecationWarning))]
