@@ -38,16 +38,17 @@ def _config(forward: str, backward: str, **kwargs):
     return QCommsConfig(forward_precision=CommType[forward], backward_precision=CommType[backward], **kwargs)
 
 
-@pytest.mark.parametrize("forward, backward, loss_scale, world", [("FP16", "FP16", None, 2), ("FP16", "BF16", 4.0, 2),
-                                                                  ("FP16", "FP16", 2.0, 3), ("INT8", "INT8", None, 2)])
-def test_quantized_exchanges_lifted_bit_identical_to_torchrecs_path(forward, backward, loss_scale, world, tmp_path,
-                                                                     data_cache):
+# (3 ranks: an 8-wide table does not split in 3 column shards; INT8: TorchRec's own row-wise reduce-scatter fails
+# under it)
+@pytest.mark.parametrize("forward, backward, loss_scale, world, sharding", [
+    ("FP16", "FP16", None, 2, SHARDING), ("FP16", "BF16", 4.0, 2, SHARDING),
+    ("FP16", "FP16", 2.0, 3, {"table_cat_2": "row_wise"}), ("INT8", "INT8", None, 2, {"table_cat_4": "column_wise"}),
+    ("INT8", "INT8", None, 2, {"table_cat_4": "table_column_wise"})], ids=["fp16", "fp16-bf16", "fp16-3ranks", "int8",
+                                                                          "int8-twcw"])
+def test_quantized_exchanges_lifted_bit_identical_to_torchrecs_path(forward, backward, loss_scale, world, sharding,
+                                                                     tmp_path, data_cache):
     dm = tiny_data(data_cache, num_train=768)
     config = _config(forward, backward, forward_loss_scale=loss_scale, backward_loss_scale=loss_scale)
-    # (3 ranks: an 8-wide table does not split in 3 column shards; INT8: TorchRec's own row-wise reduce-scatter
-    # fails under it)
-    sharding = {"table_cat_2": "row_wise"} if world == 3 else {"table_cat_4": "column_wise"} if forward == "INT8" \
-        else SHARDING
     _fit(dm, tmp_path / "torchrec", sharding, world=world, executor="torchrec", qcomms_config=config)
     report = _fit(dm, tmp_path / "lifted", sharding, world=world, calibrate=False, qcomms_config=config)
     assert report["executor"] in LIFTED, report["fallback"]
