@@ -20,6 +20,8 @@ import zlib
 from statistics import median
 from typing import TYPE_CHECKING, Any, Optional
 
+import torch.distributed as dist
+
 from lightning_sparselift.cost.calibration import Measurement
 from lightning_sparselift.cost.decision import bounding_pairs
 from lightning_sparselift.cost.design import Factor, FactorialDesign, fewest_steps, most_factors
@@ -68,6 +70,7 @@ class PlanningLoop:
         began (``time.perf_counter()``), if before the call (the plan's ``planning_s`` counts from it)."""
         start = time.perf_counter() if since is None else since
         feasible, rejected = self.planner.propose(self.incumbent)
+        feasible = self._agreed(feasible)
         self.plan.decisions.extend(rejected)
         if not self.planner.calibrate:
             for candidate in feasible:
@@ -106,7 +109,7 @@ class PlanningLoop:
         kernels): feasible candidates not proposed feasible before join the queue (their earlier
         infeasible decisions dropped); the loop no longer waits for more."""
         known = {c.id for c in self._queue} | set(self._accepted)
-        feasible, _ = self.planner.propose(self.incumbent)
+        feasible = self._agreed(self.planner.propose(self.incumbent)[0])
         new = [c for c in feasible if c.id not in known]
         admitted = {c.id for c in new}
         self.plan.decisions = [d for d in self.plan.decisions if d.candidate not in admitted]
@@ -169,6 +172,19 @@ class PlanningLoop:
             lines.append(f"  measuring  {c.id}: " + (self.planner.evidence(measured) if measured is not None
                                                      else "no look yet"))
         return lines
+
+    def _agreed(self, candidates: list[Candidate]) -> list[Candidate]:
+        """Rank 0's predictions, and its order of ``candidates``, on every rank (a collective over
+        ``group``). A prediction is floating-point arithmetic each rank does itself; should two
+        ranks' last bits differ, near-equal candidates would be ordered (and their designs seeded)
+        differently and the ranks would run different graphs in the same step."""
+        if self.group is None or not dist.is_initialized() or dist.get_world_size(self.group) == 1:
+            return candidates
+        payload = [self.planner.predicted, [c.id for c in candidates]]
+        dist.broadcast_object_list(payload, src=dist.get_global_rank(self.group, 0), group=self.group)
+        self.planner.predicted = payload[0]
+        by_id = {c.id: c for c in candidates}
+        return [by_id[i] for i in payload[1]]
 
     def _heads(self, members: list[Candidate]) -> dict[str, int]:
         """The queued candidates (but ``members``) that will start a design of their own, with that
@@ -247,6 +263,7 @@ class PlanningLoop:
                     members.append(c)
                     graphs = combined
                     self.planner.predict(c, self.incumbent, graphs[(False,) * (len(members) - 1) + (True,)])
+        self._agreed([])  # (the predictions just made: the factors' futility reads them)
         blocks = self._blocks_left(members)  # (the designs still to come, now these are in this one)
         self._round, self._graphs, self._measured = members, graphs, {}
         self._design = FactorialDesign([Factor(self.planner.protocol(c).region,
