@@ -26,6 +26,7 @@ from lightning_sparselift.ir.graph import (
 from lightning_sparselift.ir.schedule import identity_schedule
 from lightning_sparselift.ir.vocab import (
     COLUMN_SHARDED, DTYPE_BYTES, INPUT_ALL_TO_ALL, LIFTED_SHARDING_TYPES, POOLED_ALL_TO_ALL, ROW_SHARDED, WIRE_FORMATS,
+    WIRE_ROLES,
 )
 
 
@@ -319,12 +320,6 @@ def _lift_module(model: nn.Module, path: str, sharding_plan: Any, captures: list
                         consumer=consumer, consumer_note=consumer_note, wire=wire)
 
 
-# the output collectives' roles (ir/steps) each of TorchRec's quantized comm ops covers, forward and backward
-_WIRE_ROLES = {"POOLED_EMBEDDINGS_ALL_TO_ALL": ("output_pooled", "grad_pooled"),
-               "POOLED_EMBEDDINGS_REDUCE_SCATTER": ("output_partial_sums", "grad_all_gather"),
-               "SEQUENCE_EMBEDDINGS_ALL_TO_ALL": ("output_sequence", "grad_sequence")}
-
-
 def _wire(path: str, sharded: nn.Module) -> dict[str, str]:
     """The format on the wire of each output collective that TorchRec's quantized communication
     encodes (by role; the others exchange float32). FP16 and BF16 (loss scale included) act value
@@ -334,7 +329,7 @@ def _wire(path: str, sharded: nn.Module) -> dict[str, str]:
     others (MX4, FP8)."""
     wire = {}
     for op, codecs in (getattr(sharded, "qcomm_codecs_registry", None) or {}).items():
-        for role, codec in zip(_WIRE_ROLES.get(op, ()), (codecs.forward, codecs.backward)):
+        for role, codec in zip(WIRE_ROLES.get(op, ()), (codecs.forward, codecs.backward)):
             name = codec._comm_precision.name.lower()
             if name == "fp32":
                 continue

@@ -108,6 +108,13 @@ DTYPE_BYTES: dict[str, int] = {name: getattr(torch, name).itemsize for name in g
 WireFormat = Literal["fp16", "bf16", "int8"]
 WIRE_FORMATS: dict[str, tuple[str, float]] = {"fp16": ("float16", 2.0), "bf16": ("bfloat16", 2.0),
                                               "int8": ("uint8", 40 / 32)}
+# TorchRec's quantized comm ops (its codec registry's keys) and the output collectives' roles
+# (ir/steps) each covers, forward and backward
+POOLED_ALL_TO_ALL_OP, REDUCE_SCATTER_OP = "POOLED_EMBEDDINGS_ALL_TO_ALL", "POOLED_EMBEDDINGS_REDUCE_SCATTER"
+SEQUENCE_ALL_TO_ALL_OP = "SEQUENCE_EMBEDDINGS_ALL_TO_ALL"
+WIRE_ROLES: dict[str, tuple[str, str]] = {POOLED_ALL_TO_ALL_OP: ("output_pooled", "grad_pooled"),
+                                          REDUCE_SCATTER_OP: ("output_partial_sums", "grad_all_gather"),
+                                          SEQUENCE_ALL_TO_ALL_OP: ("output_sequence", "grad_sequence")}
 # each destination's chunk of a byte-packed buffer is padded to this many bytes
 PACK_ALIGNMENT = 8
 

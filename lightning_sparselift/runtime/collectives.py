@@ -91,7 +91,7 @@ class PooledReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, local: Tensor, group: Any, clock: RegionClock, wire: Wire) -> Tensor:
         world = dist.get_world_size(group)
-        sent = wire.encode(local, [], True)[0]
+        sent = wire.encode(local, True)
         out = sent.new_empty((local.size(0) // world, local.size(1)))
         # reduce_scatter_single is what torch 2.13's deprecated reduce_scatter_tensor forwards
         # to (same backend call, gloo and NCCL): same result, no FutureWarning.
@@ -102,8 +102,8 @@ class PooledReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
         with ctx.clock.region():
-            sent = ctx.wire.encode(grad.contiguous(), [], False)[0]
+            sent = ctx.wire.encode(grad.contiguous(), False)
             full = sent.new_empty(ctx.shape)
             # all_gather_single: what the deprecated all_gather_into_tensor forwards to
-            dist.all_gather_single(full, sent.contiguous(), group=ctx.group)
+            dist.all_gather_single(full, sent, group=ctx.group)
             return ctx.wire.decode(full, False).div_(ctx.world), None, None, None

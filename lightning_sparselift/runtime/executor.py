@@ -28,7 +28,8 @@ from lightning_sparselift.runtime.consumer_layout import ConsumerOutput, LayoutK
 from lightning_sparselift.runtime.input_dist import Distributed, GroupRuntime, InputDistribution
 from lightning_sparselift.runtime.input_layout import InputKernel
 from lightning_sparselift.runtime.kernels import kernel
-from lightning_sparselift.runtime.layout import WIRE_OPS, Wire
+from lightning_sparselift.ir.vocab import WIRE_ROLES
+from lightning_sparselift.runtime.layout import Wire
 from lightning_sparselift.runtime.mean_pooling import MeanAfterReduce
 from lightning_sparselift.runtime.output_dist import KeptPending, OutputDistribution, Pending
 from lightning_sparselift.runtime.pipeline import Pipeline
@@ -79,7 +80,7 @@ class ModuleExecutor:
         self.mean = MeanAfterReduce(spec, device) if spec.mean_after_reduce else None
         # TorchRec's quantized communication: its codecs, per output exchange (the lift admitted them)
         codecs = getattr(sharded, "qcomm_codecs_registry", None) or {}
-        self.wires = {role: Wire(codecs.get(op)) for role, op in WIRE_OPS.items()}
+        self.wires = {op: Wire(codecs.get(op)) for op in WIRE_ROLES}
         # TorchRec's own forward, for the steps where ranks pass different batch sizes
         self.torchrec_forward = type(sharded).forward.__get__(sharded)
         self._started: Optional[_Started] = None

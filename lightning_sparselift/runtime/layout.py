@@ -5,8 +5,9 @@ The output all-to-alls (``runtime.collectives``) take either layout.
 Under TorchRec's quantized communication (``codecs``: the sharded module's
 ``QuantizedCommCodecs`` for that exchange) what is packed is encoded with TorchRec's own codec
 before it leaves and decoded as it arrives, before it is unpacked (and before the gradient's
-division by world size), as TorchRec's comm ops do; the lift admits only element-wise codecs
-(FP16, BF16), so packing before encoding gives the very values TorchRec's path exchanges."""
+division by world size), as TorchRec's comm ops do. FP16 and BF16 act value by value; INT8
+quantizes rows of 32 values of the buffer, which is TorchRec's own as long as an exchange is not
+merged with another (the lift and the aggregation pass see to it)."""
 
 from __future__ import annotations
 
@@ -36,11 +37,6 @@ class ExchangeBuffers:
         return cls(*(buffers.at((role, key)) for role in ("received", "grad_received", "grad_send")))
 
 
-# the output exchanges a lifted module runs, by TorchRec's name of their comm op (its codec registry's keys)
-WIRE_OPS = {"pooled": "POOLED_EMBEDDINGS_ALL_TO_ALL", "reduce_scatter": "POOLED_EMBEDDINGS_REDUCE_SCATTER",
-            "sequence": "SEQUENCE_EMBEDDINGS_ALL_TO_ALL"}
-
-
 @dataclass
 class Wire:
     """A layout's quantized exchange (TorchRec's ``QuantizedCommCodecs``; None: float32 both
@@ -54,17 +50,22 @@ class Wire:
     def _codec(self, forward: bool) -> Any:
         return self.codecs.forward if forward else self.codecs.backward
 
-    def encode(self, send: Tensor, sizes: list[int], forward: bool) -> tuple[Tensor, list[int]]:
+    def encode(self, send: Tensor, forward: bool) -> Tensor:
         if self.codecs is None:
-            return send, sizes
+            return send
         codec = self._codec(forward)
         ctx = self.contexts[forward] = codec.create_context()
-        return codec.encode(send, ctx), [codec.calc_quantized_size(n, ctx) for n in sizes]
+        return codec.encode(send, ctx)
 
-    def sizes(self, sizes: list[int], forward: bool) -> list[int]:
+    def pack(self, send: Tensor, recv_sizes: list[int], send_sizes: list[int], forward: bool
+             ) -> tuple[Tensor, list[int], list[int]]:
+        """An all-to-all's arguments on the wire: ``send`` encoded, the split sizes in its elements."""
         if self.codecs is None:
-            return sizes
-        return [self._codec(forward).calc_quantized_size(n, self.contexts[forward]) for n in sizes]
+            return send, recv_sizes, send_sizes
+        send = self.encode(send, forward)
+        codec, ctx = self._codec(forward), self.contexts[forward]
+        return send, [codec.calc_quantized_size(n, ctx) for n in recv_sizes], \
+            [codec.calc_quantized_size(n, ctx) for n in send_sizes]
 
     def decode(self, received: Tensor, forward: bool) -> Tensor:
         if self.codecs is None:
@@ -106,8 +107,7 @@ class PooledLayout:
         else:
             send = torch.cat([local[r * b:(r + 1) * b].reshape(-1) for r in range(self.world) for local in locals_])
         recv_sizes = [b * sum(d[s] for d in self.dims) for s in range(self.world)]
-        send, send_sizes = self.wire.encode(send, [b * sum(d[self.rank] for d in self.dims)] * self.world, True)
-        return send, self.wire.sizes(recv_sizes, True), send_sizes
+        return self.wire.pack(send, recv_sizes, [b * sum(d[self.rank] for d in self.dims)] * self.world, True)
 
     def unpack_outputs(self, received: Tensor) -> tuple[Tensor, ...]:
         received = self.wire.decode(received, True)
@@ -129,8 +129,7 @@ class PooledLayout:
         send_sizes = [b * sum(d[s] for d in self.dims) for s in range(self.world)]
         local = sum(b * d[self.rank] for d in self.dims)
         if self.raw:
-            send, send_sizes = self.wire.encode(grads[0].contiguous(), send_sizes, False)
-            return send, self.wire.sizes([local] * self.world, False), send_sizes
+            return self.wire.pack(grads[0].contiguous(), [local] * self.world, send_sizes, False)
         by_source = []
         for grad, index, d in zip(grads, self.column_index, self.dims):
             if index is not None:
@@ -144,8 +143,7 @@ class PooledLayout:
             for g, d in enumerate(self.dims):
                 send[offset:offset + b * d[s]].view(b, d[s]).copy_(by_source[g][s])
                 offset += b * d[s]
-        send, send_sizes = self.wire.encode(send, send_sizes, False)
-        return send, self.wire.sizes([local] * self.world, False), send_sizes
+        return self.wire.pack(send, [local] * self.world, send_sizes, False)
 
     def unpack_grads(self, received: Tensor) -> list[Tensor]:
         received = self.wire.decode(received, False)
@@ -220,8 +218,7 @@ class SequenceLayout:
         send = self._per_destination(flats, self.received, own)
         send_sizes = [sum(c[dst] * d for c, d in zip(self.received, own)) for dst in range(self.world)]
         recv_sizes = [sum(c[s] * d[s] for c, d in zip(self.sent, self.dims)) for s in range(self.world)]
-        send, send_sizes = self.wire.encode(send, send_sizes, True)
-        return send, self.wire.sizes(recv_sizes, True), send_sizes
+        return self.wire.pack(send, recv_sizes, send_sizes, True)
 
     def unpack_outputs(self, received: Tensor) -> tuple[Tensor, ...]:
         flats = self._per_group(self.wire.decode(received, True), self.sent, self.dims)
@@ -233,8 +230,7 @@ class SequenceLayout:
         own = [d[self.rank] for d in self.dims]
         send_sizes = [sum(c[dst] * w for c, w in zip(self.sent, widths)) for dst in range(self.world)]
         recv_sizes = [sum(c[s] * d for c, d in zip(self.received, own)) for s in range(self.world)]
-        send, send_sizes = self.wire.encode(send, send_sizes, False)
-        return send, self.wire.sizes(recv_sizes, False), send_sizes
+        return self.wire.pack(send, recv_sizes, send_sizes, False)
 
     def unpack_grads(self, received: Tensor) -> list[Tensor]:
         own = [[d[self.rank]] * self.world for d in self.dims]

@@ -17,6 +17,7 @@ from torch import Tensor
 from lightning_sparselift.cost.calibration import RegionClock
 from lightning_sparselift.ir import ModuleSchedule
 from lightning_sparselift.ir.schedule import CONSUMER_KERNEL
+from lightning_sparselift.ir.vocab import POOLED_ALL_TO_ALL_OP, REDUCE_SCATTER_OP, SEQUENCE_ALL_TO_ALL_OP
 from lightning_sparselift.runtime.buffers import Buffers
 from lightning_sparselift.runtime.collectives import (
     IssueOutputAllToAll, Layout, OutputAllToAll, PooledReduceScatter, WaitOutputAllToAll,
@@ -62,7 +63,7 @@ class OutputDistribution:
                  process_groups: dict[str, Any], rank: int, clock: RegionClock, buffers: Buffers,
                  pipelines: dict[int, Pipeline], wires: dict[str, Wire]) -> None:
         """``pipelines``: by group, the pipelines of the groups whose exchange the schedule splits;
-        ``wires``: the quantized exchanges (``pooled``, ``reduce_scatter``, ``sequence``)."""
+        ``wires``: the quantized exchanges, by TorchRec's comm op (``ir.vocab.WIRE_ROLES``)."""
         self.groups, self.kept, self.rank, self.clock, self.wires = groups, kept, rank, clock, wires
         # the consumer layout reads what the all-to-alls received as it arrived (and gives their
         # gradients back laid out as the send buffers)
@@ -92,7 +93,7 @@ class OutputDistribution:
             if not b.all_to_all:
                 (i,) = b.groups
                 out[i] = PooledReduceScatter.apply(locals_[i], b.process_group, self.clock,
-                                                   self.wires["reduce_scatter"].for_step())
+                                                   self.wires[REDUCE_SCATTER_OP].for_step())
                 continue
             layout = self._layout(b, inputs, batch_size)
             if b.pipeline is not None:
@@ -133,12 +134,12 @@ class OutputDistribution:
         if groups[0].row_width is None:
             return PooledLayout([g.spec.dim_sum_per_rank for g in groups], batch_size, b.process_group,
                                 [g.column_index for g in groups], self.rank, b.buffers, self.raw,
-                                wire=self.wires["pooled"].for_step())
+                                wire=self.wires[POOLED_ALL_TO_ALL_OP].for_step())
         got = [inputs[i] for i in b.groups]
         return SequenceLayout([g.spec.dim_sum_per_rank for g in groups], [d.kjt.lengths() for d in got],
                               [g.row_recat for g in groups], [g.row_back for g in groups],
                               [d.sent for d in got], [d.received for d in got], b.process_group, self.rank, b.buffers,
-                              self.wires["sequence"].for_step())
+                              self.wires[SEQUENCE_ALL_TO_ALL_OP].for_step())
 
     def wait(self, out: list[Tensor], pending: list[Pending | KeptPending]) -> list[Tensor]:
         for p in pending:

@@ -68,9 +68,9 @@ class SparseLiftQComm(SparseLift):
     name = "sparselift-qcomm"
 
     def __init__(self, env: BenchEnv) -> None:
-        from lightning_sparselift.bench.systems.torchrec import TorchRecQComm
+        from lightning_sparselift.bench.systems.torchrec import qcomms_config
 
-        super().__init__(env, {"qcomms_config": TorchRecQComm.qcomms_config(None)})
+        super().__init__(env, {"qcomms_config": qcomms_config()})
 
 
 def session_report(session: Any) -> dict[str, Any]:

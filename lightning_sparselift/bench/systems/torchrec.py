@@ -17,14 +17,12 @@ class _TorchRecPipeline(System):
     TorchRec's train pipelines."""
 
     pipeline_class: Callable[..., Any]
-
-    def qcomms_config(self) -> Any:
-        return None
+    quantized = False  # with qcomms_config()
 
     def setup(self) -> None:
         # (TorchRec as its users run it: no generated kernel, so no Adam on CPU tables)
         dmp, optimizer, wrapped, _ = build_sharded(self.env, validate_inputs=False, generated_adam=False,
-                                                   qcomms_config=self.qcomms_config())
+                                                   qcomms_config=qcomms_config() if self.quantized else None)
         self.dmp, self.optimizer = dmp, optimizer
         self.pipeline = self.pipeline_class(model=dmp, optimizer=optimizer, device=torch.device("cpu"))
         self.batches = self.env.local_iterator()
@@ -57,9 +55,11 @@ class TorchRecSparseDist(_TorchRecPipeline):
 
 class TorchRecQComm(TorchRecSparseDist):
     name = "torchrec-qcomm"
+    quantized = True
 
-    @staticmethod
-    def qcomms_config(*_: Any) -> Any:
-        from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig
 
-        return QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.BF16)
+def qcomms_config() -> Any:
+    """The quantized communication the ``-qcomm`` systems run: TorchRec's usual FP16 / BF16."""
+    from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig
+
+    return QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.BF16)
