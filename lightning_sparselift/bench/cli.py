@@ -30,6 +30,8 @@ def _writable(path: Optional[str]) -> Optional[Path]:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    from lightning_sparselift.bench.parity import DEFAULT_SYSTEMS as PARITY_DEFAULT
+    from lightning_sparselift.bench.parity import check_systems as check_parity_systems
     from lightning_sparselift.bench.runner import ABLATION_SYSTEMS, DEFAULT_SYSTEMS, BenchConfig, default_systems
 
     parser = argparse.ArgumentParser(prog="sparselift bench", description=__doc__)
@@ -49,8 +51,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--precision", default="32-true", help="the Trainer precision every system runs under: "
                                                                 "32-true or bf16-mixed (the dense part autocast)")
-    parser.add_argument("--parity", action="store_true", help="quality-parity mode: train torchrec and sparselift "
-                                                              "for one epoch from the same weights and compare")
+    parser.add_argument("--parity", action="store_true", help="quality-parity mode: train torchrec and (--systems "
+                                                              "after it) sparselift for one epoch from the same "
+                                                              "weights and compare")
     parser.add_argument("--json", default=None, help="write the summary JSON here")
     parser.add_argument("--raw", action="store_true", help="keep the raw observations in the JSON: every timed and "
                                                            "warmup step, every calibration pair (by default it keeps "
@@ -67,7 +70,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     json_path, md_path = _writable(args.json), _writable(args.markdown)
     try:
         chosen = ([s.strip() for s in args.systems.split(",") if s.strip()] if args.systems is not None
-                  else default_systems(scenarios.load(args.scenario)))
+                  else list(PARITY_DEFAULT) if args.parity else default_systems(scenarios.load(args.scenario)))
+        if args.parity:
+            check_parity_systems(chosen)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     config = BenchConfig(scenario=args.scenario, world_size=args.world_size,

@@ -1,5 +1,8 @@
-"""Quality parity (the paper's Table 4): ``torchrec`` and ``sparselift`` trained for one epoch
-from the same initial weights on the same data, then scored on the same held-out split."""
+"""Quality parity (the paper's Table 4): ``torchrec`` (the exact reference) and other systems
+trained for one epoch from the same initial weights on the same data, then scored on the same
+held-out split; and the quality bound a setting that changes numerics (``numerics="fast"``, a
+quantized wire) must meet, fixed before measuring: over seeds, |mean delta AUC| <= 0.001 and mean
+relative delta logloss <= 0.2% against the exact reference."""
 
 from __future__ import annotations
 
@@ -15,11 +18,57 @@ import torch.distributed as dist
 
 from lightning_sparselift.bench import scenarios
 from lightning_sparselift.bench.runner import BenchConfig, _data, _write_atomically, spawn_workers
-from lightning_sparselift.bench.systems.base import BenchEnv, build_sharded
+from lightning_sparselift.bench.systems import SYSTEMS as BENCH_SYSTEMS
+from lightning_sparselift.bench.systems.base import BenchEnv, System, build_sharded
 from lightning_sparselift.bench.systems.sparselift import SparseLift
-from lightning_sparselift.bench.systems.torchrec import TorchRecSparseDist
 
-SYSTEMS = ("torchrec", "sparselift")
+REFERENCE = "torchrec"
+DEFAULT_SYSTEMS = (REFERENCE, "sparselift")
+# the systems a parity run trains: TorchRec's path and SparseLift's, with their wire formats
+SYSTEMS = (REFERENCE, "torchrec-qcomm", "torchrec-mx4", "sparselift", "sparselift-qcomm", "sparselift-fast")
+AUC_BOUND, LOGLOSS_BOUND = 0.001, 0.002  # |mean delta AUC|, mean relative delta logloss
+
+
+def check_systems(systems: list[str]) -> None:
+    """ValueError unless ``systems`` starts with the reference and holds only parity systems."""
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        raise ValueError(f"system(s) {unknown} do not run in a parity run; it trains {list(SYSTEMS)}")
+    if not systems or systems[0] != REFERENCE:
+        raise ValueError(f"a parity run compares with {REFERENCE!r}, its first system; got {systems}")
+
+
+def _system(name: str, env: BenchEnv) -> System:
+    """The registry's system, except ``sparselift-fast``: every feasible candidate applied
+    (calibrate=False), so the communication-precision pass sends BF16 from the first lifted step
+    on: the table checks the wire format, not whether calibration accepts it."""
+    if name == "sparselift-fast":
+        return SparseLift(env, {"numerics": "fast", "calibrate": False})
+    return BENCH_SYSTEMS[name](env)
+
+
+def _module(system: System) -> torch.nn.Module:
+    return system.model if isinstance(system, SparseLift) else system.dmp
+
+
+def _digest(module: torch.nn.Module) -> dict[str, tuple[float, float]]:
+    """Per weight of ``module``'s state dict (every rank calls it): the float64 sum and sum of
+    squares of its values, whole tables whatever their sharding."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    out = {}
+    for key, value in module.state_dict().items():
+        if isinstance(value, ShardedTensor):
+            local = [s.tensor.double() for s in value.local_shards()]
+            sums = torch.tensor([sum(float(t.sum()) for t in local), sum(float(t.square().sum()) for t in local)],
+                                dtype=torch.float64)
+            dist.all_reduce(sums)
+        elif isinstance(value, torch.Tensor) and value.is_floating_point():
+            sums = torch.stack([value.double().sum(), value.double().square().sum()])
+        else:
+            continue
+        out[key] = tuple(sums.tolist())
+    return out
 
 
 def _gather_1d(t: torch.Tensor) -> torch.Tensor:
@@ -61,21 +110,30 @@ def _worker(rank: int, config: BenchConfig, port: int, out: str) -> None:
     train = dm.split("train")
     steps = len(train) // (scenario.batch_size * config.world_size)
     env = BenchEnv(scenario, rank, config.world_size, train, seed=config.seed, pool=steps, precision=config.precision)
-    torchrec, sparselift = TorchRecSparseDist(env), SparseLift(env)
-    torchrec.setup()
-    sparselift.setup()
-    sparselift.model.load_state_dict(torchrec.dmp.state_dict())  # the same initial weights, tables included
-    curves, wall = {}, {}
-    for system in (torchrec, sparselift):
+    systems = {name: _system(name, env) for name in config.systems}
+    for system in systems.values():
+        system.setup()
+    # the same initial weights, tables included: every system builds the model from the same seed
+    # and TorchRec's shards take the built tables' values (a quantized wire may make TorchRec's
+    # planner shard otherwise, so one system's state dict need not load into another's)
+    initial = _digest(_module(systems[REFERENCE]))
+    for name, system in systems.items():
+        if (found := _digest(_module(system))) != initial:
+            differ = sorted(k for k in initial.keys() | found.keys()
+                            if not np.allclose(initial.get(k, np.nan), found.get(k, np.nan), rtol=1e-9, atol=0))
+            if differ:
+                raise RuntimeError(f"{name} does not start from {REFERENCE}'s weights: {differ[:5]}")
+    curves, wall, quality = {}, {}, {}
+    val = dm.split("val")
+    for name, system in systems.items():
         start = time.perf_counter()
         for step in range(steps):
             system.step(step)
-        wall[system.name] = time.perf_counter() - start
+        wall[name] = time.perf_counter() - start
         local = torch.tensor(system.losses[:steps], dtype=torch.float64)
         dist.all_reduce(local)
-        curves[system.name] = (local / config.world_size).tolist()
-    val = dm.split("val")
-    quality = {"torchrec": _evaluate(env, torchrec.dmp, val), "sparselift": _evaluate(env, sparselift.model, val)}
+        curves[name] = (local / config.world_size).tolist()
+        quality[name] = _evaluate(env, _module(system), val)
     if rank == 0:
         _write_atomically(out, {"steps": steps, "curves": curves, "quality": quality, "train_s": wall})
     dist.barrier()
@@ -84,33 +142,54 @@ def _worker(rank: int, config: BenchConfig, port: int, out: str) -> None:
 
 def run(config: BenchConfig) -> dict[str, Any]:
     config.validate()
+    check_systems(config.systems)
     scenario = scenarios.load(config.scenario)
     _data(config, scenario)
     raw, teardown_error = spawn_workers(_worker, config, "parity.json")
-    a, b = np.array(raw["curves"]["torchrec"]), np.array(raw["curves"]["sparselift"])
-    diff = a - b
+    reference = np.array(raw["curves"][REFERENCE])
+    q0 = raw["quality"][REFERENCE]
+    against = {}
+    for name in config.systems[1:]:
+        diff = reference - np.array(raw["curves"][name])
+        q = raw["quality"][name]
+        against[name] = {"delta_auc": q["roc_auc"] - q0["roc_auc"],
+                         "relative_delta_logloss": (q["logloss"] - q0["logloss"]) / q0["logloss"],
+                         "loss_mae": float(np.abs(diff).mean()), "loss_rmse": float(math.sqrt((diff ** 2).mean())),
+                         "identical": bool(np.array_equal(reference, raw["curves"][name]))}
     return {
-        "schema": "sparselift-parity/1",
-        "scenario": scenario.name, "world_size": config.world_size,
+        "schema": "sparselift-parity/2",
+        "scenario": scenario.name, "world_size": config.world_size, "seed": config.seed,
         "epoch_steps": raw["steps"], "global_batch": scenario.batch_size * config.world_size,
-        "quality": raw["quality"],
+        "compared": list(config.systems), "quality": raw["quality"], "against_reference": against,
         "loss_curves": raw["curves"],
-        "loss_mae": float(np.abs(diff).mean()), "loss_rmse": float(math.sqrt((diff ** 2).mean())),
-        "identical": bool(np.array_equal(a, b)),
         "train_s": raw["train_s"],
         "teardown_error": teardown_error,
     }
 
 
+def bound(summaries: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per system, over the runs ``summaries`` (seeds): the mean delta AUC and mean relative delta
+    logloss against the reference, and whether they meet the bound."""
+    out = {}
+    for name in summaries[0]["against_reference"]:
+        runs = [s["against_reference"][name] for s in summaries]
+        auc = float(np.mean([r["delta_auc"] for r in runs]))
+        logloss = float(np.mean([r["relative_delta_logloss"] for r in runs]))
+        out[name] = {"runs": len(runs), "mean_delta_auc": auc, "mean_relative_delta_logloss": logloss,
+                     "within": abs(auc) <= AUC_BOUND and logloss <= LOGLOSS_BOUND}
+    return out
+
+
 def markdown(summary: dict[str, Any]) -> str:
     q = summary["quality"]
-    lines = [f"### Quality parity: {summary['scenario']}, world size {summary['world_size']}, one epoch "
-             f"({summary['epoch_steps']} steps of {summary['global_batch']} samples)", "",
-             "| system | ROC-AUC | AP | LogLoss | loss MAE (x1e5) | loss RMSE (x1e5) |", "|---|---|---|---|---|---|"]
-    for name in SYSTEMS:
-        extra = ("- | -" if name == "torchrec" else
-                 f"{summary['loss_mae'] * 1e5:.3f} | {summary['loss_rmse'] * 1e5:.3f}")
+    lines = [f"### Quality parity: {summary['scenario']}, world size {summary['world_size']}, seed {summary['seed']}, "
+             f"one epoch ({summary['epoch_steps']} steps of {summary['global_batch']} samples)", "",
+             "| system | ROC-AUC | AP | LogLoss | delta AUC | rel. delta logloss | loss MAE (x1e5) | loss RMSE (x1e5) | "
+             "losses identical |", "|---|---|---|---|---|---|---|---|---|"]
+    for name in summary["compared"]:
+        a = summary["against_reference"].get(name)
+        extra = ("- | - | - | - | reference" if a is None else
+                 f"{a['delta_auc']:+.5f} | {a['relative_delta_logloss']:+.4%} | {a['loss_mae'] * 1e5:.3f} | "
+                 f"{a['loss_rmse'] * 1e5:.3f} | {'yes' if a['identical'] else 'no'}")
         lines.append(f"| {name} | {q[name]['roc_auc']:.4f} | {q[name]['ap']:.4f} | {q[name]['logloss']:.5f} | {extra} |")
-    lines.append("")
-    lines.append("Per-step training losses identical: " + ("yes" if summary["identical"] else "no"))
     return "\n".join(lines) + "\n"

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_sparselift.cost.priors import AlphaBeta, Priors
 from lightning_sparselift.ir.schedule import CONSUMER_KERNEL, GENERATED_KERNEL, INPUT_REGIONS
 from lightning_sparselift.ir.steps import CollectiveNode, ComputeNode
-from lightning_sparselift.ir.vocab import BACKWARD_OF, DTYPE_BYTES
+from lightning_sparselift.ir.vocab import BACKWARD_OF, DTYPE_BYTES, WIRE_FORMATS
 
 if TYPE_CHECKING:
     from lightning_sparselift.frontend.capture import RankCapture
@@ -49,7 +49,12 @@ PASSES = {("input", "reference"): 2.0, ("input", GENERATED_KERNEL): 1.0,
           ("lookup_forward", "any"): 0.5,
           ("lookup_backward", "reference"): 2.0, ("lookup_backward", GENERATED_KERNEL): 1.0,
           ("output", "reference"): 4.0, ("output", CONSUMER_KERNEL): 0.0,
-          ("pack", "bytes"): 2.0}
+          ("pack", "bytes"): 2.0,
+          # a wire format narrower than float32, per side of the exchange: TorchRec's codecs encode
+          # and decode in calls of their own (FP16: a clamp, then the cast); the
+          # communication-precision pass casts in the layout's packing copy where it makes one
+          # (a merged exchange, priced above), else in one pass
+          ("wire", "codec"): 2.0, ("wire", "cast"): 1.0, ("wire", "merged"): 0.0}
 BACKWARD_RATIO = 2.0
 _PART = {"lookup": "lookup_forward", "fused_update": "lookup_backward"}  # the lookup's compute nodes
 
@@ -282,9 +287,16 @@ class _ModuleSimulation:
         return self.model.copy_ms(pooled, PASSES[("output", kernel)] / 2)
 
     def _pack_ms(self, node: CollectiveNode) -> float:
-        """Packing and unpacking a merged collective's buffer (several groups' data in one)."""
+        """Packing and unpacking a merged collective's buffer (several groups' data in one), and
+        encoding and decoding its values when they travel narrower than float32."""
+        nbytes = max(node.bytes_per_member, default=0)
         merged = node.role == "input_payload" or (len(node.groups) > 1 and node.role != "input_splits")
-        return self.model.copy_ms(max(node.bytes_per_member, default=0), PASSES[("pack", "bytes")]) if merged else 0.0
+        ms = self.model.copy_ms(nbytes, PASSES[("pack", "bytes")]) if merged else 0.0
+        wire = self.m.wire_format(node.role)
+        if wire:
+            how = "codec" if node.role in self.m.wire else "merged" if merged else "cast"
+            ms += self.model.copy_ms(nbytes * 4 / WIRE_FORMATS[wire][1], PASSES[("wire", how)])
+        return ms
 
     def _advance(self, clock: list[float], ms: list[float]) -> list[float]:
         """Compute on each rank's training thread."""

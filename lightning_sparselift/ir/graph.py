@@ -152,6 +152,11 @@ class LiftedModule:
     # encodes, by role (ir/steps: output_pooled, grad_pooled, ...); the others exchange float32
     wire: dict[str, WireFormat] = field(default_factory=dict)
 
+    def wire_format(self, role: str) -> str:
+        """The format an output collective of ``role`` travels in ("": float32): TorchRec's
+        codec's, else the schedule's (the communication-precision pass)."""
+        return self.wire.get(role) or self.schedule.wire.get(role, "")
+
     @property
     def embedding_names(self) -> list[str]:
         return [n for g in self.groups for n in g.embedding_names]

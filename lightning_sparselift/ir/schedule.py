@@ -14,7 +14,12 @@ executes it (it builds its exchanges and kernels from it once, when a plan is in
   issued, i.e. before the fused update);
 - regions: the kernel that runs each compute region (a generated lookup's tables in buckets: run
   concurrently, or pipelined: bucket after bucket, each bucket's output all-to-all on a process
-  group of its own, issued as soon as its lookups are done).
+  group of its own, issued as soon as its lookups are done);
+- ``wire``: the format the output all-to-alls' values travel in, by collective role (ir/steps:
+  ``output_pooled``, ``grad_pooled``, ``output_sequence``, ``grad_sequence``), where the
+  communication-precision pass chose a narrower one than the values' float32 (under
+  ``numerics="fast"``); TorchRec's own quantized communication is the module's
+  (``LiftedModule.wire``), not the schedule's.
 
 What no schedule holds, because none may skip it: the runtime passes a module's gradients through
 its update guard before any of them reaches a gradient exchange or a fused update
@@ -34,7 +39,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from lightning_sparselift.ir.vocab import (
-    INPUT_ALL_TO_ALL, ROW_SHARDED, Packing, Point, RegionName, output_collective,
+    CAST_FORMATS, CAST_ROLES, INPUT_ALL_TO_ALL, ROW_SHARDED, Packing, Point, RegionName, WireFormat,
+    output_collective,
 )
 
 # the kernels TorchRec's own path runs, per region
@@ -99,6 +105,7 @@ class ModuleSchedule:
     inputs: list[InputExchange] = field(default_factory=list)
     outputs: list[OutputExchange] = field(default_factory=list)
     regions: list[Region] = field(default_factory=list)
+    wire: dict[str, WireFormat] = field(default_factory=dict)
 
     def region(self, name: str, group: Optional[int] = None) -> Region:
         for r in self.regions:
@@ -194,6 +201,11 @@ def check_schedule(schedule: ModuleSchedule, kinds: list[Optional[str]], world: 
         if len(r.buckets) < 2 or not all(r.buckets) or len(set(names)) != len(names):
             problems.append(f"lookup region of {r.groups}: buckets {r.buckets} are not two or more disjoint, non-empty "
                             f"sets of tables")
+    for role, name in schedule.wire.items():
+        if role not in CAST_ROLES or name not in CAST_FORMATS:
+            problems.append(f"wire {role}={name}: the runtime casts only {list(CAST_ROLES)} to {sorted(CAST_FORMATS)}")
+        elif any(e.split for e in schedule.outputs):
+            problems.append(f"wire {role}={name}: pipelined buckets exchange float32 pieces")
     outputs = [r for r in schedule.regions if r.name == "output"]
     if len(outputs) != 1:
         problems.append(f"{len(outputs)} output regions: a module has one")

@@ -210,7 +210,7 @@ def _forward(step: _Step, m: "LiftedModule") -> None:
         else:
             values = [sum(B) * sum(groups[0].embedding_dims)] * world
             role = "output_partial_sums"
-        dtype, size = WIRE_FORMATS.get(m.wire.get(role, ""), ("float32", 4))
+        dtype, size = WIRE_FORMATS.get(m.wire_format(role), ("float32", 4))
         nbytes = [round(v * size) for v in values]
         nodes = [step.collective(id=f"{m.path}/{e.label}/{role}{_suffix(bucket)}", module=m.path,
                                  groups=list(e.groups), phase="forward", op=e.op, role=role, dtype=dtype,
@@ -245,7 +245,7 @@ def _backward(step: _Step, m: "LiftedModule") -> None:
         else:
             op, role = "all_gather", "grad_all_gather"
             values = [B[r] * sum(groups[0].embedding_dims) for r in range(world)]
-        dtype, size = WIRE_FORMATS.get(m.wire.get(role, ""), ("float32", 4))
+        dtype, size = WIRE_FORMATS.get(m.wire_format(role), ("float32", 4))
         nbytes = [round(v * size) for v in values]
         # autograd runs forward's points in reverse: issued where the forward waited, waited where it was issued
         nodes = [step.collective(id=f"{m.path}/{e.label}/{role}{_suffix(bucket)}", module=m.path,

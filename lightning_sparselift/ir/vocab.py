@@ -115,6 +115,11 @@ SEQUENCE_ALL_TO_ALL_OP = "SEQUENCE_EMBEDDINGS_ALL_TO_ALL"
 WIRE_ROLES: dict[str, tuple[str, str]] = {POOLED_ALL_TO_ALL_OP: ("output_pooled", "grad_pooled"),
                                           REDUCE_SCATTER_OP: ("output_partial_sums", "grad_all_gather"),
                                           SEQUENCE_ALL_TO_ALL_OP: ("output_sequence", "grad_sequence")}
+# the output collectives the communication-precision pass may narrow (the all-to-alls, whose values
+# are only moved; a reduce-scatter would sum them in the narrower format)
+CAST_ROLES = ("output_pooled", "grad_pooled", "output_sequence", "grad_sequence")
+# the formats it casts float32 values to, value by value (in the layouts' packing copies)
+CAST_FORMATS: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # each destination's chunk of a byte-packed buffer is padded to this many bytes
 PACK_ALIGNMENT = 8
 

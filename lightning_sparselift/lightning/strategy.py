@@ -73,8 +73,8 @@ class SparseLiftStrategy(ProcessGroupStrategy):
         workspace_budget_mb: the memory (MiB per rank) a plan may hold beyond the identity plan's
             (None: no limit).
         reuse_buffers: on CPU, the executor's per-step buffers keep their memory between steps.
-        numerics: ``exact`` (only bit-identical generated kernels) or ``fast`` (also the Triton
-            kernels on CUDA tables).
+        numerics: ``exact`` (every value bit-identical to TorchRec's path) or ``fast`` (output
+            all-to-alls may send BF16; also the Triton kernels on CUDA tables).
         plan_path: a JSON plan file, reused without calibration when made for the same setup and
             workload, else (over)written; a cache.
         capture_steps: training steps captured on TorchRec's path before lifting (>= 1).

@@ -58,8 +58,9 @@ class OptimizationPass(ABC):
     # its candidates run generated lookup kernels: the session builds them before planning
     uses_generated_kernels: bool = False
 
-    def __init__(self, only: Optional[set[str]] = None) -> None:
+    def __init__(self, only: Optional[set[str]] = None, numerics: str = "exact") -> None:
         self.only = only  # the roles the planner may use (None: all)
+        self.numerics = numerics  # the strategy's: "fast" allows candidates that are not bit-identical
 
     def candidates(self, graph: SparseGraph) -> list[Candidate]:
         """Everything this pass could change in ``graph``, feasible or not (with the reasons)."""

@@ -7,16 +7,18 @@ from typing import Optional
 from lightning_sparselift.passes.aggregation import CommunicationAggregation
 from lightning_sparselift.passes.base import OptimizationPass
 from lightning_sparselift.passes.codegen import CodeGeneration
+from lightning_sparselift.passes.communication_precision import CommunicationPrecision
 from lightning_sparselift.passes.latency_hiding import LatencyHiding
 from lightning_sparselift.passes.subgraph_parallelism import SubgraphParallelism
 
 PASSES: dict[str, type[OptimizationPass]] = {cls.name: cls for cls in (CommunicationAggregation, LatencyHiding, CodeGeneration,
-                                                                       SubgraphParallelism)}
+                                                                       SubgraphParallelism, CommunicationPrecision)}
 
 
-def select_passes(names: list[str]) -> list[OptimizationPass]:
+def select_passes(names: list[str], numerics: str = "exact") -> list[OptimizationPass]:
     """The passes ``names`` selects: a pass name (all its candidates) or ``pass:role`` (only that
-    role's candidates, e.g. ``latency_hiding:early_start``). Unknown names raise."""
+    role's candidates, e.g. ``latency_hiding:early_start``), under the strategy's ``numerics``.
+    Unknown names raise."""
     selected: dict[str, Optional[set[str]]] = {}
     for name in names:
         base, _, role = name.partition(":")
@@ -28,4 +30,4 @@ def select_passes(names: list[str]) -> list[OptimizationPass]:
             selected[base] = None
         else:
             selected.setdefault(base, set()).add(role)
-    return [PASSES[base](only) for base, only in selected.items()]
+    return [PASSES[base](only, numerics) for base, only in selected.items()]

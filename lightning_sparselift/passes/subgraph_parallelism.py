@@ -226,8 +226,9 @@ class SubgraphParallelism(OptimizationPass):
             why = ""
             if e is None or e.op != "all_to_all_single" or not module.pooled:
                 why = "no pooled output all-to-all of its own to split"
-            elif module.wire:
-                why = "its output all-to-all is quantized (TorchRec's codecs), which the pipeline's pieces do not apply"
+            elif module.wire or module.schedule.wire:
+                why = (f"its output all-to-all is quantized ({'TorchRec codecs' if module.wire else 'communication precision'}), "
+                       f"which the pipeline's pieces do not apply")
             elif len(e.groups) > 1:
                 why = f"its output all-to-all carries {e.label} together (aggregation)"
             elif GENERATED_KERNEL not in g.lookup_kernels:

@@ -28,7 +28,7 @@ from lightning_sparselift.runtime.consumer_layout import ConsumerOutput, LayoutK
 from lightning_sparselift.runtime.input_dist import Distributed, GroupRuntime, InputDistribution
 from lightning_sparselift.runtime.input_layout import InputKernel
 from lightning_sparselift.runtime.kernels import kernel
-from lightning_sparselift.ir.vocab import WIRE_ROLES
+from lightning_sparselift.ir.vocab import CAST_FORMATS, WIRE_ROLES
 from lightning_sparselift.runtime.layout import Wire
 from lightning_sparselift.runtime.mean_pooling import MeanAfterReduce
 from lightning_sparselift.runtime.output_dist import KeptPending, OutputDistribution, Pending
@@ -79,8 +79,7 @@ class ModuleExecutor:
         self.kept = {g.index: TorchRecGroup(sharded, g.index) for g in spec.groups if g.not_lifted}
         self.mean = MeanAfterReduce(spec, device) if spec.mean_after_reduce else None
         # TorchRec's quantized communication: its codecs, per output exchange (the lift admitted them)
-        codecs = getattr(sharded, "qcomm_codecs_registry", None) or {}
-        self.wires = {op: Wire(codecs.get(op)) for op in WIRE_ROLES}
+        self.codecs = getattr(sharded, "qcomm_codecs_registry", None) or {}
         # TorchRec's own forward, for the steps where ranks pass different batch sizes
         self.torchrec_forward = type(sharded).forward.__get__(sharded)
         self._started: Optional[_Started] = None
@@ -132,9 +131,16 @@ class ModuleExecutor:
         self.schedule = schedule
         self.inputs, self.lookups, self.output = inputs, lookups, output
         self.outputs = OutputDistribution(schedule, self.groups, self.kept, self.process_groups, self.rank, self.clock,
-                                          self.buffers, pipelines, self.wires)
+                                          self.buffers, pipelines, self.wires(schedule))
         self.starts_early = schedule.lookup_at == "root_forward"
         self.distributes_ahead = schedule.input_issue == "previous_step"
+
+    def wires(self, schedule: ModuleSchedule) -> dict[str, Wire]:
+        """By TorchRec's comm op: how the output exchanges' values travel (TorchRec's codecs, or the
+        schedule's cast of each direction)."""
+        return {op: Wire(self.codecs.get(op), {forward: CAST_FORMATS[f] for forward, role in zip((True, False), roles)
+                                               if (f := schedule.wire.get(role))})
+                for op, roles in WIRE_ROLES.items()}
 
     def output_kernel(self, schedule: ModuleSchedule) -> Callable[[LiftedModule, list, list], Any]:
         """The kernel of the output region: the consumer layout is built for the schedule's buckets."""

@@ -2,6 +2,10 @@
 EmbeddingCollection's rows, are packed for the exchange and unpacked after it, in both directions.
 The output all-to-alls (``runtime.collectives``) take either layout.
 
+Under the communication-precision pass (``Wire.cast``, ``numerics="fast"``) the float32 values
+travel as BF16: cast in the copy that packs them where a layout makes one, converted back in the
+copy that unpacks them (see :class:`Wire`).
+
 Under TorchRec's quantized communication (``codecs``: the sharded module's
 ``QuantizedCommCodecs`` for that exchange) what is packed is encoded with TorchRec's own codec
 before it leaves and decoded as it arrives, before it is unpacked (and before the gradient's
@@ -39,42 +43,83 @@ class ExchangeBuffers:
 
 @dataclass
 class Wire:
-    """A layout's quantized exchange (TorchRec's ``QuantizedCommCodecs``; None: float32 both
-    ways). As TorchRec's comm ops, each encode makes the codec's context, which the sizes of that
-    exchange and the decode of what it receives then use (``contexts``, by direction: the layout
-    of one step encodes and decodes each direction once)."""
+    """How a layout's values travel: float32 (nothing set), TorchRec's quantized communication
+    (``codecs``: its ``QuantizedCommCodecs``), or the communication-precision pass's cast
+    (``cast``: the dtype on the wire per direction, True: forward). As TorchRec's comm ops, each
+    encode makes the codec's context, which the sizes of that exchange and the decode of what it
+    receives then use (``contexts``, by direction: the layout of one step encodes and decodes each
+    direction once); a cast's context is the dtype it cast from, which its decode restores.
+
+    A cast is fused into the layouts' copies: a layout that copies into its send buffer writes it
+    in :meth:`packing` dtype, one that copies out of what arrived converts as it copies
+    (:meth:`unpacked` then leaves it alone); only where a layout copies nothing do :meth:`pack` and
+    :meth:`unpacked` make the one pass of the cast."""
 
     codecs: Optional[Any] = None
+    cast: dict[bool, torch.dtype] = field(default_factory=dict)
     contexts: dict[bool, Any] = field(default_factory=dict)
 
     def _codec(self, forward: bool) -> Any:
         return self.codecs.forward if forward else self.codecs.backward
 
-    def encode(self, send: Tensor, forward: bool) -> Tensor:
+    def packing(self, values: Tensor, forward: bool) -> torch.dtype:
+        """The dtype a layout's packing copy of ``values`` writes (float32 values only are cast)."""
+        return self.cast.get(forward, values.dtype) if values.dtype == torch.float32 else values.dtype
+
+    def encode(self, send: Tensor, forward: bool, values: Optional[torch.dtype] = None) -> Tensor:
+        """``send`` as it goes on the wire (``values``: the dtype it holds values of, when a
+        layout's packing already cast it)."""
         if self.codecs is None:
-            return send
+            if forward not in self.cast:
+                return send
+            self.contexts[forward] = values or send.dtype
+            return send.to(self.packing(send, forward))
         codec = self._codec(forward)
         ctx = self.contexts[forward] = codec.create_context()
         return codec.encode(send, ctx)
 
-    def pack(self, send: Tensor, recv_sizes: list[int], send_sizes: list[int], forward: bool
-             ) -> tuple[Tensor, list[int], list[int]]:
+    def pack(self, send: Tensor, recv_sizes: list[int], send_sizes: list[int], forward: bool,
+             values: Optional[torch.dtype] = None) -> tuple[Tensor, list[int], list[int]]:
         """An all-to-all's arguments on the wire: ``send`` encoded, the split sizes in its elements."""
+        send = self.encode(send, forward, values)
         if self.codecs is None:
             return send, recv_sizes, send_sizes
-        send = self.encode(send, forward)
         codec, ctx = self._codec(forward), self.contexts[forward]
         return send, [codec.calc_quantized_size(n, ctx) for n in recv_sizes], \
             [codec.calc_quantized_size(n, ctx) for n in send_sizes]
 
     def decode(self, received: Tensor, forward: bool) -> Tensor:
+        """What arrived, decoded by TorchRec's codec; a cast's values are left on the wire's dtype
+        for the layout's unpacking copy (see :meth:`values`)."""
         if self.codecs is None:
             return received
         return self._codec(forward).decode(received, self.contexts[forward])
 
+    def values(self, forward: bool, received: Tensor) -> torch.dtype:
+        """The dtype the values of ``received`` (decoded) are unpacked to."""
+        return self.contexts.get(forward, received.dtype) if self.cast else received.dtype
+
+    def unpacked(self, tensor: Tensor, forward: bool) -> Tensor:
+        """``tensor`` of what arrived in its values' dtype (the cast's one pass where the layout
+        did not copy it)."""
+        return tensor.to(self.values(forward, tensor))
+
     def for_step(self) -> "Wire":
         """This wire with contexts of its own (a layout's, for one step's exchanges)."""
-        return Wire(self.codecs)
+        return Wire(self.codecs, self.cast)
+
+
+def _joined(pieces: list[Tensor], dtype: torch.dtype, dim: int = 0) -> Tensor:
+    """``torch.cat(pieces, dim)`` as ``dtype``, converted in the one copy (``torch.cat`` into an
+    output of another dtype takes twice as long as ``copy_`` of each piece)."""
+    if all(p.dtype == dtype for p in pieces):
+        return torch.cat(pieces, dim)
+    shape = list(pieces[0].shape)
+    shape[dim] = sum(p.shape[dim] for p in pieces)
+    out = torch.empty(shape, dtype=dtype, device=pieces[0].device)
+    for piece, part in zip(pieces, out.split([p.shape[dim] for p in pieces], dim)):
+        part.copy_(piece)
+    return out
 
 
 @dataclass
@@ -105,22 +150,24 @@ class PooledLayout:
         if len(locals_) == 1 and locals_[0].is_contiguous():
             send = locals_[0].view(-1)  # one group: its destination blocks are already consecutive rows
         else:
-            send = torch.cat([local[r * b:(r + 1) * b].reshape(-1) for r in range(self.world) for local in locals_])
+            send = _joined([local[r * b:(r + 1) * b].reshape(-1) for r in range(self.world) for local in locals_],
+                           self.wire.packing(locals_[0], True))
         recv_sizes = [b * sum(d[s] for d in self.dims) for s in range(self.world)]
-        return self.wire.pack(send, recv_sizes, [b * sum(d[self.rank] for d in self.dims)] * self.world, True)
+        return self.wire.pack(send, recv_sizes, [b * sum(d[self.rank] for d in self.dims)] * self.world, True,
+                              locals_[0].dtype)
 
     def unpack_outputs(self, received: Tensor) -> tuple[Tensor, ...]:
         received = self.wire.decode(received, True)
         if self.raw:
-            return (received,)
-        b = self.batch_size
+            return (self.wire.unpacked(received, True),)
+        values, b = self.wire.values(True, received), self.batch_size
         per_group: list[list[Tensor]] = [[] for _ in self.dims]
         for s, chunk in enumerate(received.split([b * sum(d[s] for d in self.dims) for s in range(self.world)])):
             for g, piece in enumerate(chunk.split([b * d[s] for d in self.dims])):
                 per_group[g].append(piece.view(b, self.dims[g][s]))
         outs = []
         for pieces, index in zip(per_group, self.column_index):
-            out = torch.cat(pieces, dim=1)
+            out = _joined(pieces, values, dim=1)
             outs.append(out if index is None else out.index_select(1, index))
         return tuple(outs)
 
@@ -137,26 +184,26 @@ class PooledLayout:
                 unpermuted[:, index] = grad
                 grad = unpermuted
             by_source.append(grad.split(d, dim=1))
-        send = self.buffers.grad_send.empty((sum(send_sizes),), grads[0].dtype, grads[0].device)
+        send = self.buffers.grad_send.empty((sum(send_sizes),), self.wire.packing(grads[0], False), grads[0].device)
         offset = 0
         for s in range(self.world):  # each source rank's columns, copied once into their place
             for g, d in enumerate(self.dims):
                 send[offset:offset + b * d[s]].view(b, d[s]).copy_(by_source[g][s])
                 offset += b * d[s]
-        return self.wire.pack(send, [local] * self.world, send_sizes, False)
+        return self.wire.pack(send, [local] * self.world, send_sizes, False, grads[0].dtype)
 
     def unpack_grads(self, received: Tensor) -> list[Tensor]:
         received = self.wire.decode(received, False)
         b, world = self.batch_size, self.world
         if len(self.dims) == 1:  # one group: the sources' blocks are already its rows, in order
-            grads = [received.view(world * b, self.dims[0][self.rank])]
+            grads = [self.wire.unpacked(received, False).view(world * b, self.dims[0][self.rank])]
         else:
             local_sizes = [b * d[self.rank] for d in self.dims]
             per_group: list[list[Tensor]] = [[] for _ in self.dims]
             for chunk in received.split([sum(local_sizes)] * world):
                 for g, piece in enumerate(chunk.split(local_sizes)):
                     per_group[g].append(piece.view(b, self.dims[g][self.rank]))
-            grads = [torch.cat(p) for p in per_group]
+            grads = [_joined(p, self.wire.values(False, received)) for p in per_group]
         return [g.div_(world) for g in grads] if self.divide_grads else grads
 
 
@@ -187,23 +234,29 @@ class SequenceLayout:
     def world(self) -> int:
         return len(self.dims[0])
 
-    def _per_destination(self, flats: list[Tensor], counts: list[list[int]], dims: list[int]) -> Tensor:
-        """Each group's flat rows (in destination order) interleaved: per destination, group after group."""
+    def _per_destination(self, flats: list[Tensor], counts: list[list[int]], dims: list[int], forward: bool
+                         ) -> Tensor:
+        """Each group's flat rows (in destination order) interleaved: per destination, group after
+        group, in the wire's packing dtype."""
+        dtype = self.wire.packing(flats[0], forward)
         if len(flats) == 1:
-            return flats[0]
+            return flats[0].to(dtype)
         pieces = [flat.split([n * d for n in c]) for flat, c, d in zip(flats, counts, dims)]
-        return torch.cat([p[dst] for dst in range(self.world) for p in pieces])
+        return _joined([p[dst] for dst in range(self.world) for p in pieces], dtype)
 
-    def _per_group(self, received: Tensor, counts: list[list[int]], dims: list[list[int]]) -> list[Tensor]:
-        """What arrived (per source, group after group) as each group's flat rows in source order."""
+    def _per_group(self, received: Tensor, counts: list[list[int]], dims: list[list[int]], forward: bool
+                   ) -> list[Tensor]:
+        """What arrived (per source, group after group, decoded) as each group's flat rows in source
+        order, in its values' dtype."""
+        values = self.wire.values(forward, received)
         if len(self.dims) == 1:
-            return [received]
+            return [received.to(values)]
         chunks = received.split([sum(c[s] * d[s] for c, d in zip(counts, dims)) for s in range(self.world)])
         per_group: list[list[Tensor]] = [[] for _ in self.dims]
         for s, chunk in enumerate(chunks):
             for g, piece in enumerate(chunk.split([c[s] * d[s] for c, d in zip(counts, dims)])):
                 per_group[g].append(piece)
-        return [torch.cat(p) for p in per_group]
+        return [_joined(p, values) for p in per_group]
 
     def send_outputs(self, locals_: tuple[Tensor, ...]) -> tuple[Tensor, list[int], list[int]]:
         flats = []
@@ -215,27 +268,27 @@ class SequenceLayout:
                     self.recat[g], lengths.view(self.recat[g].numel(), -1), flat, None, flat.numel())
             flats.append(flat)
         own = [d[self.rank] for d in self.dims]
-        send = self._per_destination(flats, self.received, own)
+        send = self._per_destination(flats, self.received, own, True)
         send_sizes = [sum(c[dst] * d for c, d in zip(self.received, own)) for dst in range(self.world)]
         recv_sizes = [sum(c[s] * d[s] for c, d in zip(self.sent, self.dims)) for s in range(self.world)]
-        return self.wire.pack(send, recv_sizes, send_sizes, True)
+        return self.wire.pack(send, recv_sizes, send_sizes, True, flats[0].dtype)
 
     def unpack_outputs(self, received: Tensor) -> tuple[Tensor, ...]:
-        flats = self._per_group(self.wire.decode(received, True), self.sent, self.dims)
+        flats = self._per_group(self.wire.decode(received, True), self.sent, self.dims, True)
         return tuple(flat.view(-1, d[0]) for flat, d in zip(flats, self.dims))
 
     def send_grads(self, grads: tuple[Tensor, ...]) -> tuple[Tensor, list[int], list[int]]:
         widths = [d[0] for d in self.dims]
-        send = self._per_destination([g.contiguous().view(-1) for g in grads], self.sent, widths)
+        send = self._per_destination([g.contiguous().view(-1) for g in grads], self.sent, widths, False)
         own = [d[self.rank] for d in self.dims]
         send_sizes = [sum(c[dst] * w for c, w in zip(self.sent, widths)) for dst in range(self.world)]
         recv_sizes = [sum(c[s] * d for c, d in zip(self.received, own)) for s in range(self.world)]
-        return self.wire.pack(send, recv_sizes, send_sizes, False)
+        return self.wire.pack(send, recv_sizes, send_sizes, False, grads[0].dtype)
 
     def unpack_grads(self, received: Tensor) -> list[Tensor]:
         own = [[d[self.rank]] * self.world for d in self.dims]
         out = []
-        for g, flat in enumerate(self._per_group(self.wire.decode(received, False), self.received, own)):
+        for g, flat in enumerate(self._per_group(self.wire.decode(received, False), self.received, own, False)):
             if self.back[g] is not None:
                 _, flat, _ = torch.ops.fbgemm.permute_2D_sparse_data(
                     self.back[g], self.permuted_lengths[g], flat, None, flat.numel())

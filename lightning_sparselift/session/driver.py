@@ -62,7 +62,7 @@ class SparseLiftSession:
         self.model, self.sharding_plan, self.paths = model, sharding_plan, module_paths
         self.group, self.device, self.before_update = group, device, before_update
         self.check_group = check_group if check_group is not None else group
-        self.passes = select_passes(list(options.optimizations))
+        self.passes = select_passes(list(options.optimizations), options.numerics)
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.capture: Optional[SparseCapture] = SparseCapture(model, module_paths, self.rank, self.world)

@@ -46,7 +46,7 @@ def test_a_saved_plan_loads_and_rebuilds_on_the_same_graph(tmp_path):
     assert module["schedule"] == {"lookup_at": "root_forward", "inputs": [
         {"groups": [0, 1], "packing": "bytes", "issue": "previous_step", "process_group": "world", "stream": None}],
         "outputs": [{"groups": [0, 1], "op": "all_to_all_single", "wait": "module_call", "process_group": "world",
-                     "stream": None, "split": []}], "regions": identity.to_dict()["modules"][0]["schedule"]["regions"]}
+                     "stream": None, "split": []}], "regions": identity.to_dict()["modules"][0]["schedule"]["regions"], "wire": {}}
     assert loaded.graph.collectives() == plan.graph.collectives()
 
 

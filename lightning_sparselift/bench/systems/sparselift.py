@@ -73,6 +73,16 @@ class SparseLiftQComm(SparseLift):
         super().__init__(env, {"qcomms_config": qcomms_config()})
 
 
+class SparseLiftFast(SparseLift):
+    """``sparselift`` under ``numerics="fast"``: the communication-precision pass may send the
+    output all-to-alls as BF16 (calibrated like every candidate)."""
+
+    name = "sparselift-fast"
+
+    def __init__(self, env: BenchEnv) -> None:
+        super().__init__(env, {"numerics": "fast"})
+
+
 def session_report(session: Any) -> dict[str, Any]:
     """What a SparseLift session lifted, planned and verified (the bare loop's and the Lightning
     system's alike)."""

@@ -1,0 +1,76 @@
+"""The quality bound of settings that change numerics, fixed before measuring (``bench/parity.py``:
+over seeds, |mean delta AUC| <= 0.001 and mean relative delta logloss <= 0.2% against TorchRec's
+exact path): one epoch per scenario and seed of every system in ``--systems`` from the same
+initial weights, then the table per run and the verdict per scenario and system.
+
+    python benchmarks/quality_bound.py --out benchmarks/results/DATE/quality
+    python benchmarks/quality_bound.py --table benchmarks/results/DATE/quality   # again from the runs
+
+``sparselift-fast`` runs with every feasible candidate applied (its BF16 exchanges from the first
+lifted step); ``torchrec-mx4`` (MX4 both ways) is the deliberately degraded setting, there to show
+the check can fail. Quality, not time, is measured: it may run beside other work.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from lightning_sparselift.bench.parity import AUC_BOUND, LOGLOSS_BOUND, bound
+
+SYSTEMS = "torchrec,sparselift,torchrec-qcomm,sparselift-fast,torchrec-mx4"
+EPOCH_STEPS = 300  # per scenario: one epoch of this many global batches (the demo's length)
+
+
+def run(scenario: str, seed: int, systems: str, steps: int, out: Path) -> None:
+    batch = {"dlrm": 1024, "sequence": 512}[scenario]
+    subprocess.run([sys.executable, "-m", "lightning_sparselift.cli", "bench", "--scenario", scenario, "--parity",
+                    "--systems", systems, "--seed", str(seed), "--num-samples", str(steps * 2 * batch),
+                    "--json", str(out)], check=True, stdout=subprocess.DEVNULL)
+
+
+def table(folder: Path) -> str:
+    runs: dict[str, list[dict]] = {}
+    for path in sorted(folder.glob("*.json")):
+        summary = json.loads(path.read_text())
+        runs.setdefault(summary["scenario"], []).append(summary)
+    lines = [f"Bound: |mean delta AUC| <= {AUC_BOUND}, mean relative delta logloss <= {LOGLOSS_BOUND:.1%} "
+             f"(against torchrec, over seeds)", "",
+             "| scenario | system | seeds | delta AUC per seed | rel. delta logloss per seed | loss MAE x1e5 per seed | "
+             "mean delta AUC | mean rel. delta logloss | within the bound |", "|---|---|---|---|---|---|---|---|---|"]
+    for scenario, summaries in runs.items():
+        summaries.sort(key=lambda s: s["seed"])
+        for name, verdict in bound(summaries).items():
+            per = [s["against_reference"][name] for s in summaries]
+            auc = ", ".join(f"{p['delta_auc']:+.5f}" for p in per)
+            logloss = ", ".join(f"{p['relative_delta_logloss']:+.3%}" for p in per)
+            mae = ", ".join(f"{p['loss_mae'] * 1e5:.1f}" for p in per)
+            seeds = ",".join(str(s["seed"]) for s in summaries)
+            lines.append(f"| {scenario} | {name} | {seeds} | {auc} | {logloss} | {mae} | "
+                         f"{verdict['mean_delta_auc']:+.5f} | {verdict['mean_relative_delta_logloss']:+.3%} | "
+                         f"{'yes' if verdict['within'] else '**no**'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="run every scenario and seed, keeping each summary here")
+    parser.add_argument("--table", type=Path, help="print the table of the runs kept in this folder")
+    parser.add_argument("--scenarios", default="dlrm,sequence")
+    parser.add_argument("--seeds", default="1,2,3")
+    parser.add_argument("--systems", default=SYSTEMS)
+    parser.add_argument("--steps", type=int, default=EPOCH_STEPS)
+    args = parser.parse_args()
+    if args.out is None and args.table is None:
+        parser.error("--out or --table")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        for scenario in args.scenarios.split(","):
+            for seed in map(int, args.seeds.split(",")):
+                run(scenario, seed, args.systems, args.steps, args.out / f"{scenario}-seed{seed}.json")
+    print(table(args.out or args.table))
+
+
+if __name__ == "__main__":
+    main()
