@@ -6,8 +6,8 @@ initial weights, then the table per run and the verdict per scenario and system.
     python benchmarks/quality_bound.py --out benchmarks/results/DATE/quality
     python benchmarks/quality_bound.py --table benchmarks/results/DATE/quality   # again from the runs
 
-``sparselift-fast`` runs with every feasible candidate applied (its BF16 exchanges from the first
-lifted step); ``torchrec-mx4`` (MX4 both ways) is the deliberately degraded setting, there to show
+``sparselift-fast-uncalibrated`` is numerics="fast" with every feasible candidate applied (its BF16
+exchanges from the first lifted step, whatever calibration would decide); ``torchrec-mx4`` (MX4 both ways) is the deliberately degraded setting, there to show
 the check can fail. Quality, not time, is measured: it may run beside other work.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from lightning_sparselift.bench.parity import AUC_BOUND, LOGLOSS_BOUND, bound
 
-SYSTEMS = "torchrec,sparselift,torchrec-qcomm,sparselift-fast,torchrec-mx4"
+SYSTEMS = "torchrec,sparselift,torchrec-qcomm,sparselift-fast-uncalibrated,torchrec-mx4"
 EPOCH_STEPS = 300  # per scenario: one epoch of this many global batches (the demo's length)
 
 

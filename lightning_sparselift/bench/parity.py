@@ -25,7 +25,8 @@ from lightning_sparselift.bench.systems.sparselift import SparseLift
 REFERENCE = "torchrec"
 DEFAULT_SYSTEMS = (REFERENCE, "sparselift")
 # the systems a parity run trains: TorchRec's path and SparseLift's, with their wire formats
-SYSTEMS = (REFERENCE, "torchrec-qcomm", "torchrec-mx4", "sparselift", "sparselift-qcomm", "sparselift-fast")
+SYSTEMS = (REFERENCE, "torchrec-qcomm", "torchrec-mx4", "sparselift", "sparselift-qcomm", "sparselift-fast",
+           "sparselift-uncalibrated", "sparselift-fast-uncalibrated")
 AUC_BOUND, LOGLOSS_BOUND = 0.001, 0.002  # |mean delta AUC|, mean relative delta logloss
 
 
@@ -36,15 +37,6 @@ def check_systems(systems: list[str]) -> None:
         raise ValueError(f"system(s) {unknown} do not run in a parity run; it trains {list(SYSTEMS)}")
     if not systems or systems[0] != REFERENCE:
         raise ValueError(f"a parity run compares with {REFERENCE!r}, its first system; got {systems}")
-
-
-def _system(name: str, env: BenchEnv) -> System:
-    """The registry's system, except ``sparselift-fast``: every feasible candidate applied
-    (calibrate=False), so the communication-precision pass sends BF16 from the first lifted step
-    on: the table checks the wire format, not whether calibration accepts it."""
-    if name == "sparselift-fast":
-        return SparseLift(env, {"numerics": "fast", "calibrate": False})
-    return BENCH_SYSTEMS[name](env)
 
 
 def _module(system: System) -> torch.nn.Module:
@@ -110,7 +102,7 @@ def _worker(rank: int, config: BenchConfig, port: int, out: str) -> None:
     train = dm.split("train")
     steps = len(train) // (scenario.batch_size * config.world_size)
     env = BenchEnv(scenario, rank, config.world_size, train, seed=config.seed, pool=steps, precision=config.precision)
-    systems = {name: _system(name, env) for name in config.systems}
+    systems = {name: BENCH_SYSTEMS[name](env) for name in config.systems}
     for system in systems.values():
         system.setup()
     # the same initial weights, tables included: every system builds the model from the same seed

@@ -50,11 +50,12 @@ PASSES = {("input", "reference"): 2.0, ("input", GENERATED_KERNEL): 1.0,
           ("lookup_backward", "reference"): 2.0, ("lookup_backward", GENERATED_KERNEL): 1.0,
           ("output", "reference"): 4.0, ("output", CONSUMER_KERNEL): 0.0,
           ("pack", "bytes"): 2.0,
-          # a wire format narrower than float32, per side of the exchange: TorchRec's codecs encode
-          # and decode in calls of their own (FP16: a clamp, then the cast); the
-          # communication-precision pass casts in the layout's packing copy where it makes one
-          # (a merged exchange, priced above), else in one pass
-          ("wire", "codec"): 2.0, ("wire", "cast"): 1.0, ("wire", "merged"): 0.0}
+          # a wire format narrower than float32 (encode and decode, over the float32 bytes): TorchRec's
+          # codecs in calls of their own (FP16: a clamp, then the cast); the communication-precision
+          # pass's cast in the layouts' packing copies where they make them (a merged exchange, priced
+          # above), on the receiving side in the consumer layout's copy when both directions are cast,
+          # else in a pass of its own
+          ("wire", "codec"): 2.0, ("wire", "cast"): 1.0, ("wire", "consumer"): 0.5, ("wire", "merged"): 0.0}
 BACKWARD_RATIO = 2.0
 _PART = {"lookup": "lookup_forward", "fused_update": "lookup_backward"}  # the lookup's compute nodes
 
@@ -294,7 +295,9 @@ class _ModuleSimulation:
         ms = self.model.copy_ms(nbytes, PASSES[("pack", "bytes")]) if merged else 0.0
         wire = self.m.wire_format(node.role)
         if wire:
-            how = "codec" if node.role in self.m.wire else "merged" if merged else "cast"
+            s = self.m.schedule
+            fused = self.m.pooled and s.region("output").kernel == CONSUMER_KERNEL and s.pooled_wire
+            how = "codec" if node.role in self.m.wire else "merged" if merged else "consumer" if fused else "cast"
             ms += self.model.copy_ms(nbytes * 4 / WIRE_FORMATS[wire][1], PASSES[("wire", how)])
         return ms
 

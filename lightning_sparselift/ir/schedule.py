@@ -114,6 +114,13 @@ class ModuleSchedule:
         raise KeyError((name, group))
 
     @property
+    def pooled_wire(self) -> str:
+        """The format both directions of the pooled all-to-alls travel in when they share one
+        (the consumer layout then converts as it copies), else ""."""
+        formats = {self.wire.get(r, "") for r in ("output_pooled", "grad_pooled")}
+        return formats.pop() if len(formats) == 1 else ""
+
+    @property
     def input_issue(self) -> Point:
         """Where the input distribution starts (one point per module: the executor starts it once)."""
         return self.inputs[0].issue if self.inputs else self.lookup_at

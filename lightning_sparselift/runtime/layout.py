@@ -28,17 +28,22 @@ from lightning_sparselift.runtime.buffers import Buffer, Buffers
 class ExchangeBuffers:
     """An output bucket's buffers, kept from step to step (see :mod:`~lightning_sparselift.runtime.buffers`):
     what its all-to-all receives, what the gradient all-to-all receives, and the gradient's send
-    buffer where the layout packs one."""
+    buffer where the layout packs one; under a cast (:class:`Wire`) also the forward's send buffer
+    and what each direction's values are unpacked into."""
 
     received: Buffer
     grad_received: Buffer
     grad_send: Buffer
+    send: Buffer
+    unpacked: Buffer
+    grad_unpacked: Buffer
 
     @classmethod
     def of(cls, buffers: Buffers, groups: list[int]) -> "ExchangeBuffers":
         """The buffers of the bucket of ``groups``."""
         key = tuple(groups)
-        return cls(*(buffers.at((role, key)) for role in ("received", "grad_received", "grad_send")))
+        return cls(*(buffers.at((role, key)) for role in ("received", "grad_received", "grad_send", "send",
+                                                          "unpacked", "grad_unpacked")))
 
 
 @dataclass
@@ -51,9 +56,9 @@ class Wire:
     direction once); a cast's context is the dtype it cast from, which its decode restores.
 
     A cast is fused into the layouts' copies: a layout that copies into its send buffer writes it
-    in :meth:`packing` dtype, one that copies out of what arrived converts as it copies
-    (:meth:`unpacked` then leaves it alone); only where a layout copies nothing do :meth:`pack` and
-    :meth:`unpacked` make the one pass of the cast."""
+    in :meth:`packing` dtype, one that copies out of what arrived converts as it copies (to
+    :meth:`values`); only where a layout copies nothing does it make the one pass of the cast
+    (:func:`cast`), into memory kept from step to step."""
 
     codecs: Optional[Any] = None
     cast: dict[bool, torch.dtype] = field(default_factory=dict)
@@ -70,10 +75,9 @@ class Wire:
         """``send`` as it goes on the wire (``values``: the dtype it holds values of, when a
         layout's packing already cast it)."""
         if self.codecs is None:
-            if forward not in self.cast:
-                return send
-            self.contexts[forward] = values or send.dtype
-            return send.to(self.packing(send, forward))
+            if forward in self.cast:
+                self.contexts[forward] = values or send.dtype
+            return send.to(self.packing(send, forward))  # (a layout casts in its copies: nothing left here)
         codec = self._codec(forward)
         ctx = self.contexts[forward] = codec.create_context()
         return codec.encode(send, ctx)
@@ -99,24 +103,27 @@ class Wire:
         """The dtype the values of ``received`` (decoded) are unpacked to."""
         return self.contexts.get(forward, received.dtype) if self.cast else received.dtype
 
-    def unpacked(self, tensor: Tensor, forward: bool) -> Tensor:
-        """``tensor`` of what arrived in its values' dtype (the cast's one pass where the layout
-        did not copy it)."""
-        return tensor.to(self.values(forward, tensor))
-
     def for_step(self) -> "Wire":
         """This wire with contexts of its own (a layout's, for one step's exchanges)."""
         return Wire(self.codecs, self.cast)
 
 
-def _joined(pieces: list[Tensor], dtype: torch.dtype, dim: int = 0) -> Tensor:
+def cast(tensor: Tensor, dtype: torch.dtype, buffer: Buffer) -> Tensor:
+    """``tensor`` as ``dtype``: itself, or converted into ``buffer``'s memory (a fresh
+    multi-megabyte tensor every step costs page faults: see :mod:`~lightning_sparselift.runtime.buffers`)."""
+    if tensor.dtype == dtype:
+        return tensor
+    return buffer.empty(tuple(tensor.shape), dtype, tensor.device).copy_(tensor)
+
+
+def _joined(pieces: list[Tensor], dtype: torch.dtype, buffer: Buffer, dim: int = 0) -> Tensor:
     """``torch.cat(pieces, dim)`` as ``dtype``, converted in the one copy (``torch.cat`` into an
-    output of another dtype takes twice as long as ``copy_`` of each piece)."""
+    output of another dtype takes twice as long as ``copy_`` of each piece) into ``buffer``'s memory."""
     if all(p.dtype == dtype for p in pieces):
         return torch.cat(pieces, dim)
     shape = list(pieces[0].shape)
     shape[dim] = sum(p.shape[dim] for p in pieces)
-    out = torch.empty(shape, dtype=dtype, device=pieces[0].device)
+    out = buffer.empty(tuple(shape), dtype, pieces[0].device)
     for piece, part in zip(pieces, out.split([p.shape[dim] for p in pieces], dim)):
         part.copy_(piece)
     return out
@@ -140,34 +147,41 @@ class PooledLayout:
     raw: bool = False
     divide_grads: bool = True
     wire: Wire = field(default_factory=Wire)
+    # raw, and the consumer layout converts what arrived from the wire's dtype as it copies it (and
+    # its gradient to it): both are handed on as they travel (see consumer_layout.fused_wire)
+    raw_wire: bool = False
+
+    def __post_init__(self) -> None:
+        self.values: Optional[torch.dtype] = None  # what the lookups output (send_outputs)
 
     @property
     def world(self) -> int:
         return len(self.dims[0])
 
     def send_outputs(self, locals_: tuple[Tensor, ...]) -> tuple[Tensor, list[int], list[int]]:
-        b = self.batch_size
+        b, self.values = self.batch_size, locals_[0].dtype
+        dtype, into = self.wire.packing(locals_[0], True), self.buffers.send
         if len(locals_) == 1 and locals_[0].is_contiguous():
-            send = locals_[0].view(-1)  # one group: its destination blocks are already consecutive rows
+            send = cast(locals_[0].view(-1), dtype, into)  # one group: its destination blocks are already consecutive rows
         else:
             send = _joined([local[r * b:(r + 1) * b].reshape(-1) for r in range(self.world) for local in locals_],
-                           self.wire.packing(locals_[0], True))
+                           dtype, into)
         recv_sizes = [b * sum(d[s] for d in self.dims) for s in range(self.world)]
         return self.wire.pack(send, recv_sizes, [b * sum(d[self.rank] for d in self.dims)] * self.world, True,
                               locals_[0].dtype)
 
     def unpack_outputs(self, received: Tensor) -> tuple[Tensor, ...]:
         received = self.wire.decode(received, True)
-        if self.raw:
-            return (self.wire.unpacked(received, True),)
         values, b = self.wire.values(True, received), self.batch_size
+        if self.raw:
+            return (received if self.raw_wire else cast(received, values, self.buffers.unpacked),)
         per_group: list[list[Tensor]] = [[] for _ in self.dims]
         for s, chunk in enumerate(received.split([b * sum(d[s] for d in self.dims) for s in range(self.world)])):
             for g, piece in enumerate(chunk.split([b * d[s] for d in self.dims])):
                 per_group[g].append(piece.view(b, self.dims[g][s]))
         outs = []
         for pieces, index in zip(per_group, self.column_index):
-            out = _joined(pieces, values, dim=1)
+            out = _joined(pieces, values, self.buffers.unpacked, dim=1)
             outs.append(out if index is None else out.index_select(1, index))
         return tuple(outs)
 
@@ -176,7 +190,8 @@ class PooledLayout:
         send_sizes = [b * sum(d[s] for d in self.dims) for s in range(self.world)]
         local = sum(b * d[self.rank] for d in self.dims)
         if self.raw:
-            return self.wire.pack(grads[0].contiguous(), [local] * self.world, send_sizes, False)
+            send = cast(grads[0].contiguous(), self.wire.packing(grads[0], False), self.buffers.grad_send)
+            return self.wire.pack(send, [local] * self.world, send_sizes, False, self.values)
         by_source = []
         for grad, index, d in zip(grads, self.column_index, self.dims):
             if index is not None:
@@ -195,15 +210,16 @@ class PooledLayout:
     def unpack_grads(self, received: Tensor) -> list[Tensor]:
         received = self.wire.decode(received, False)
         b, world = self.batch_size, self.world
+        values, into = self.wire.values(False, received), self.buffers.grad_unpacked
         if len(self.dims) == 1:  # one group: the sources' blocks are already its rows, in order
-            grads = [self.wire.unpacked(received, False).view(world * b, self.dims[0][self.rank])]
+            grads = [cast(received, values, into).view(world * b, self.dims[0][self.rank])]
         else:
             local_sizes = [b * d[self.rank] for d in self.dims]
             per_group: list[list[Tensor]] = [[] for _ in self.dims]
             for chunk in received.split([sum(local_sizes)] * world):
                 for g, piece in enumerate(chunk.split(local_sizes)):
                     per_group[g].append(piece.view(b, self.dims[g][self.rank]))
-            grads = [_joined(p, self.wire.values(False, received)) for p in per_group]
+            grads = [_joined(p, values, into) for p in per_group]
         return [g.div_(world) for g in grads] if self.divide_grads else grads
 
 
@@ -238,25 +254,26 @@ class SequenceLayout:
                          ) -> Tensor:
         """Each group's flat rows (in destination order) interleaved: per destination, group after
         group, in the wire's packing dtype."""
-        dtype = self.wire.packing(flats[0], forward)
+        dtype, into = self.wire.packing(flats[0], forward), self.buffers.send if forward else self.buffers.grad_send
         if len(flats) == 1:
-            return flats[0].to(dtype)
+            return cast(flats[0], dtype, into)
         pieces = [flat.split([n * d for n in c]) for flat, c, d in zip(flats, counts, dims)]
-        return _joined([p[dst] for dst in range(self.world) for p in pieces], dtype)
+        return _joined([p[dst] for dst in range(self.world) for p in pieces], dtype, into)
 
     def _per_group(self, received: Tensor, counts: list[list[int]], dims: list[list[int]], forward: bool
                    ) -> list[Tensor]:
         """What arrived (per source, group after group, decoded) as each group's flat rows in source
         order, in its values' dtype."""
         values = self.wire.values(forward, received)
+        into = self.buffers.unpacked if forward else self.buffers.grad_unpacked
         if len(self.dims) == 1:
-            return [received.to(values)]
+            return [cast(received, values, into)]
         chunks = received.split([sum(c[s] * d[s] for c, d in zip(counts, dims)) for s in range(self.world)])
         per_group: list[list[Tensor]] = [[] for _ in self.dims]
         for s, chunk in enumerate(chunks):
             for g, piece in enumerate(chunk.split([c[s] * d[s] for c, d in zip(counts, dims)])):
                 per_group[g].append(piece)
-        return [_joined(p, values) for p in per_group]
+        return [_joined(p, values, into) for p in per_group]
 
     def send_outputs(self, locals_: tuple[Tensor, ...]) -> tuple[Tensor, list[int], list[int]]:
         flats = []

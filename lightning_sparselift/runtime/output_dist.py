@@ -19,6 +19,7 @@ from lightning_sparselift.ir import ModuleSchedule
 from lightning_sparselift.ir.schedule import CONSUMER_KERNEL
 from lightning_sparselift.ir.vocab import POOLED_ALL_TO_ALL_OP, REDUCE_SCATTER_OP, SEQUENCE_ALL_TO_ALL_OP
 from lightning_sparselift.runtime.buffers import Buffers
+from lightning_sparselift.runtime.consumer_layout import fused_wire
 from lightning_sparselift.runtime.collectives import (
     IssueOutputAllToAll, Layout, OutputAllToAll, PooledReduceScatter, WaitOutputAllToAll,
 )
@@ -68,6 +69,7 @@ class OutputDistribution:
         # the consumer layout reads what the all-to-alls received as it arrived (and gives their
         # gradients back laid out as the send buffers)
         self.raw = schedule.region("output").kernel == CONSUMER_KERNEL
+        self.raw_wire = self.raw and fused_wire(schedule) is not None
         self.buckets = [_OutputBucket(e.groups, e.op == "all_to_all_single", e.wait != schedule.lookup_at,
                                       process_groups[e.process_group], ExchangeBuffers.of(buffers, e.groups),
                                       pipelines.get(e.groups[0]) if e.split else None)
@@ -134,7 +136,7 @@ class OutputDistribution:
         if groups[0].row_width is None:
             return PooledLayout([g.spec.dim_sum_per_rank for g in groups], batch_size, b.process_group,
                                 [g.column_index for g in groups], self.rank, b.buffers, self.raw,
-                                wire=self.wires[POOLED_ALL_TO_ALL_OP].for_step())
+                                wire=self.wires[POOLED_ALL_TO_ALL_OP].for_step(), raw_wire=self.raw_wire)
         got = [inputs[i] for i in b.groups]
         return SequenceLayout([g.spec.dim_sum_per_rank for g in groups], [d.kjt.lengths() for d in got],
                               [g.row_recat for g in groups], [g.row_back for g in groups],

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from helpers import LIFTED, load_dumps, tiny_data
+from helpers import LIFTED, assert_same_dumps, load_dumps, tiny_data
 from test_qcomms_fit import _fit
 from user_models import WithSequenceFeature
 
@@ -39,6 +39,17 @@ def test_fast_numerics_send_bf16_and_train_close_to_exact(model, sharding_types,
         assert differ  # the cast really ran
         # 12 steps of BF16 exchanges (8 significant bits) move the tables by ~1e-3 of their scale here
         assert all((fast[k] - exact[k]).abs().max() <= 1e-2 * exact[k].abs().max() for k in differ)
+
+
+def test_the_consumer_layouts_conversion_is_torchs(tmp_path, data_cache):
+    """Both directions cast: the consumer layout's kernel converts the exchanged blocks as it copies
+    them; without the consumer layout, torch converts them in the all-to-all's layout. Same bits."""
+    dm = tiny_data(data_cache, num_train=768)
+    fused = _fit(dm, tmp_path / "fused", TW_CW, calibrate=False, numerics="fast")
+    assert "codegen:output@embeddings" in {c for c, ok, _ in fused["decisions"] if ok}
+    _fit(dm, tmp_path / "torch", TW_CW, calibrate=False, numerics="fast",
+         optimizations=["aggregation", "latency_hiding", "codegen:lookup", "codegen:input", "communication_precision"])
+    assert_same_dumps(tmp_path / "torch", tmp_path / "fused")
 
 
 def test_exact_numerics_never_cast(tmp_path, data_cache):

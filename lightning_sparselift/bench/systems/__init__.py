@@ -14,11 +14,14 @@ from lightning_sparselift.bench.systems.base import System
 from lightning_sparselift.bench.systems.dense_only import DenseOnly
 from lightning_sparselift.bench.systems.dlrm_baseline import DLRMBaseline
 from lightning_sparselift.bench.systems.lightning import LIGHTNING_SYSTEM
-from lightning_sparselift.bench.systems.sparselift import ABLATIONS, SparseLift, SparseLiftFast, SparseLiftQComm
+from lightning_sparselift.bench.systems.sparselift import (
+    ABLATIONS, UNCALIBRATED, SparseLift, SparseLiftFast, SparseLiftQComm,
+)
 from lightning_sparselift.bench.systems.torchrec import TorchRecBase, TorchRecMX4, TorchRecQComm, TorchRecSparseDist
 
 # the systems a step loop runs, by name (the Lightning one is run by the runner's Trainer.fit)
 SYSTEMS: dict[str, type[System]] = {cls.name: cls for cls in (DLRMBaseline, TorchRecBase, TorchRecSparseDist,
                                                               TorchRecQComm, TorchRecMX4, DenseOnly, SparseLift,
-                                                              SparseLiftQComm, SparseLiftFast, *ABLATIONS)}
+                                                              SparseLiftQComm, SparseLiftFast, *UNCALIBRATED,
+                                                              *ABLATIONS)}
 ALL_SYSTEMS = [*SYSTEMS, LIGHTNING_SYSTEM]

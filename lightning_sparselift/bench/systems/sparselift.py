@@ -144,6 +144,19 @@ ABLATIONS = [
 ]
 
 
+# every feasible candidate applied without measuring (calibrate=False), under each numerics: the
+# side-by-side effect of what numerics="fast" adds, whatever calibration would decide. Both leave
+# subgraph parallelism out: its pipelined buckets and the BF16 exchanges exclude each other, so
+# the two would run other plans besides the wire
+_FORCED = ["aggregation", "latency_hiding", "codegen"]
+UNCALIBRATED = [
+    _ablation("sparselift-uncalibrated", _FORCED, "SparseLift with every feasible candidate of aggregation, latency "
+              "hiding and code generation applied (calibrate=False).", calibrate=False),
+    _ablation("sparselift-fast-uncalibrated", [*_FORCED, "communication_precision"], "sparselift-uncalibrated under "
+              "numerics='fast': the output all-to-alls also send BF16.", calibrate=False, numerics="fast"),
+]
+
+
 def bench_strategy_kwargs(env: BenchEnv) -> dict[str, Any]:
     """The strategy options of both sparselift systems."""
     return {
