@@ -69,6 +69,8 @@ class StepTimings:
     window_ms: dict[str, list[float]]  # per sparse module path
     # per sparse module path: TorchRec's lookups, forward and backward, on the training thread's CPU clock
     lookup_ms: dict[str, list[float]] = field(default_factory=dict)
+    # the process's CPU beyond the training thread's per step: the collectives' backend threads
+    backend_cpu_ms: list[float] = field(default_factory=list)
 
     @classmethod
     def from_captures(cls, captures: list[RankCapture]) -> "StepTimings":
@@ -79,7 +81,8 @@ class StepTimings:
             return {p: [_typical(getattr(c.modules[p], what)) if p in c.modules else 0.0 for c in ordered]
                     for p in paths}
 
-        return cls([_typical(c.step_ms) for c in ordered], per_rank("window_ms"), per_rank("lookup_ms"))
+        return cls([_typical(c.step_ms) for c in ordered], per_rank("window_ms"), per_rank("lookup_ms"),
+                   [_typical(c.other_cpu_ms) for c in ordered])
 
 
 def _typical(values: list[float]) -> float:
@@ -153,6 +156,7 @@ class StepModel:
     def __init__(self, inputs: StepModelInputs, identity: SparseGraph) -> None:
         self.inputs = inputs
         self.identity = identity
+        self.backend_ms_per_byte = self._backend_rate(identity)
         self._base = self._simulate(identity)
 
     @classmethod
@@ -181,6 +185,18 @@ class StepModel:
             if link.process_group == process_group:
                 return link
         return self.inputs.links[0]
+
+    def _backend_rate(self, identity: SparseGraph) -> float:
+        """The collectives' backend CPU per byte a rank puts in, where it takes the training
+        thread's core (fewer than 2 cores per rank): what the capture steps measured beyond the
+        training thread over the identity step's bytes, the busiest rank's; else 0."""
+        measured = self.inputs.timings.backend_cpu_ms
+        if self.inputs.cores_per_rank >= 2 or not measured:
+            return 0.0
+        nodes = identity.collectives()
+        rates = [ms / total for r, ms in enumerate(measured)
+                 if (total := sum(n.bytes_per_member[r] for n in nodes if r < len(n.bytes_per_member))) > 0]
+        return max(rates, default=0.0)
 
     def copy_ms(self, nbytes: float, passes: float) -> float:
         """``passes`` reads and writes of ``nbytes`` at the copy bandwidth."""
@@ -288,11 +304,14 @@ class _ModuleSimulation:
         return self.model.copy_ms(pooled, PASSES[("output", kernel)] / 2)
 
     def _pack_ms(self, node: CollectiveNode) -> float:
-        """Packing and unpacking a merged collective's buffer (several groups' data in one), and
-        encoding and decoding its values when they travel narrower than float32."""
+        """What a collective takes of the training thread's core: packing and unpacking a merged
+        collective's buffer (several groups' data in one), encoding and decoding its values when
+        they travel narrower than float32, and the backend's CPU for its bytes where the rank has
+        no spare core (:meth:`StepModel._backend_rate`)."""
         nbytes = max(node.bytes_per_member, default=0)
         merged = node.role == "input_payload" or (len(node.groups) > 1 and node.role != "input_splits")
         ms = self.model.copy_ms(nbytes, PASSES[("pack", "bytes")]) if merged else 0.0
+        ms += nbytes * self.model.backend_ms_per_byte
         wire = self.m.wire_format(node.role)
         if wire:
             s = self.m.schedule

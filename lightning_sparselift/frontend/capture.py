@@ -79,6 +79,9 @@ class RankCapture:
     modules: dict[str, ModuleCapture]
     threads: int = 1  # the rank's intra-op threads (torch.get_num_threads()) while capturing
     step_ms: list[float] = field(default_factory=list)  # each captured step's wall ms on this rank
+    # each captured step's CPU ms of the process beyond the training thread's (the collectives'
+    # backend threads, mostly)
+    other_cpu_ms: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -87,7 +90,8 @@ class RankCapture:
     def from_dict(cls, data: dict[str, Any]) -> "RankCapture":
         modules = {p: ModuleCapture(**{**m, "features": {f: FeatureStats(**s) for f, s in m["features"].items()}})
                    for p, m in data["modules"].items()}
-        return cls(data["rank"], data["world_size"], modules, data.get("threads", 1), data.get("step_ms", []))
+        return cls(data["rank"], data["world_size"], modules, data.get("threads", 1), data.get("step_ms", []),
+                   data.get("other_cpu_ms", []))
 
 
 class _FeatureAccumulator:
@@ -132,6 +136,7 @@ class SparseCapture:
         self._window_ms: dict[str, list[float]] = defaultdict(list)
         self._call_ms: dict[str, list[float]] = defaultdict(list)
         self._step_ms: list[float] = []
+        self._other_cpu_ms: list[float] = []
         self._lookup_ms: dict[str, list[float]] = defaultdict(list)
         self._lookup_now: dict[str, float] = defaultdict(float)  # this step's, per module path
         self._timed: set[str] = set()  # the modules whose lookups carry the timing hooks
@@ -218,11 +223,12 @@ class SparseCapture:
         self._root_start, self._call_times = None, {}
         self._time_lookups()
         self._lookup_now.clear()
-        start = time.perf_counter()
+        start, others = time.perf_counter(), time.process_time() - time.thread_time()
         try:
             yield
         finally:
             self._step_ms.append((time.perf_counter() - start) * 1e3)
+            self._other_cpu_ms.append((time.process_time() - time.thread_time() - others) * 1e3)
             self._record_windows()
             for path in self._timed:
                 self._lookup_ms[path].append(self._lookup_now[path])
@@ -287,7 +293,8 @@ class SparseCapture:
                                           calls_per_step=self._max_calls[path], **info,
                                           **self._consumer(path), window_ms=self._window_ms[path],
                                           call_ms=self._call_ms[path], lookup_ms=self._lookup_ms[path])
-        return RankCapture(self.rank, self.world_size, modules, torch.get_num_threads(), self._step_ms)
+        return RankCapture(self.rank, self.world_size, modules, torch.get_num_threads(), self._step_ms,
+                           self._other_cpu_ms)
 
     def _consumer(self, path: str) -> dict[str, Any]:
         """How the model concatenated the module's output: the same way in every captured call, or why not."""

@@ -59,6 +59,21 @@ def test_a_direction_sends_bf16_and_the_graph_and_model_follow(role, narrowed, k
     assert _candidates(after)[f"{role}@{EBC}"].reasons == ["already BF16"]
 
 
+@pytest.mark.parametrize("cores", [1.0, 2.0])
+def test_the_backends_cpu_for_the_bytes_saved_counts_where_it_shares_the_core(cores):
+    identity = load("table_and_column_wise_2ranks")
+    after = CommunicationPrecision(numerics="fast").apply(identity, _candidates(identity)[f"forward@{EBC}"])
+    plain = step_model(identity, alpha_ms=0.0, beta_ms_per_byte=0.0, cores=cores)
+    busy = step_model(identity, alpha_ms=0.0, beta_ms_per_byte=0.0, cores=cores)
+    busy.inputs.timings.backend_cpu_ms = [2.0, 1.0]  # measured beyond the training thread per step
+    busy = type(busy)(busy.inputs, identity)
+    per_rank = [sum(n.bytes_per_member[r] for n in identity.collectives()) for r in range(2)]
+    rate = max(2.0 / per_rank[0], 1.0 / per_rank[1]) if cores < 2 else 0.0
+    assert busy.backend_ms_per_byte == pytest.approx(rate)
+    saved = sum(max(n.bytes_per_member) / 2 for n in identity.collectives() if n.role == "output_pooled")
+    assert busy.increment_ms(identity, after) == pytest.approx(plain.increment_ms(identity, after) - saved * rate)
+
+
 def test_reduce_scatters_torchrec_codecs_and_pipelined_buckets_are_left_alone():
     rw = load("row_wise_and_data_parallel_3ranks")
     for c in CommunicationPrecision(numerics="fast").candidates(rw):
