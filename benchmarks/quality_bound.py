@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lightning_sparselift.bench.parity import AUC_BOUND, LOGLOSS_BOUND, bound
+from lightning_sparselift.bench.parity import bound_table
 
 SYSTEMS = "torchrec,sparselift,torchrec-qcomm,sparselift-fast-uncalibrated,torchrec-mx4"
 EPOCH_STEPS = 300  # per scenario: one epoch of this many global batches (the demo's length)
@@ -31,26 +31,7 @@ def run(scenario: str, seed: int, systems: str, steps: int, out: Path) -> None:
 
 
 def table(folder: Path) -> str:
-    runs: dict[str, list[dict]] = {}
-    for path in sorted(folder.glob("*.json")):
-        summary = json.loads(path.read_text())
-        runs.setdefault(summary["scenario"], []).append(summary)
-    lines = [f"Bound: |mean delta AUC| <= {AUC_BOUND}, mean relative delta logloss <= {LOGLOSS_BOUND:.1%} "
-             f"(against torchrec, over seeds)", "",
-             "| scenario | system | seeds | delta AUC per seed | rel. delta logloss per seed | loss MAE x1e5 per seed | "
-             "mean delta AUC | mean rel. delta logloss | within the bound |", "|---|---|---|---|---|---|---|---|---|"]
-    for scenario, summaries in runs.items():
-        summaries.sort(key=lambda s: s["seed"])
-        for name, verdict in bound(summaries).items():
-            per = [s["against_reference"][name] for s in summaries]
-            auc = ", ".join(f"{p['delta_auc']:+.5f}" for p in per)
-            logloss = ", ".join(f"{p['relative_delta_logloss']:+.3%}" for p in per)
-            mae = ", ".join(f"{p['loss_mae'] * 1e5:.1f}" for p in per)
-            seeds = ",".join(str(s["seed"]) for s in summaries)
-            lines.append(f"| {scenario} | {name} | {seeds} | {auc} | {logloss} | {mae} | "
-                         f"{verdict['mean_delta_auc']:+.5f} | {verdict['mean_relative_delta_logloss']:+.3%} | "
-                         f"{'yes' if verdict['within'] else '**no**'} |")
-    return "\n".join(lines) + "\n"
+    return bound_table([json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))])
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ from lightning_sparselift.bench.runner import BenchConfig, _data, _write_atomica
 from lightning_sparselift.bench.systems import SYSTEMS as BENCH_SYSTEMS
 from lightning_sparselift.bench.systems.base import BenchEnv, System, build_sharded
 from lightning_sparselift.bench.systems.sparselift import SparseLift
+from lightning_sparselift.initial_tables import copy_into_shards
 
 REFERENCE = "torchrec"
 DEFAULT_SYSTEMS = (REFERENCE, "sparselift")
@@ -41,6 +42,25 @@ def check_systems(systems: list[str]) -> None:
 
 def _module(system: System) -> torch.nn.Module:
     return system.model if isinstance(system, SparseLift) else system.dmp
+
+
+def _whole(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s floating-point weights, sharded tables whole on every rank (every rank calls it)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    out = {}
+    for key, value in module.state_dict().items():
+        if isinstance(value, ShardedTensor):
+            whole = torch.zeros(value.size(), dtype=value.dtype)
+            for shard in value.local_shards():
+                rows, cols = shard.metadata.shard_offsets
+                height, width = shard.metadata.shard_sizes
+                whole[rows:rows + height, cols:cols + width] = shard.tensor
+            dist.all_reduce(whole)  # (the shards are disjoint: the sum is every rank's shards in place)
+            out[key] = whole
+        elif isinstance(value, torch.Tensor) and value.is_floating_point():
+            out[key] = value.detach().clone()
+    return out
 
 
 def _digest(module: torch.nn.Module) -> dict[str, tuple[float, float]]:
@@ -105,9 +125,14 @@ def _worker(rank: int, config: BenchConfig, port: int, out: str) -> None:
     systems = {name: BENCH_SYSTEMS[name](env) for name in config.systems}
     for system in systems.values():
         system.setup()
-    # the same initial weights, tables included: every system builds the model from the same seed
-    # and TorchRec's shards take the built tables' values (a quantized wire may make TorchRec's
-    # planner shard otherwise, so one system's state dict need not load into another's)
+    # the same initial weights, tables included: the reference's, whole, copied into every other
+    # system's shards (a quantized wire may make TorchRec's planner shard a table otherwise, so one
+    # system's state dict need not load into another's), then checked
+    weights = _whole(_module(systems[REFERENCE]))
+    for name, system in systems.items():
+        if name != REFERENCE:
+            copy_into_shards(_module(system), weights)
+    del weights
     initial = _digest(_module(systems[REFERENCE]))
     for name, system in systems.items():
         if (found := _digest(_module(system))) != initial:
@@ -170,6 +195,30 @@ def bound(summaries: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         out[name] = {"runs": len(runs), "mean_delta_auc": auc, "mean_relative_delta_logloss": logloss,
                      "within": abs(auc) <= AUC_BOUND and logloss <= LOGLOSS_BOUND}
     return out
+
+
+def bound_table(summaries: list[dict[str, Any]]) -> str:
+    """Markdown: per scenario and system, each seed's deltas against the reference, their means and
+    whether they meet the bound."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for summary in summaries:
+        runs.setdefault(summary["scenario"], []).append(summary)
+    lines = [f"Bound: |mean delta AUC| <= {AUC_BOUND}, mean relative delta logloss <= {LOGLOSS_BOUND:.1%} "
+             f"(against {REFERENCE}, over seeds)", "",
+             "| scenario | system | seeds | delta AUC per seed | rel. delta logloss per seed | loss MAE x1e5 per seed | "
+             "mean delta AUC | mean rel. delta logloss | within the bound |", "|---|---|---|---|---|---|---|---|---|"]
+    for scenario, group in runs.items():
+        group.sort(key=lambda s: s["seed"])
+        for name, verdict in bound(group).items():
+            per = [s["against_reference"][name] for s in group]
+            auc = ", ".join(f"{p['delta_auc']:+.5f}" for p in per)
+            logloss = ", ".join(f"{p['relative_delta_logloss']:+.3%}" for p in per)
+            mae = ", ".join(f"{p['loss_mae'] * 1e5:.1f}" for p in per)
+            seeds = ",".join(str(s["seed"]) for s in group)
+            lines.append(f"| {scenario} | {name} | {seeds} | {auc} | {logloss} | {mae} | "
+                         f"{verdict['mean_delta_auc']:+.5f} | {verdict['mean_relative_delta_logloss']:+.3%} | "
+                         f"{'yes' if verdict['within'] else '**no**'} |")
+    return "\n".join(lines) + "\n"
 
 
 def markdown(summary: dict[str, Any]) -> str:

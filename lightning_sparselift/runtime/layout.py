@@ -77,7 +77,7 @@ class Wire:
         if self.codecs is None:
             if forward in self.cast:
                 self.contexts[forward] = values or send.dtype
-            return send.to(self.packing(send, forward))  # (a layout casts in its copies: nothing left here)
+            return send.to(self.packing(send, forward))  # (a no-op after a layout's packing copy cast it)
         codec = self._codec(forward)
         ctx = self.contexts[forward] = codec.create_context()
         return codec.encode(send, ctx)
