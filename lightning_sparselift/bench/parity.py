@@ -21,7 +21,6 @@ from lightning_sparselift.bench.runner import BenchConfig, _data, _write_atomica
 from lightning_sparselift.bench.systems import SYSTEMS as BENCH_SYSTEMS
 from lightning_sparselift.bench.systems.base import BenchEnv, System, build_sharded
 from lightning_sparselift.bench.systems.sparselift import SparseLift
-from lightning_sparselift.initial_tables import copy_into_shards
 
 REFERENCE = "torchrec"
 DEFAULT_SYSTEMS = (REFERENCE, "sparselift")
@@ -63,6 +62,26 @@ def _whole(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _assign(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Each rank's part of ``weights`` (whole, by state-dict name) written in place into
+    ``module``'s state (a sharded table's shards are views of its kernel's weights); the digest
+    check after it shows the copy took."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    with torch.no_grad():
+        for key, value in module.state_dict().items():
+            if key not in weights:
+                continue
+            whole = weights[key]
+            if isinstance(value, ShardedTensor):
+                for shard in value.local_shards():
+                    rows, cols = shard.metadata.shard_offsets
+                    height, width = shard.metadata.shard_sizes
+                    shard.tensor.copy_(whole[rows:rows + height, cols:cols + width])
+            else:
+                value.copy_(whole)
+
+
 def _digest(module: torch.nn.Module) -> dict[str, tuple[float, float]]:
     """Per weight of ``module``'s state dict (every rank calls it): the float64 sum and sum of
     squares of its values, whole tables whatever their sharding."""
@@ -98,7 +117,7 @@ def _evaluate(env: BenchEnv, trained: torch.nn.Module, val) -> dict[str, float]:
     from torchmetrics.functional.classification import binary_auroc, binary_average_precision
 
     model, _, _, _ = build_sharded(env, validate_inputs=False)
-    model.load_state_dict(trained.state_dict())
+    _assign(model, _whole(trained))  # (sharded as the evaluation model is, whatever the trained one's plan)
     b, w = env.batch_size, env.world_size
     preds, labels = [], []
     with torch.no_grad():
@@ -131,7 +150,7 @@ def _worker(rank: int, config: BenchConfig, port: int, out: str) -> None:
     weights = _whole(_module(systems[REFERENCE]))
     for name, system in systems.items():
         if name != REFERENCE:
-            copy_into_shards(_module(system), weights)
+            _assign(_module(system), weights)
     del weights
     initial = _digest(_module(systems[REFERENCE]))
     for name, system in systems.items():

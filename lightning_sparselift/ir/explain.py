@@ -124,6 +124,9 @@ def _module(m: "LiftedModule") -> list[str]:
         on = f"one per bucket on {', '.join(e.split)}" if e.split else f"on {e.process_group}"
         lines.append(f"    output {e.label:<10s} {e.op:<17s} waited {e.wait} {on}"
                      + (f", stream {e.stream}" if e.stream else ""))
+    if s.wire:
+        lines.append(f"    wire: {', '.join(f'{role}={name}' for role, name in sorted(s.wire.items()))} "
+                     f"(communication precision, numerics='fast')")
     kernels = sorted({f"{r.name}={r.kernel}" for r in s.regions})
     lines.append(f"    kernels: {', '.join(kernels)}")
     for r in s.regions:

@@ -39,6 +39,7 @@ def test_a_direction_sends_bf16_and_the_graph_and_model_follow(role, narrowed, k
     assert candidate.feasible, candidate.reasons
     after = CommunicationPrecision(numerics="fast").apply(identity, candidate)
     assert after.module(EBC).schedule.wire == {narrowed: "bf16"}
+    assert f"wire: {narrowed}=bf16 (communication precision" in after.explain()
     assert identity.module(EBC).schedule.wire == {}  # (the input graph is not modified)
     before = {n.id: n for n in identity.collectives()}
     for node in after.collectives():
