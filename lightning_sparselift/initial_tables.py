@@ -27,6 +27,16 @@ def built_tables(model: nn.Module, tables: list[nn.Parameter]) -> dict[str, torc
     return values
 
 
+def shard_regions(sharded: Any) -> list[tuple[torch.Tensor, tuple[slice, slice]]]:
+    """A ShardedTensor's local shards, each with the region of the whole table it holds."""
+    out = []
+    for shard in sharded.local_shards():
+        rows, cols = shard.metadata.shard_offsets
+        height, width = shard.metadata.shard_sizes
+        out.append((shard.tensor, (slice(rows, rows + height), slice(cols, cols + width))))
+    return out
+
+
 def copy_into_shards(dmp: nn.Module, values: dict[str, torch.Tensor]) -> None:
     """Each rank's shards of the tables in ``values`` (full tables, by state-dict name) set to the
     slices of them they hold; data-parallel tables set whole."""
@@ -41,10 +51,8 @@ def copy_into_shards(dmp: nn.Module, values: dict[str, torch.Tensor]) -> None:
         for name, full in values.items():
             target: Any = state[name]
             if hasattr(target, "local_shards"):
-                for shard in target.local_shards():
-                    rows, cols = shard.metadata.shard_offsets
-                    height, width = shard.metadata.shard_sizes
-                    shard.tensor.copy_(full[rows:rows + height, cols:cols + width])
+                for tensor, region in shard_regions(target):
+                    tensor.copy_(full[region])
             else:
                 target.copy_(full)
     dmp.load_state_dict(state)

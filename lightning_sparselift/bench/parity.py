@@ -21,6 +21,7 @@ from lightning_sparselift.bench.runner import BenchConfig, _data, _write_atomica
 from lightning_sparselift.bench.systems import SYSTEMS as BENCH_SYSTEMS
 from lightning_sparselift.bench.systems.base import BenchEnv, System, build_sharded
 from lightning_sparselift.bench.systems.sparselift import SparseLift
+from lightning_sparselift.initial_tables import shard_regions
 
 REFERENCE = "torchrec"
 DEFAULT_SYSTEMS = (REFERENCE, "sparselift")
@@ -51,10 +52,8 @@ def _whole(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     for key, value in module.state_dict().items():
         if isinstance(value, ShardedTensor):
             whole = torch.zeros(value.size(), dtype=value.dtype)
-            for shard in value.local_shards():
-                rows, cols = shard.metadata.shard_offsets
-                height, width = shard.metadata.shard_sizes
-                whole[rows:rows + height, cols:cols + width] = shard.tensor
+            for tensor, region in shard_regions(value):
+                whole[region] = tensor
             dist.all_reduce(whole)  # (the shards are disjoint: the sum is every rank's shards in place)
             out[key] = whole
         elif isinstance(value, torch.Tensor) and value.is_floating_point():
@@ -74,10 +73,8 @@ def _assign(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
                 continue
             whole = weights[key]
             if isinstance(value, ShardedTensor):
-                for shard in value.local_shards():
-                    rows, cols = shard.metadata.shard_offsets
-                    height, width = shard.metadata.shard_sizes
-                    shard.tensor.copy_(whole[rows:rows + height, cols:cols + width])
+                for tensor, region in shard_regions(value):
+                    tensor.copy_(whole[region])
             else:
                 value.copy_(whole)
 
