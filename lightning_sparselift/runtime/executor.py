@@ -24,7 +24,8 @@ from lightning_sparselift.ir.schedule import CONSUMER_KERNEL, GENERATED_KERNEL, 
 from lightning_sparselift.ir.vocab import ROW_SHARDED
 from lightning_sparselift.runtime.buffers import Buffers
 from lightning_sparselift.runtime.codegen import GeneratedLookup, Unsupported
-from lightning_sparselift.runtime.consumer_layout import ConsumerOutput, LayoutKernel
+from lightning_sparselift.runtime.codegen.layout_kernel import LayoutKernel
+from lightning_sparselift.runtime.consumer_layout import ConsumerOutput
 from lightning_sparselift.runtime.input_dist import Distributed, GroupRuntime, InputDistribution
 from lightning_sparselift.runtime.input_layout import InputKernel
 from lightning_sparselift.runtime.kernels import kernel

@@ -15,7 +15,8 @@ from lightning_sparselift.ir.schedule import CONSUMER_KERNEL
 from lightning_sparselift.passes.codegen import CodeGeneration
 from lightning_sparselift.plan.types import KernelBuild
 from lightning_sparselift.runtime.buffers import Buffers
-from lightning_sparselift.runtime.consumer_layout import ConsumerOutput, LayoutKernel
+from lightning_sparselift.runtime.codegen.layout_kernel import LayoutKernel
+from lightning_sparselift.runtime.consumer_layout import ConsumerOutput
 from lightning_sparselift.session import mark_generated
 
 KEYS, DIMS = ["a", "b", "c"], [4, 2, 3]
