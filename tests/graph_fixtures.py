@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Optional
 
 from lightning_sparselift.cost.priors import AlphaBeta
-from lightning_sparselift.cost.step_model import StepModel, StepModelInputs, StepTimings
+from lightning_sparselift.cost.step_model import StepModel
+from lightning_sparselift.cost.step_record import StepModelInputs, StepTimings
 from lightning_sparselift.ir import SparseGraph
 from lightning_sparselift.ir.graph import OutputBlock, TableShard
 from lightning_sparselift.ir.schedule import GENERATED_KERNEL

@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass
 from statistics import median
 from typing import Any, Optional
 
-from lightning_sparselift.cost.step_model import StepModel, StepModelInputs
+from lightning_sparselift.cost.step_model import StepModel
+from lightning_sparselift.cost.step_record import StepModelInputs
 from lightning_sparselift.ir import SparseGraph
 from lightning_sparselift.typed_json import decode
 

@@ -6,7 +6,8 @@ designs that measure several at once (:mod:`.design`) and the rule that decides 
 from lightning_sparselift.cost.calibration import CalibrationProtocol, Measurement, RegionClock
 from lightning_sparselift.cost.design import FactorialDesign
 from lightning_sparselift.cost.priors import AlphaBeta, LookupModel, Priors, measure_priors
-from lightning_sparselift.cost.step_model import StepModel, StepPrediction
+from lightning_sparselift.cost.step_model import StepModel
+from lightning_sparselift.cost.step_record import StepPrediction
 
 __all__ = ["AlphaBeta", "CalibrationProtocol", "FactorialDesign", "LookupModel", "Measurement", "Priors", "RegionClock",
            "StepModel", "StepPrediction", "measure_priors"]

@@ -3,7 +3,7 @@ lifted graph and a few measured inputs. One model: the planner's predictions (a 
 increment is the model's step with it applied minus without, so every combination has one too),
 ``explain()`` and the bench's "predicted" column all read :meth:`StepModel.predict`.
 
-Inputs (:class:`StepModelInputs`, recorded in the plan file):
+Inputs (:class:`~.step_record.StepModelInputs`, recorded in the plan file):
 
 - the capture steps, each rank on its own clock: the step's wall time and, per sparse module,
   the dense compute between the root forward's start and the module's call (the window an early
@@ -25,17 +25,15 @@ step plus the simulated sparse path's change from the identity plan, on the slow
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from statistics import median
 from typing import TYPE_CHECKING, Any
 
 from lightning_sparselift.cost.priors import AlphaBeta, Priors
+from lightning_sparselift.cost.step_record import StepModelInputs, StepModelRecord, StepPrediction, StepTimings
 from lightning_sparselift.ir.schedule import CONSUMER_KERNEL, GENERATED_KERNEL, INPUT_REGIONS
 from lightning_sparselift.ir.steps import CollectiveNode, ComputeNode
 from lightning_sparselift.ir.vocab import BACKWARD_OF, DTYPE_BYTES, WIRE_FORMATS
 
 if TYPE_CHECKING:
-    from lightning_sparselift.frontend.capture import RankCapture
     from lightning_sparselift.ir import LiftedModule, SparseGraph
 
 # passes over a region's bytes (each a read and a write at the copy bandwidth), by region and
@@ -56,97 +54,7 @@ PASSES = {("input", "reference"): 2.0, ("input", GENERATED_KERNEL): 1.0,
           # above), on the receiving side in the consumer layout's copy when both directions are cast,
           # else in a pass of its own
           ("wire", "codec"): 2.0, ("wire", "cast"): 1.0, ("wire", "consumer"): 0.5, ("wire", "merged"): 0.0}
-BACKWARD_RATIO = 2.0
 _PART = {"lookup": "lookup_forward", "fused_update": "lookup_backward"}  # the lookup's compute nodes
-
-
-@dataclass
-class StepTimings:
-    """What the capture steps measured, per rank (each on its own clock): the median over the
-    captured steps (the first one left out when there are more: it builds TorchRec's dists)."""
-
-    step_ms: list[float]
-    window_ms: dict[str, list[float]]  # per sparse module path
-    # per sparse module path: TorchRec's lookups, forward and backward, on the training thread's CPU clock
-    lookup_ms: dict[str, list[float]] = field(default_factory=dict)
-    # the process's CPU beyond the training thread's per step: the collectives' backend threads
-    backend_cpu_ms: list[float] = field(default_factory=list)
-
-    @classmethod
-    def from_captures(cls, captures: list[RankCapture]) -> "StepTimings":
-        ordered = sorted(captures, key=lambda c: c.rank)
-        paths = sorted({p for c in ordered for p in c.modules})
-
-        def per_rank(what: str) -> dict[str, list[float]]:
-            return {p: [_typical(getattr(c.modules[p], what)) if p in c.modules else 0.0 for c in ordered]
-                    for p in paths}
-
-        return cls([_typical(c.step_ms) for c in ordered], per_rank("window_ms"), per_rank("lookup_ms"),
-                   [_typical(c.other_cpu_ms) for c in ordered])
-
-
-def _typical(values: list[float]) -> float:
-    kept = values[1:] if len(values) > 1 else values
-    return float(median(kept)) if kept else 0.0
-
-
-@dataclass
-class StepModelInputs:
-    timings: StepTimings
-    links: list[AlphaBeta]  # per process group
-    bandwidth_bytes_per_ms: float
-    cores_per_rank: float  # cores on the rank's host over the ranks on it
-    backward_ratio: float = BACKWARD_RATIO
-
-
-@dataclass
-class StepPrediction:
-    """One graph's predicted step (ms), on the slowest rank, with the sparse path's parts."""
-
-    step_ms: float
-    sparse_forward_ms: float
-    sparse_backward_ms: float
-    collectives_ms: float  # the collectives' modelled time, exposed or not (slowest rank's sum)
-    hidden_ms: float  # of it, overlapped by dense compute
-    compute_ms: float  # the sparse path's modelled compute on the training thread
-
-    @property
-    def sparse_ms(self) -> float:
-        return self.sparse_forward_ms + self.sparse_backward_ms
-
-    def describe(self) -> str:
-        return (f"step {self.step_ms:.2f} ms: sparse forward {self.sparse_forward_ms:.2f}, backward "
-                f"{self.sparse_backward_ms:.2f} (collectives {self.collectives_ms:.2f}, {self.hidden_ms:.2f} of it "
-                f"overlapped; compute {self.compute_ms:.2f})")
-
-
-@dataclass
-class StepModelRecord:
-    """What a plan file keeps of the model: its inputs and its predictions for the identity plan
-    and the plan."""
-
-    inputs: StepModelInputs
-    identity: StepPrediction
-    plan: StepPrediction
-
-    @property
-    def change_ms(self) -> float:
-        return self.plan.step_ms - self.identity.step_ms
-
-    def explain(self) -> list[str]:
-        links = "; ".join(f"{link.op} on {link.process_group}: alpha {link.alpha_ms:.3f} ms + "
-                          f"{link.beta_ms_per_byte * 1e6:.3f} ms/MB" for link in self.inputs.links)
-        timings = self.inputs.timings
-
-        def per_module(values: dict[str, list[float]]) -> str:
-            return ", ".join(f"{path} {'/'.join(f'{v:.2f}' for v in ms)}" for path, ms in values.items()) or "none"
-
-        return [f"step-time model: {links}; copy bandwidth {self.inputs.bandwidth_bytes_per_ms / 1e6:.2f} GB/s; "
-                f"{self.inputs.cores_per_rank:g} core(s) per rank; captured step "
-                f"{'/'.join(f'{t:.2f}' for t in timings.step_ms)} ms per rank, dense window before the module "
-                f"(ms per rank) {per_module(timings.window_ms)}, TorchRec's lookups {per_module(timings.lookup_ms)}",
-                f"  identity plan: {self.identity.describe()}",
-                f"  this plan:     {self.plan.describe()}; change {self.change_ms:+.3f} ms"]
 
 
 class StepModel:

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from lightning_sparselift.cost.step_model import StepModelRecord
+from lightning_sparselift.cost.step_record import StepModelRecord
 from lightning_sparselift.ir import SparseGraph
 from lightning_sparselift.plan.verification import DriftEvent, PlanVerification
 from lightning_sparselift.typed_json import decode, json_type

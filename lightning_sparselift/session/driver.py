@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_sparselift.cost.step_model import StepModel, StepTimings
+from lightning_sparselift.cost.step_model import StepModel
+from lightning_sparselift.cost.step_record import StepTimings
 from lightning_sparselift.frontend.capture import SparseCapture
 from lightning_sparselift.options import SessionOptions
 from lightning_sparselift.plan.loop import PlanningLoop

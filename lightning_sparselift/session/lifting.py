@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
-from lightning_sparselift.cost.step_model import StepTimings
+from lightning_sparselift.cost.step_record import StepTimings
 from lightning_sparselift.frontend.capture import SparseCapture, gather_captures
 from lightning_sparselift.frontend.check import check_against_runtime
 from lightning_sparselift.frontend.lift import LiftError, dense_parameter_bytes, lift
