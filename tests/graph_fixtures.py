@@ -71,10 +71,10 @@ def step_model(identity: SparseGraph, alpha_ms: float = 0.05, beta_ms_per_byte: 
 
 
 def unmeasured_plan(identity: SparseGraph, optimizations: list[str],
-                    fingerprint: Optional[PlanFingerprint] = None) -> ExecutionPlan:
+                    fingerprint: Optional[PlanFingerprint] = None, numerics: str = "exact") -> ExecutionPlan:
     """What a run with calibrate=False plans: every feasible candidate of ``optimizations`` applied
     and accepted, in the planner's order (``fingerprint``: the plan's; default: made up from the graph)."""
-    planner = Planner(select_passes(optimizations), None, calibrate=False)
+    planner = Planner(select_passes(optimizations, numerics), None, calibrate=False)
     if fingerprint is None:
         fingerprint = PlanFingerprint(identity.fingerprint(), "sharding", identity.world_size, "gloo", {},
                                       sorted(optimizations))

@@ -9,11 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graph_fixtures import EBC, four_tables_two_ranks, load, step_model
+from graph_fixtures import EBC, four_tables_two_ranks, load, step_model, unmeasured_plan
 from lightning_sparselift.ir import check_schedule
-from lightning_sparselift.passes import InfeasibleCandidate
+from lightning_sparselift.passes import InfeasibleCandidate, select_passes
 from lightning_sparselift.passes.communication_precision import CommunicationPrecision
 from lightning_sparselift.passes.subgraph_parallelism import SubgraphParallelism
+from lightning_sparselift.plan import PlanFileError, Planner
 from lightning_sparselift.runtime.buffers import Buffers
 from lightning_sparselift.runtime.layout import ExchangeBuffers, PooledLayout, Wire
 
@@ -95,6 +96,16 @@ def test_reduce_scatters_torchrec_codecs_and_pipelined_buckets_are_left_alone():
     schedule.wire = {"output_pooled": "bf16", "output_partial_sums": "bf16"}
     problems = check_schedule(schedule, split.module(EBC).kinds, 2)
     assert any("output_partial_sums=bf16" in p for p in problems) and any("pipelined" in p for p in problems)
+
+
+def test_a_plan_that_casts_is_not_reused_under_exact_numerics():
+    identity = load("table_and_column_wise_2ranks")
+    plan = unmeasured_plan(identity, ["communication_precision"], numerics="fast")
+    assert len(plan.accepted) == 2
+    fast = Planner(select_passes(["communication_precision"], "fast"), None, calibrate=False)
+    assert fast.rebuild(plan, identity).fingerprint() == plan.graph.fingerprint()
+    with pytest.raises(PlanFileError, match="not a feasible candidate"):
+        Planner(select_passes(["communication_precision"]), None, calibrate=False).rebuild(plan, identity)
 
 
 def _torchrecs_bf16():
