@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from lightning_sparselift.bench import scenarios
 from lightning_sparselift.bench.runner import BenchConfig, _data, _write_atomically, spawn_workers
@@ -46,8 +47,6 @@ def _module(system: System) -> torch.nn.Module:
 
 def _whole(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``module``'s floating-point weights, sharded tables whole on every rank (every rank calls it)."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
     out = {}
     for key, value in module.state_dict().items():
         if isinstance(value, ShardedTensor):
@@ -65,8 +64,6 @@ def _assign(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
     """Each rank's part of ``weights`` (whole, by state-dict name) written in place into
     ``module``'s state (a sharded table's shards are views of its kernel's weights); the digest
     check after it shows the copy took."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
     with torch.no_grad():
         for key, value in module.state_dict().items():
             if key not in weights:
@@ -82,8 +79,6 @@ def _assign(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
 def _digest(module: torch.nn.Module) -> dict[str, tuple[float, float]]:
     """Per weight of ``module``'s state dict (every rank calls it): the float64 sum and sum of
     squares of its values, whole tables whatever their sharding."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
     out = {}
     for key, value in module.state_dict().items():
         if isinstance(value, ShardedTensor):

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from lightning_sparselift.ir.vocab import (
-    CAST_FORMATS, CAST_ROLES, INPUT_ALL_TO_ALL, ROW_SHARDED, Packing, Point, RegionName, WireFormat,
-    output_collective,
+    CAST_FORMATS, CAST_ROLES, INPUT_ALL_TO_ALL, POOLED_ALL_TO_ALL_OP, ROW_SHARDED, WIRE_ROLES, Packing, Point,
+    RegionName, WireFormat, output_collective,
 )
 
 # the kernels TorchRec's own path runs, per region
@@ -117,7 +117,7 @@ class ModuleSchedule:
     def pooled_wire(self) -> str:
         """The format both directions of the pooled all-to-alls travel in when they share one
         (the consumer layout then converts as it copies), else ""."""
-        formats = {self.wire.get(r, "") for r in ("output_pooled", "grad_pooled")}
+        formats = {self.wire.get(r, "") for r in WIRE_ROLES[POOLED_ALL_TO_ALL_OP]}
         return formats.pop() if len(formats) == 1 else ""
 
     @property

@@ -117,9 +117,11 @@ WIRE_ROLES: dict[str, tuple[str, str]] = {POOLED_ALL_TO_ALL_OP: ("output_pooled"
                                           SEQUENCE_ALL_TO_ALL_OP: ("output_sequence", "grad_sequence")}
 # the output collectives the communication-precision pass may narrow (the all-to-alls, whose values
 # are only moved; a reduce-scatter would sum them in the narrower format)
-CAST_ROLES = ("output_pooled", "grad_pooled", "output_sequence", "grad_sequence")
-# the formats it casts float32 values to, value by value (in the layouts' packing copies)
-CAST_FORMATS: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
+CAST_OPS = (POOLED_ALL_TO_ALL_OP, SEQUENCE_ALL_TO_ALL_OP)
+CAST_ROLES = tuple(role for op in CAST_OPS for role in WIRE_ROLES[op])
+# the format it casts float32 values to, value by value (in the layouts' packing copies): BF16 only
+# (FP16 would overflow silently without a saturation check: passes/communication_precision.py)
+CAST_FORMATS: dict[str, torch.dtype] = {"bf16": torch.bfloat16}
 # each destination's chunk of a byte-packed buffer is padded to this many bytes
 PACK_ALIGNMENT = 8
 

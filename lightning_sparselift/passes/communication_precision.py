@@ -33,11 +33,12 @@ from __future__ import annotations
 
 from lightning_sparselift.cost.calibration import CalibrationProtocol
 from lightning_sparselift.ir import LiftedModule, SparseGraph
+from lightning_sparselift.ir.vocab import CAST_OPS, WIRE_ROLES
 from lightning_sparselift.passes.base import Candidate, OptimizationPass
 
 WIRE = "bf16"  # the format this pass sends (see the module docstring)
 # the collective roles each candidate narrows (ir/steps), pooled and sequence
-_ROLES = {"forward": ("output_pooled", "output_sequence"), "backward": ("grad_pooled", "grad_sequence")}
+_ROLES = {direction: tuple(WIRE_ROLES[op][i] for op in CAST_OPS) for i, direction in enumerate(("forward", "backward"))}
 
 
 class CommunicationPrecision(OptimizationPass):
