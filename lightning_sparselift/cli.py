@@ -7,6 +7,7 @@
     sparselift export path/to/checkpoint.ckpt model.pt
     sparselift plan explain PLAN.json
     sparselift plan diff A.json B.json
+    sparselift simulate --config configs/dlrm_synthetic.yaml --ranks 8,64,512
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ def main(args: Optional[list[str]] = None) -> Optional[int]:
         from lightning_sparselift.checkpoint.export import main as export
 
         return export(argv[1:])
+    if argv[:1] == ["simulate"]:
+        from lightning_sparselift.simulate.cli import main as simulate
+
+        return simulate(argv[1:])
     if argv[:1] == ["plan"]:
         from lightning_sparselift.plan.cli import main as plan
 

@@ -139,6 +139,7 @@ class _ModuleSimulation:
         self.busy: dict[str, float] = {}  # per process group: when its collectives in flight end
         self.ids = {(n.groups[0], n.rank): n.workload["ids"] for n in nodes
                     if isinstance(n, ComputeNode) and n.op == "lookup"}
+        self.most_ids = max(sum(stats.values()) for stats in m.ids_per_step)  # the member feeding the most
         self.scale = self._lookup_scale()
 
     def run(self) -> tuple[float, float, float, float, float]:
@@ -160,11 +161,23 @@ class _ModuleSimulation:
         if node.op in INPUT_REGIONS:
             kernel = GENERATED_KERNEL if node.kernel == GENERATED_KERNEL else "reference"
             # (a recat's workload counts keys: it moves what arrived, about the rank's own ids)
-            ids = node.workload.get("ids", max(sum(stats.values()) for stats in m.ids_per_step))
-            return model.copy_ms(ids * _id_bytes(m), PASSES[("input", kernel)])
+            ids = node.workload.get("ids", self.most_ids)
+            return model.copy_ms(ids * _id_bytes(m), PASSES[("input", kernel)]) + model.inputs.launch_ms
         if node.op in _PART and node.rank in (None, rank):
-            return self._lookup_ms(node, _PART[node.op], rank)
+            return self._lookup_ms(node, _PART[node.op], rank) + model.inputs.launch_ms
         return 0.0
+
+    def _run(self, node: ComputeNode, clock: list[float]) -> None:
+        """``node``'s compute on each rank's clock (a lookup of one rank's shards: on that rank's
+        only); a forward lookup's also in its group's lookup time."""
+        one = node.op in _PART and node.rank is not None
+        lookups = self.lookup_ms.setdefault(node.groups[0], [0.0] * self.world) if node.op == "lookup" else None
+        for r in ([node.rank] if node.rank < self.world else []) if one else range(self.world):
+            ms = self._compute_ms(node, r)
+            clock[r] += ms
+            self.compute[r] += ms
+            if lookups is not None:
+                lookups[r] += ms
 
     def _lookup_ms(self, node: ComputeNode, part: str, rank: int) -> float:
         """A lookup's forward or its backward with the fused update on ``rank``: its touched rows'
@@ -183,10 +196,20 @@ class _ModuleSimulation:
         """Per rank: the captured ms of TorchRec's lookups of this module over what the byte model
         gives its reference kernels (1 where nothing was captured)."""
         measured = self.model.inputs.timings.lookup_ms.get(self.m.path, [])
+        if not any(measured):
+            return [1.0] * self.world
+        mine = [0.0] * self.world
+        everyone = 0.0  # (a data-parallel lookup runs on every rank)
+        for n in self.nodes:
+            if isinstance(n, ComputeNode) and n.op in _PART:
+                ms = self._passes_ms(n, _PART[n.op], "reference")
+                if n.rank is None:
+                    everyone += ms
+                elif n.rank < self.world:
+                    mine[n.rank] += ms
         out = []
         for r in range(self.world):
-            modelled = sum(self._passes_ms(n, _PART[n.op], "reference") for n in self.nodes
-                           if isinstance(n, ComputeNode) and n.op in _PART and n.rank in (r, None))
+            modelled = mine[r] + everyone
             ms = measured[r] if r < len(measured) else 0.0
             out.append(ms / modelled if ms > 0 and modelled > 0 else 1.0)
         return out
@@ -209,7 +232,8 @@ class _ModuleSimulation:
             return 0.0
         kernel = CONSUMER_KERNEL if m.schedule.region("output").kernel == CONSUMER_KERNEL else "reference"
         pooled = max(m.batch_size_per_rank, default=0) * sum(m.embedding_dims) * 4
-        return self.model.copy_ms(pooled, PASSES[("output", kernel)] / 2)
+        launches = 1 if kernel == CONSUMER_KERNEL else PASSES[("output", kernel)] / 2
+        return self.model.copy_ms(pooled, PASSES[("output", kernel)] / 2) + launches * self.model.inputs.launch_ms
 
     def _pack_ms(self, node: CollectiveNode) -> float:
         """What a collective takes of the training thread's core: packing and unpacking a merged
@@ -219,6 +243,7 @@ class _ModuleSimulation:
         nbytes = max(node.bytes_per_member, default=0)
         merged = node.role == "input_payload" or (len(node.groups) > 1 and node.role != "input_splits")
         ms = self.model.copy_ms(nbytes, PASSES[("pack", "bytes")]) if merged else 0.0
+        ms += self.model.inputs.launch_ms
         ms += nbytes * self.model.backend_ms_per_byte
         wire = self.m.wire_format(node.role)
         if wire:
@@ -274,11 +299,7 @@ class _ModuleSimulation:
         in_flight: list[tuple[float, float]] = []  # (end, time) of collectives waited at the module call
         for node in (n for n in self.nodes if n.phase == "forward"):
             if isinstance(node, ComputeNode):
-                ms = [self._compute_ms(node, r) for r in range(world)]
-                if node.op == "lookup":
-                    totals = self.lookup_ms.setdefault(node.groups[0], [0.0] * world)
-                    self.lookup_ms[node.groups[0]] = [a + b for a, b in zip(totals, ms)]
-                clock = self._advance(clock, ms)
+                self._run(node, clock)
             elif node.issue == "previous_step":
                 # issued a step ahead, on the training thread: its packing, and the splits exchange
                 # (the ranks just met in the previous step's call: no wait for the slowest); the
@@ -328,7 +349,7 @@ class _ModuleSimulation:
                 if in_flight:  # the dense backward in between ran meanwhile
                     clock = self._overlap(clock, [e for e, _ in in_flight], [t for _, t in in_flight], window)
                     in_flight, overlapped = [], True
-                clock = self._advance(clock, [self._compute_ms(node, r) for r in range(world)])
+                self._run(node, clock)
             elif node.issue == "ddp_backward":
                 continue  # DDP's all-reduces, outside the sparse path
             else:

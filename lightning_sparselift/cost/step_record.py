@@ -54,6 +54,9 @@ class StepModelInputs:
     bandwidth_bytes_per_ms: float
     cores_per_rank: float  # cores on the rank's host over the ranks on it
     backward_ratio: float = BACKWARD_RATIO
+    # the training thread's cost of issuing one kernel or collective call (a CUDA launch; 0 on CPU,
+    # where the byte passes hold it)
+    launch_ms: float = 0.0
 
 
 @dataclass

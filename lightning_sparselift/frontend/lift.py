@@ -244,39 +244,59 @@ def lift(model: nn.Module, sharding_plan: Any, module_paths: list[str], captures
     """The SRSV of the sharded modules at ``module_paths`` (paths in ``model``), in the order
     their forwards ran in the captured steps. A module the lifter cannot rebuild keeps TorchRec's
     path (``SparseGraph.not_lifted``, with the reason); :class:`LiftError` when none can be lifted."""
-    import fbgemm_gpu
-    import torchrec
     from torchrec.distributed.types import ShardingEnv
 
     env = ShardingEnv.from_process_group(process_group)
-    world = env.world_size
+    backend = str(torch.distributed.get_backend(process_group)) if env.world_size > 1 else "none"
+    return _lift_all(model, sharding_plan, module_paths, captures, env, device, dense_param_bytes, backend,
+                     _sharded_types())
+
+
+def lift_placement(model: nn.Module, sharding_plan: Any, module_paths: list[str], captures: list[RankCapture],
+                   world_size: int, device_type: str, backend: str, dense_param_bytes: int = 0) -> SparseGraph:
+    """The graph :func:`lift` would give for ``model``'s unsharded modules placed by
+    ``sharding_plan`` on ``world_size`` ranks, from ``captures`` (one per rank): the same layout
+    derivation, with no process group (the simulator's graphs at world sizes that never ran)."""
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+    env = ShardingEnv(world_size=world_size, rank=0, pg=None)
+    return _lift_all(model, sharding_plan, module_paths, captures, env, torch.device("meta"), dense_param_bytes,
+                     backend, {EmbeddingBagCollection: True, EmbeddingCollection: False}, device_type)
+
+
+def _lift_all(model: nn.Module, sharding_plan: Any, module_paths: list[str], captures: list[RankCapture], env: Any,
+              device: torch.device, dense_param_bytes: int, backend: str, types: dict[type, bool],
+              device_type: Optional[str] = None) -> SparseGraph:
+    import fbgemm_gpu
+    import torchrec
+
     ran = [p for p in captures[0].modules if p in module_paths]
     order = ran + [p for p in module_paths if p not in ran]
     modules, not_lifted = [], {}
     for path in order:
         try:
-            modules.append(_lift_module(model, path, sharding_plan, captures, env, device))
+            modules.append(_lift_module(model, path, sharding_plan, captures, env, device, types))
         except LiftError as error:
             not_lifted[path] = str(error)
     if not modules:
         raise LiftError("; ".join(not_lifted.values()))
     versions = {"torch": torch.__version__, "torchrec": getattr(torchrec, "__version__", "?"),
                 "fbgemm_gpu": getattr(fbgemm_gpu, "__version__", "?")}
-    return SparseGraph(world, str(torch.distributed.get_backend(process_group)) if world > 1 else "none",
-                       modules, dense_param_bytes, versions, not_lifted=not_lifted,
+    return SparseGraph(env.world_size, backend, modules, dense_param_bytes, versions, not_lifted=not_lifted,
                        threads_per_rank=[c.threads for c in sorted(captures, key=lambda c: c.rank)],
-                       device=device.type)
+                       device=device_type or device.type)
 
 
 def _lift_module(model: nn.Module, path: str, sharding_plan: Any, captures: list[RankCapture], env: Any,
-                 device: torch.device) -> LiftedModule:
+                 device: torch.device, types: dict[type, bool]) -> LiftedModule:
     world = env.world_size
     sharded = model.get_submodule(path)
-    pooled = _sharded_types().get(type(sharded))
+    pooled = types.get(type(sharded))
     if pooled is None:
-        raise LiftError(f"{path}: {type(sharded).__name__} is not a plain ShardedEmbeddingBagCollection or "
-                        f"ShardedEmbeddingCollection; the lifted executor handles only those module types (this "
-                        f"module keeps TorchRec's path)")
+        raise LiftError(f"{path}: {type(sharded).__name__} is not a plain "
+                        f"{' or '.join(t.__name__ for t in types)}; the lifted executor handles only those module "
+                        f"types (this module keeps TorchRec's path)")
     wire = _wire(path, sharded)
     if not pooled:
         for flag, what in (("_need_indices", "need_indices=True (ids returned with the embeddings)"),

@@ -4,6 +4,7 @@ the operations of one training step (:attr:`SparseGraph.nodes`) are derived from
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -179,18 +180,46 @@ class LiftedModule:
         stats = self.ids_per_step[member]
         return sum(stats[k] for k in (group.features if keys is None else keys))
 
+    def ids_per_member(self, group: ShardingGroup, keys: Optional[list[str]] = None) -> list[float]:
+        """:meth:`group_ids` of every member (members holding one statistics object, as the
+        simulator's ranks do, summed once)."""
+        keys = group.features if keys is None else keys
+        seen: dict[int, float] = {}
+        out = []
+        for stats in self.ids_per_step:
+            if id(stats) not in seen:
+                seen[id(stats)] = sum(stats[k] for k in keys)
+            out.append(seen[id(stats)])
+        return out
+
+    def fed_ids(self, keys: list[str]) -> dict[str, float]:
+        """Per key: the ids all members feed it per step."""
+        shared: dict[int, list[Any]] = {}  # (members holding one statistics object counted together)
+        for stats in self.ids_per_step:
+            shared.setdefault(id(stats), [stats, 0])[1] += 1
+        return {k: sum(stats[k] * n for stats, n in shared.values()) for k in keys}
+
     def touched_bytes(self, groups: list[int]) -> float:
         """Bytes of fp32 rows the lookups of ``groups`` touch per step, for the member feeding them
         the most ids (each id at its group's widest dim)."""
-        return max((sum(self.group_ids(m, self.groups[i]) * max(self.groups[i].embedding_dims, default=0)
-                        for i in groups) for m in range(len(self.ids_per_step))), default=0.0) * 4
+        per_group = [(self.ids_per_member(self.groups[i]), max(self.groups[i].embedding_dims, default=0))
+                     for i in groups]
+        return max((sum(ids[m] * dim for ids, dim in per_group) for m in range(len(self.ids_per_step))),
+                   default=0.0) * 4
 
     def ids_to_each_rank(self, member: int, group: ShardingGroup, world: int) -> list[float]:
         """Mean ids ``member`` sends to each rank in ``group``'s input all-to-all (row-wise: an
         even split across row blocks, the ids' real spread is data-dependent)."""
         if group.sharding_type in ROW_SHARDED:
             return [self.group_ids(member, group) / world] * world
-        return [self.group_ids(member, group, group.keys_on_rank(r)) for r in range(world)]
+        stats, out, start = self.ids_per_step[member], [], 0
+        for count in group.features_per_rank[:world]:  # (keys_on_rank rank by rank, in one walk)
+            ids = 0
+            for k in group.features[start:start + count] if count else ():
+                ids += stats[k]
+            out.append(ids)
+            start += count
+        return out
 
 
 @dataclass
@@ -264,7 +293,8 @@ class SparseGraph:
         return out
 
     def copy(self) -> "SparseGraph":
-        return SparseGraph.from_dict(self.to_dict())
+        """An independent copy (what the graph shares within itself, it shares within the copy)."""
+        return copy.deepcopy(self)
 
     def to_json(self) -> str:
         from lightning_sparselift.ir.serialize import graph_to_json

@@ -133,7 +133,7 @@ def _forward(step: _Step, m: "LiftedModule") -> None:
         if g.sharding_type in ROW_SHARDED:
             node = step.compute(id=f"{m.path}/g{g.index}/bucketize", module=m.path, groups=[g.index], phase="forward",
                                 op="bucketize", rank=None, kernel=s.region("bucketize", g.index).kernel, tables=[],
-                                workload={"ids": max(m.group_ids(r, g) for r in range(world))}, workspace_bytes=0,
+                                workload={"ids": max(m.ids_per_member(g))}, workspace_bytes=0,
                                 after=list(prev))
             ready[g.index] = [node.id]
     splits = {}
@@ -155,7 +155,7 @@ def _forward(step: _Step, m: "LiftedModule") -> None:
         else:
             (g,) = [m.groups[i] for i in e.groups]
             fan = world if g.sharding_type in ROW_SHARDED else 1
-            ids = [m.group_ids(r, g) for r in range(world)]
+            ids = m.ids_per_member(g)
             payload = [step.collective(id=f"{m.path}/{e.label}/input_lengths", role="input_lengths",
                                        dtype=m.lengths_dtype, bytes_per_member=[
                                            len(g.features) * fan * B[r] * lengths_size for r in range(world)],
@@ -178,17 +178,18 @@ def _forward(step: _Step, m: "LiftedModule") -> None:
             ready[g.index] = [_kept(step, m, g, "forward", prev).id]
             continue
         lookups = []
+        fed = m.fed_ids(g.features)
         for rank in (range(world) if g.sharding_type != "data_parallel" else [None]):
             owned = [t for t in g.tables if t.rank == rank]
             if not owned:
                 continue
             columns = g.dim_sum_per_rank[rank] if g.dim_sum_per_rank else sum(g.embedding_dims)
             if g.sharding_type == "data_parallel":
-                rows_out, ids = B[0], max(m.group_ids(r, g) for r in range(world))
+                rows_out, ids = B[0], max(m.ids_per_member(g))
             elif g.sharding_type in ROW_SHARDED:
-                rows_out, ids = sum(B), sum(m.group_ids(r, g) for r in range(world)) / world
+                rows_out, ids = sum(B), sum(m.ids_per_member(g)) / world
             else:
-                rows_out, ids = sum(B), sum(m.group_ids(r, g, g.keys_on_rank(rank)) for r in range(world))
+                rows_out, ids = sum(B), sum(fed[k] for k in g.keys_on_rank(rank))
             lookups.append(step.compute(
                 id=f"{m.path}/g{g.index}/lookup@{rank if rank is not None else 'all'}", module=m.path,
                 groups=[g.index], phase="forward", op="lookup", rank=rank, kernel=s.region("lookup", g.index).kernel,
@@ -286,7 +287,7 @@ def _kept(step: _Step, m: "LiftedModule", g: "ShardingGroup", phase: str, after:
     fused update); their collectives are TorchRec's, issued inside this node, not listed here."""
     return step.compute(id=f"{m.path}/g{g.index}/torchrec_{phase}", module=m.path, groups=[g.index], phase=phase,
                         op="torchrec_group", rank=None, kernel="torchrec", tables=sorted({t.table for t in g.tables}),
-                        workload={"ids": max(m.group_ids(r, g) for r in range(len(m.ids_per_step)))},
+                        workload={"ids": max(m.ids_per_member(g))},
                         workspace_bytes=0, after=list(after))
 
 
@@ -294,16 +295,19 @@ def _packed_bytes(m: "LiftedModule", e: InputExchange, world: int) -> list[int]:
     """Per member: its byte-packed payload of ``e``'s groups, each destination's chunk aligned."""
     lengths_size, values_size = DTYPE_BYTES[m.lengths_dtype], DTYPE_BYTES[m.values_dtype]
     groups = [m.groups[i] for i in e.groups]
+    keys = [[len(g.features) if g.sharding_type in ROW_SHARDED else g.features_per_rank[dst] for dst in range(world)]
+            for g in groups]
+    id_size = values_size + (4 if m.weighted else 0)
     out = []
     for member in range(world):
+        sent = [m.ids_to_each_rank(member, g, world) for g in groups]
+        rows = m.batch_size_per_rank[member] * lengths_size
         total = 0
         for dst in range(world):
             chunk = 0.0
-            for g in groups:
-                ids = m.ids_to_each_rank(member, g, world)[dst]
-                keys = len(g.features) if g.sharding_type in ROW_SHARDED else g.features_per_rank[dst]
-                chunk += ids * (values_size + (4 if m.weighted else 0))
-                chunk += keys * m.batch_size_per_rank[member] * lengths_size
+            for ids_to, keys_to in zip(sent, keys):
+                chunk += ids_to[dst] * id_size
+                chunk += keys_to[dst] * rows
             total += aligned(round(chunk))
         out.append(total)
     return out

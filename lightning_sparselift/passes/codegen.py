@@ -85,8 +85,8 @@ class CodeGeneration(OptimizationPass):
                 f"g{g.index} ({g.sharding_type}): "
                 + g.lookup_notes.get(GENERATED_KERNEL, "no generated kernel was built (the session builds them "
                                                       "before planning)") for g in module.lifted_groups]
-        ids = max((sum(module.group_ids(m, module.groups[i]) for i in groups)
-                   for m in range(len(module.ids_per_step))), default=0.0)
+        per_group = [module.ids_per_member(module.groups[i]) for i in groups]
+        ids = max((sum(g[m] for g in per_group) for m in range(len(module.ids_per_step))), default=0.0)
         return reasons, {"groups": float(len(groups)), "ids": ids, "touched_bytes": module.touched_bytes(groups)}
 
     @staticmethod

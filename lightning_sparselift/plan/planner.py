@@ -150,6 +150,40 @@ class Planner:
                         self.predict_ms(candidate), measurement.observations_ms, e.increment_ms, accepted, reason,
                         list(e.interval_ms), self.rule.confidence, e.noise_ms, e.pairs, e.outliers)
 
+    def choose_by_model(self, graph: SparseGraph, step_ms: float) -> tuple[SparseGraph, list[Decision]]:
+        """Every candidate decided by the step-time model alone, where nothing can be measured (the
+        simulator's world sizes): in :meth:`propose`'s order, each applied to the plan so far and
+        accepted when its predicted gain is at least the smallest one a measured decision accepts
+        (``rule.min_gain`` of ``step_ms``); a sweep's rungs as the loop tries them."""
+        if self.model is None:
+            raise ValueError("choosing by the model needs a step-time model")
+        ordered, decisions = self.propose(graph)
+        accepted: dict[str, bool] = {}
+        threshold = -self.rule.min_gain * step_ms
+        for c in ordered:
+            skip = (f"the sweep stopped: {c.follows} was not accepted"
+                    if c.follows is not None and c.when == "accepted" and not accepted.get(c.follows) else
+                    f"the sweep went the other way: {c.unless} was accepted"
+                    if c.unless is not None and accepted.get(c.unless) else "")
+            if skip:
+                decisions.append(self.undecided(c, skip))
+                continue
+            try:
+                after = self.apply(graph, c)
+            except InfeasibleCandidate as error:
+                decisions.append(Decision(c.id, c.pass_name, c.module, c.role, False, [str(error)], None, None, None,
+                                          False, f"infeasible on the plan so far: {error}"))
+                continue
+            gain = self.predict(c, graph, after)
+            accepted[c.id] = gain <= threshold
+            verdict = "accepted" if accepted[c.id] else "rejected"
+            decisions.append(Decision(c.id, c.pass_name, c.module, c.role, True, [], gain, None, None, accepted[c.id],
+                                      f"{verdict} by the model: predicted {gain:+.3f} ms against the smallest gain "
+                                      f"accepted ({threshold:+.3f} ms)"))
+            if accepted[c.id]:
+                graph = after
+        return graph, decisions
+
     def apply(self, graph: SparseGraph, candidate: Candidate) -> SparseGraph:
         return self.passes[candidate.pass_name].apply(graph, candidate)
 

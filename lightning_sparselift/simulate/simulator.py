@@ -1,0 +1,136 @@
+"""What the sparse path and the plan become at a world size that never ran here: the workload's
+graph at that size (:mod:`.scaling`), the step-time model's inputs from a hardware profile
+instead of capture steps, and the planner deciding by the model alone
+(:meth:`~lightning_sparselift.plan.planner.Planner.choose_by_model`). One model: every prediction
+here is :meth:`StepModel.predict <lightning_sparselift.cost.step_model.StepModel.predict>`, the
+function the planner's predictions and ``explain()`` read at run time.
+
+The rest of the step, which the step-time model takes as measured at run time, is priced from the
+profile: the dense forward and backward from their counted FLOPs at the profile's dense
+throughput plus a launch per dense kernel; the dense gradients' all-reduce (DDP overlaps it with
+the backward: only what outlasts the dense backward shows); the dense optimizer as three passes
+over the dense parameters. TorchRec's path is the identity plan's schedule (the lifted executor
+runs TorchRec's step as TorchRec does), so its prediction is the identity plan's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from lightning_sparselift.cost.step_model import StepModel
+from lightning_sparselift.cost.step_record import StepModelInputs, StepPrediction, StepTimings
+from lightning_sparselift.passes import select_passes
+from lightning_sparselift.passes.registry import PASSES
+from lightning_sparselift.plan.planner import Planner
+from lightning_sparselift.plan.types import Decision
+from lightning_sparselift.simulate.profile import HardwareProfile
+from lightning_sparselift.simulate.scaling import scaled_graph
+
+if TYPE_CHECKING:
+    from lightning_sparselift.ir import SparseGraph
+    from lightning_sparselift.simulate.workload import Workload
+
+_OPTIMIZER_PASSES = 3.0  # a dense optimizer step reads and writes the parameters and their state
+
+
+@dataclass
+class Stages:
+    """A predicted step in the bench's stages (ms)."""
+
+    sparse_forward: float
+    other_forward: float
+    sparse_backward: float
+    other_backward: float
+
+    @property
+    def step(self) -> float:
+        return self.sparse_forward + self.other_forward + self.sparse_backward + self.other_backward
+
+
+@dataclass
+class WorldPrediction:
+    """One world size: the identity plan's (TorchRec's path) and the chosen plan's predicted step."""
+
+    world: int
+    batch_per_rank: int
+    placement: dict[str, int]  # sharding type -> tables
+    identity: Stages
+    plan: Stages
+    accepted: list[str]  # the chosen plan's candidates
+    decisions: list[Decision] = field(default_factory=list)
+    identity_model: Optional[StepPrediction] = None  # the step-time model's own parts
+    plan_model: Optional[StepPrediction] = None
+    collectives: list[dict] = field(default_factory=list)  # the identity plan's: role, op, bytes, predicted ms
+
+    @property
+    def speedup(self) -> float:
+        return self.identity.step / self.plan.step if self.plan.step > 0 else float("nan")
+
+
+@dataclass
+class DenseStep:
+    """The rest of the step on one rank (ms), from the profile."""
+
+    forward: float
+    backward: float
+    all_reduce: float  # the dense gradients' all-reduce, all of it
+    exposed_all_reduce: float  # what outlasts the dense backward
+    optimizer: float
+    windows: dict[str, float]  # per sparse module: the dense forward before its call
+
+
+def dense_step(workload: Workload, graph: SparseGraph, profile: HardwareProfile, batch: int) -> DenseStep:
+    launch = profile.device.launch_us / 1e3
+    forward = profile.dense_ms(workload.forward_flops * batch) + workload.forward_kernels * launch
+    backward = profile.dense_ms(workload.backward_flops * batch) + workload.backward_kernels * launch
+    replicated = sum(t.rows * t.dim * 4 for m in graph.modules for g in m.groups
+                     if g.sharding_type == "data_parallel" for t in g.tables)
+    all_reduce = profile.all_reduce_ms(graph.world_size, workload.dense_param_bytes + replicated)
+    optimizer = _OPTIMIZER_PASSES * 2 * workload.dense_param_bytes / profile.bandwidth_bytes_per_ms
+    share = {p: f / workload.forward_flops if workload.forward_flops else 0.0 for p, f in workload.window_flops.items()}
+    windows = {p: profile.dense_ms(workload.window_flops.get(p, 0.0) * batch)
+               + workload.forward_kernels * share.get(p, 0.0) * launch for p in workload.module_paths}
+    return DenseStep(forward, backward, all_reduce, max(all_reduce - backward, 0.0), optimizer, windows)
+
+
+def model_inputs(graph: SparseGraph, dense: DenseStep, profile: HardwareProfile) -> StepModelInputs:
+    """The step-time model's inputs at ``graph``'s world size from ``profile``: the identity plan's
+    step is the dense step plus the model's own sparse path of the identity plan."""
+    world = graph.world_size
+    link = profile.all_to_all(world, f"world[{world}]")
+    collectives = graph.collectives()
+    identity_bytes = [sum(n.bytes_per_member[r] for n in collectives) for r in range(world)]
+    timings = StepTimings([0.0] * world, {p: [w] * world for p, w in dense.windows.items()}, {},
+                          [b / 1e6 * profile.backend_cpu_ms_per_mb for b in identity_bytes])
+    inputs = StepModelInputs(timings, [link], profile.bandwidth_bytes_per_ms, profile.device.concurrent_lookups,
+                             launch_ms=profile.device.launch_us / 1e3)
+    sparse = StepModel(inputs, graph).predict(graph).sparse_ms
+    rest = dense.forward + dense.backward + dense.exposed_all_reduce + dense.optimizer
+    timings.step_ms = [rest + sparse] * world
+    return inputs
+
+
+def simulate_world(workload: Workload, world: int, batch_per_rank: int, profile: HardwareProfile,
+                   optimizations: Optional[list[str]] = None, numerics: str = "exact") -> WorldPrediction:
+    graph = scaled_graph(workload, world, batch_per_rank, profile)
+    dense = dense_step(workload, graph, profile, batch_per_rank)
+    model = StepModel(model_inputs(graph, dense, profile), graph)
+    planner = Planner(select_passes(optimizations or sorted(PASSES), numerics), model, calibrate=False)
+    identity = model.predict(graph)
+    chosen, decisions = planner.choose_by_model(graph, identity.step_ms)
+    plan = model.predict(chosen)
+    placement: dict[str, int] = {}
+    for m in graph.modules:
+        for g in m.groups:
+            placement[g.sharding_type] = placement.get(g.sharding_type, 0) + len({t.table for t in g.tables})
+    collectives = [{"id": n.id, "op": n.op, "bytes_per_member": max(n.bytes_per_member, default=0),
+                    "predicted_ms": model.link(n.process_group).predict_ms(max(n.bytes_per_member, default=0))}
+                   for n in graph.collectives() if n.issue != "ddp_backward"]
+    return WorldPrediction(world, batch_per_rank, placement, _stages(identity, dense), _stages(plan, dense),
+                           [d.candidate for d in decisions if d.accepted], decisions, identity, plan, collectives)
+
+
+def _stages(p: StepPrediction, dense: DenseStep) -> Stages:
+    return Stages(p.sparse_forward_ms, dense.forward, p.sparse_backward_ms,
+                  dense.backward + dense.exposed_all_reduce + dense.optimizer)

@@ -1,0 +1,102 @@
+"""The simulator on a small workload (the ``tiny`` bench scenario, counted on one process): its
+graphs at world sizes that never ran come from the lifter, its predictions are the step-time
+model's own, and the planner decides by the model alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_sparselift.cost.step_model import StepModel
+from lightning_sparselift.simulate import report
+from lightning_sparselift.simulate.cli import main
+from lightning_sparselift.simulate.profile import DEFAULT_PROFILE, HardwareProfile
+from lightning_sparselift.simulate.scaling import offered_types, scaled_graph
+from lightning_sparselift.simulate.simulator import dense_step, model_inputs, simulate_world
+from lightning_sparselift.simulate.workload import workload_from_scenario
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return workload_from_scenario("tiny", 64)
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    return HardwareProfile.load(DEFAULT_PROFILE)
+
+
+def test_the_workload_counts_the_dense_step_and_captures_the_inputs(tiny):
+    assert tiny.forward_flops > 0 and tiny.backward_flops > tiny.forward_flops
+    assert tiny.forward_kernels > 0 and tiny.backward_kernels > 0
+    (path,) = tiny.module_paths
+    capture = tiny.capture.modules[path]
+    assert capture.batch_size == 64 and capture.batch_input is not None
+    scaled = tiny.capture_at(3, 16, 256).modules[path]
+    assert scaled.batch_size == 256
+    assert sum(f.ids_per_step for f in scaled.features.values()) == pytest.approx(
+        4 * sum(f.ids_per_step for f in capture.features.values()), rel=0.01)
+
+
+def test_a_scaled_graph_is_the_lifters_graph_of_the_planners_placement(tiny, gpu):
+    graph = scaled_graph(tiny, 16, 128, gpu)
+    assert graph.world_size == 16 and graph.backend == "nccl" and graph.device == "cuda"
+    (m,) = graph.modules
+    assert m.batch_size_per_rank == [128] * 16
+    for g in m.groups:
+        assert g.sharding_type in offered_types(10**6, 64, 16, gpu)
+        for t in g.tables:
+            assert t.rank is None or 0 <= t.rank < 16
+    # every collective's bytes are per member of the 16 ranks
+    assert all(len(n.bytes_per_member) == 16 for n in graph.collectives())
+
+
+def test_row_wise_is_offered_only_to_a_table_no_rank_holds(gpu):
+    assert "row_wise" not in offered_types(10**6, 128, 64, gpu)
+    assert "row_wise" in offered_types(10**9, 128, 64, gpu)
+    assert "data_parallel" not in offered_types(10**6, 128, 64, gpu)
+
+
+@pytest.mark.parametrize("world", [2, 16])
+def test_the_predictions_are_the_step_time_models(tiny, gpu, world):
+    result = simulate_world(tiny, world, 128, gpu)
+    graph = scaled_graph(tiny, world, 128, gpu)
+    model = StepModel(model_inputs(graph, dense_step(tiny, graph, gpu, 128), gpu), graph)
+    identity = model.predict(graph)
+    assert result.identity_model == identity
+    assert result.identity.step == pytest.approx(identity.step_ms)
+    assert result.plan.step <= result.identity.step
+    for d in result.decisions:
+        if d.accepted:
+            assert d.predicted_ms < 0 and "accepted by the model" in d.reason
+    assert [d.candidate for d in result.decisions if d.accepted] == result.accepted
+
+
+def test_strong_scaling_splits_the_global_batch_and_rejects_an_uneven_split(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    assert main(["--scenario", "tiny", "--ranks", "2,4", "--global-batch", "256", "--json", str(out),
+                 "--plot", str(tmp_path / "sim.png"), "--explain", "4"]) == 0
+    data = json.loads(out.read_text())
+    assert data["schema"] == report.SCHEMA and "model output" in data["note"]
+    assert [(w["world"], w["batch_per_rank"]) for w in data["worlds"]] == [(2, 128), (4, 64)]
+    assert (tmp_path / "sim.png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "4 ranks, 64 samples per rank (model output)" in printed and "decisions:" in printed
+    with pytest.raises(SystemExit):
+        main(["--scenario", "tiny", "--ranks", "3", "--global-batch", "256"])
+    assert "does not split evenly over [3] ranks" in capsys.readouterr().err
+
+
+def test_a_profile_fitted_on_a_run_gives_that_runs_step_back(tmp_path):
+    """The profile fitted from a recorded 2-rank dlrm run, simulating dlrm at 2 ranks and the run's
+    batch: the captured step, up to the placement (the simulator asks TorchRec's planner itself)."""
+    from pathlib import Path
+
+    run = Path(__file__).parents[1] / "fixtures" / "step_model" / "dlrm_run1.json"
+    profile_path = tmp_path / "cpu.yaml"
+    assert main(["fit-profile", "--run", str(run), "--scenario", "dlrm", "--out", str(profile_path)]) == 0
+    profile = HardwareProfile.load(str(profile_path))
+    assert profile.device.kind == "cpu" and profile.measured["world_size"] == 2
+    result = simulate_world(workload_from_scenario("dlrm", 1024), 2, 1024, profile)
+    assert result.identity.step == pytest.approx(profile.measured["captured_step_ms"], rel=0.05)
