@@ -64,6 +64,13 @@ class ShardingGroup:
     # executor's step (the layout fields above stay empty; the passes leave the group alone)
     not_lifted: str = ""
 
+    def tables_by_rank(self) -> dict[Optional[int], list[TableShard]]:
+        """The group's table shards per rank holding them (None: replicated), in table order."""
+        out: dict[Optional[int], list[TableShard]] = {}
+        for t in self.tables:
+            out.setdefault(t.rank, []).append(t)
+        return out
+
     @property
     def kind(self) -> Optional[str]:
         """The sharding type the schedule runs, None when the group keeps TorchRec's path (no

@@ -179,8 +179,9 @@ def _forward(step: _Step, m: "LiftedModule") -> None:
             continue
         lookups = []
         fed = m.fed_ids(g.features)
+        held = g.tables_by_rank()
         for rank in (range(world) if g.sharding_type != "data_parallel" else [None]):
-            owned = [t for t in g.tables if t.rank == rank]
+            owned = held.get(rank, [])
             if not owned:
                 continue
             columns = g.dim_sum_per_rank[rank] if g.dim_sum_per_rank else sum(g.embedding_dims)
@@ -272,8 +273,9 @@ def _backward(step: _Step, m: "LiftedModule") -> None:
                                 bytes_per_member=[sum(t.rows * t.dim for t in g.tables) * 4] * world,
                                 data_dependent=False, issue="ddp_backward", wait="ddp_backward", after=[grad.id])
             continue
+        held = g.tables_by_rank()
         for rank in range(world):
-            owned = [t for t in g.tables if t.rank == rank]
+            owned = held.get(rank, [])
             if owned:
                 step.compute(id=f"{m.path}/g{g.index}/fused_update@{rank}", module=m.path, groups=[g.index],
                              phase="backward", op="fused_update", rank=rank, kernel=s.region("lookup", g.index).kernel,
@@ -299,7 +301,12 @@ def _packed_bytes(m: "LiftedModule", e: InputExchange, world: int) -> list[int]:
             for g in groups]
     id_size = values_size + (4 if m.weighted else 0)
     out = []
+    done: dict[tuple[int, int], int] = {}  # (members holding one statistics object and batch: packed once)
     for member in range(world):
+        same = (id(m.ids_per_step[member]), m.batch_size_per_rank[member])
+        if same in done:
+            out.append(done[same])
+            continue
         sent = [m.ids_to_each_rank(member, g, world) for g in groups]
         rows = m.batch_size_per_rank[member] * lengths_size
         total = 0
@@ -309,6 +316,7 @@ def _packed_bytes(m: "LiftedModule", e: InputExchange, world: int) -> list[int]:
                 chunk += ids_to[dst] * id_size
                 chunk += keys_to[dst] * rows
             total += aligned(round(chunk))
+        done[same] = total
         out.append(total)
     return out
 

@@ -64,10 +64,11 @@ def _fit_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _workload(args: argparse.Namespace, batch: int):
+def _workload(args: argparse.Namespace, batch: int, threads: Optional[int]):
     from lightning_sparselift.simulate.workload import workload_from_config, workload_from_scenario
 
-    return workload_from_config(args.config, batch) if args.config else workload_from_scenario(args.scenario, batch)
+    return (workload_from_config(args.config, batch, threads) if args.config else
+            workload_from_scenario(args.scenario, batch, threads))
 
 
 def _default_batch(args: argparse.Namespace) -> int:
@@ -89,11 +90,11 @@ def fit_main(argv: list[str], out: Optional[TextIO] = None) -> int:
     from lightning_sparselift.simulate.fit import fit_profile, read_run
 
     args = _fit_parser().parse_args(argv)
-    _, graph, _ = read_run(args.run)
+    inputs, graph, _ = read_run(args.run)
     batch = max(max(m.batch_size_per_rank) for m in graph.modules)
-    profile = fit_profile(args.run, _workload(args, batch), args.name)
+    profile = fit_profile(args.run, _workload(args, batch, max(1, round(inputs.cores_per_rank))), args.name)
     profile.save(args.out)
-    print(f"wrote {args.out}: dense {profile.device.dense_tflops * 1e3:.1f} GFLOP/s, copy "
+    print(f"wrote {args.out}: dense timed here ({profile.device.dense_tflops * 1e3:.1f} GFLOP/s), copy "
           f"{profile.device.memory_gb_per_s:.2f} GB/s, all-to-all alpha {profile.intra_node.alpha_us:.0f} us + "
           f"{profile.intra_node.gb_per_s:.2f} GB/s, backend CPU {profile.backend_cpu_ms_per_mb:.3f} ms/MB", file=out)
     return 0
@@ -105,7 +106,7 @@ def main(argv: Optional[list[str]] = None, out: Optional[TextIO] = None) -> int:
     if argv[:1] == ["fit-profile"]:
         return fit_main(argv[1:], out)
     from lightning_sparselift.simulate import report
-    from lightning_sparselift.simulate.simulator import simulate_world
+    from lightning_sparselift.simulate.simulator import simulate_world, workload_threads
 
     parser = _parser()
     args = parser.parse_args(argv)
@@ -122,7 +123,7 @@ def main(argv: Optional[list[str]] = None, out: Optional[TextIO] = None) -> int:
     batches = {n: args.global_batch // n if args.global_batch is not None else args.batch_per_rank or
                _default_batch(args) for n in args.ranks}
     # (counted once at the first batch; FLOPs and ids scale with the batch)
-    workload = _workload(args, next(iter(batches.values())))
+    workload = _workload(args, next(iter(batches.values())), workload_threads(profile))
     names = args.optimizations.split(",") if args.optimizations else None
     rows = [simulate_world(workload, n, batches[n], profile, names, args.numerics) for n in args.ranks]
     print(report.table(rows, profile), file=out)

@@ -1,8 +1,8 @@
 """A hardware profile of the machine a run measured (``sparselift simulate fit-profile``): fitted
 from what the run recorded for its step-time model (the all-to-all's alpha-beta, the copy
-bandwidth, the cores per rank, the captured step and the collectives' backend CPU), and the
-config's counted dense FLOPs, so that the simulator at the run's world size and batch gives the
-run's captured step back.
+bandwidth, the cores per rank, the collectives' backend CPU); the dense step is timed on this
+machine per workload (``dense: timed``: one throughput does not carry from one model's layers to
+another's), so the profile is this machine's only.
 
 The run is a plan file (``plan_path``: its graph is the plan's, its model's identity prediction
 recorded) or a recorded bench run (``benchmarks/step_model_error.py``: the identity graph itself).
@@ -21,7 +21,6 @@ from lightning_sparselift.cost.step_model import StepModel
 from lightning_sparselift.cost.step_record import StepModelInputs
 from lightning_sparselift.ir import SparseGraph
 from lightning_sparselift.simulate.profile import Device, HardwareProfile, Link
-from lightning_sparselift.simulate.simulator import dense_step
 from lightning_sparselift.simulate.workload import Workload
 from lightning_sparselift.typed_json import decode
 
@@ -59,21 +58,17 @@ def fit_profile(run: Path, workload: Workload, name: str) -> HardwareProfile:
     profile = HardwareProfile(
         name=name, description=f"this machine as measured by a {world}-rank run of {workload.source}",
         device=Device(kind="cpu", dense_tflops=1.0, memory_gb_per_s=inputs.bandwidth_bytes_per_ms / 1e6,
-                      launch_us=0.0, concurrent_lookups=inputs.cores_per_rank, memory_gib=round(memory, 1)),
+                      launch_us=0.0, concurrent_lookups=inputs.cores_per_rank, memory_gib=round(memory, 1),
+                      dense="timed"),
         ranks_per_node=world, intra_node=shared, inter_node=shared, backend_cpu_ms_per_mb=backend,
         sources=[f"fitted by `sparselift simulate fit-profile --run {run}` on {workload.source}"])
-    # the simulator's step is dense + max(all-reduce - dense backward, 0) + optimizer + sparse: solved
-    # for the dense compute (the backward: its share of the counted FLOPs)
-    rest_of_step = dense_step(workload, graph, profile, batch)
-    step = max(inputs.timings.step_ms)
-    rest = step - sparse_ms - rest_of_step.optimizer
-    all_reduce = rest_of_step.all_reduce
-    backward = workload.backward_flops / max(workload.forward_flops + workload.backward_flops, 1.0)
-    dense = rest if all_reduce <= backward * rest else (rest - all_reduce) / (1 - backward)
-    if dense <= 0:
-        raise ValueError(f"{run}: the captured step ({step:.2f} ms) is not longer than the modelled sparse path "
-                         f"({sparse_ms:.2f} ms) and the rest of the step; no dense throughput to fit")
-    profile.device.dense_tflops = (workload.forward_flops + workload.backward_flops) * batch / dense / 1e9
+    timed = workload.timed
+    if timed is None:
+        raise ValueError("fit-profile needs the workload's dense step timed on this machine (probe it with threads)")
+    dense = timed.forward_ms + timed.backward_ms
+    # (what the dense layers reached here: the profile also prices by FLOPs if its dense is set so)
+    profile.device.dense_tflops = (workload.forward_flops + workload.backward_flops) * workload.batch_size / dense / 1e9
     profile.measured = {"run": str(run), "workload": workload.source, "world_size": world, "batch_per_rank": batch,
-                        "captured_step_ms": step, "modelled_sparse_ms": sparse_ms, "dense_ms": dense}
+                        "captured_step_ms": max(inputs.timings.step_ms), "modelled_sparse_ms": sparse_ms,
+                        "timed_dense_ms": dense, "timed_on_threads": timed.threads}
     return profile

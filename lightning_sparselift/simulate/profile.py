@@ -58,6 +58,10 @@ class Device:
     # lookups of one module that run at once (CUDA streams; on CPU: the cores per rank)
     concurrent_lookups: float
     memory_gib: float  # what TorchRec's planner may place per rank
+    # "flops": the dense step from its counted FLOPs at ``dense_tflops`` and a launch per kernel;
+    # "timed": timed by running the model's dense part here (a profile of the machine that
+    # simulates: a single throughput does not carry from one model's layers to another's)
+    dense: Literal["flops", "timed"] = "flops"
 
 
 @dataclass

@@ -7,7 +7,8 @@ function the planner's predictions and ``explain()`` read at run time.
 
 The rest of the step, which the step-time model takes as measured at run time, is priced from the
 profile: the dense forward and backward from their counted FLOPs at the profile's dense
-throughput plus a launch per dense kernel; the dense gradients' all-reduce (DDP overlaps it with
+throughput plus a launch per dense kernel (on a profile of this machine: timed here, on its cores
+per rank); the dense gradients' all-reduce (DDP overlaps it with
 the backward: only what outlasts the dense backward shows); the dense optimizer as three passes
 over the dense parameters. TorchRec's path is the identity plan's schedule (the lifted executor
 runs TorchRec's step as TorchRec does), so its prediction is the identity plan's.
@@ -81,16 +82,25 @@ class DenseStep:
 
 
 def dense_step(workload: Workload, graph: SparseGraph, profile: HardwareProfile, batch: int) -> DenseStep:
-    launch = profile.device.launch_us / 1e3
-    forward = profile.dense_ms(workload.forward_flops * batch) + workload.forward_kernels * launch
-    backward = profile.dense_ms(workload.backward_flops * batch) + workload.backward_kernels * launch
+    if profile.device.dense == "timed":
+        if workload.timed is None:
+            raise ValueError(f"profile {profile.name!r} prices the dense step as timed on this machine; the workload "
+                             f"was not timed (probe it with threads)")
+        scale = batch / workload.batch_size  # (timed at the workload's batch)
+        forward, backward = workload.timed.forward_ms * scale, workload.timed.backward_ms * scale
+        windows = {p: workload.timed.window_ms.get(p, 0.0) * scale for p in workload.module_paths}
+    else:
+        launch = profile.device.launch_us / 1e3
+        forward = profile.dense_ms(workload.forward_flops * batch) + workload.forward_kernels * launch
+        backward = profile.dense_ms(workload.backward_flops * batch) + workload.backward_kernels * launch
+        share = {p: f / workload.forward_flops if workload.forward_flops else 0.0
+                 for p, f in workload.window_flops.items()}
+        windows = {p: profile.dense_ms(workload.window_flops.get(p, 0.0) * batch)
+                   + workload.forward_kernels * share.get(p, 0.0) * launch for p in workload.module_paths}
     replicated = sum(t.rows * t.dim * 4 for m in graph.modules for g in m.groups
                      if g.sharding_type == "data_parallel" for t in g.tables)
     all_reduce = profile.all_reduce_ms(graph.world_size, workload.dense_param_bytes + replicated)
     optimizer = _OPTIMIZER_PASSES * 2 * workload.dense_param_bytes / profile.bandwidth_bytes_per_ms
-    share = {p: f / workload.forward_flops if workload.forward_flops else 0.0 for p, f in workload.window_flops.items()}
-    windows = {p: profile.dense_ms(workload.window_flops.get(p, 0.0) * batch)
-               + workload.forward_kernels * share.get(p, 0.0) * launch for p in workload.module_paths}
     return DenseStep(forward, backward, all_reduce, max(all_reduce - backward, 0.0), optimizer, windows)
 
 
@@ -109,6 +119,11 @@ def model_inputs(graph: SparseGraph, dense: DenseStep, profile: HardwareProfile)
     rest = dense.forward + dense.backward + dense.exposed_all_reduce + dense.optimizer
     timings.step_ms = [rest + sparse] * world
     return inputs
+
+
+def workload_threads(profile: HardwareProfile) -> Optional[int]:
+    """The threads to time a workload's dense step on for ``profile`` (None: it is not timed)."""
+    return max(1, round(profile.device.concurrent_lookups)) if profile.device.dense == "timed" else None
 
 
 def simulate_world(workload: Workload, world: int, batch_per_rank: int, profile: HardwareProfile,

@@ -8,9 +8,15 @@ sparse modules' forward is replaced by zeros of their output's shape while the s
 
 from __future__ import annotations
 
+import logging
+import sys
+import time
 import types
-from dataclasses import dataclass
-from typing import Any
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -18,6 +24,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_sparselift.frontend.capture import FeatureStats, ModuleCapture, RankCapture, SparseCapture
+
+
+@dataclass
+class DenseTiming:
+    """The dense part of one training step timed on this machine (the sparse modules' zeros
+    instead of lookups), medians of a few steps after a warm-up, on ``threads`` intra-op threads."""
+
+    forward_ms: float
+    backward_ms: float
+    window_ms: dict[str, float]  # per sparse module: from the root forward's start to its call
+    threads: int
 
 
 @dataclass
@@ -33,17 +50,22 @@ class Workload:
     forward_kernels: int  # per step: the dense kernels forward and backward launch
     backward_kernels: int
     dense_param_bytes: int
+    timed: Optional[DenseTiming] = None  # this machine's dense step at ``batch_size`` (None: not timed)
+    _scaled: dict[tuple[int], dict[str, ModuleCapture]] = field(default_factory=dict, repr=False)
 
     def capture_at(self, rank: int, world: int, batch_per_rank: int) -> RankCapture:
         """This workload's capture as a rank of ``world`` sees it with ``batch_per_rank`` samples:
         ids per step in proportion to the batch (bag lengths keep their distribution)."""
-        scale = batch_per_rank / self.batch_size
-        modules = {}
-        for path, m in self.capture.modules.items():
-            features = {k: FeatureStats(1, round(f.ids_per_step * scale), dict(f.percentiles))
-                        for k, f in m.features.items()}
-            modules[path] = ModuleCapture(**{**m.__dict__, "features": features, "batch_size": batch_per_rank})
-        return RankCapture(rank, world, modules, self.capture.threads)
+        key = (batch_per_rank,)
+        if key not in self._scaled:  # (every rank's is the same: one object for all)
+            scale = batch_per_rank / self.batch_size
+            modules = {}
+            for path, m in self.capture.modules.items():
+                features = {k: FeatureStats(1, round(f.ids_per_step * scale), dict(f.percentiles))
+                            for k, f in m.features.items()}
+                modules[path] = ModuleCapture(**{**m.__dict__, "features": features, "batch_size": batch_per_rank})
+            self._scaled[key] = modules
+        return RankCapture(rank, world, self._scaled[key], self.capture.threads)
 
 
 class _KernelCount(TorchDispatchMode):
@@ -59,18 +81,27 @@ class _KernelCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def workload_from_config(config: str, batch_size: int) -> Workload:
+def workload_from_config(config: str, batch_size: int, threads: Optional[int] = None) -> Workload:
     """The model and data of ``config`` (what ``sparselift fit --config`` takes) at ``batch_size``
-    samples per rank."""
+    samples per rank; its dense step timed on ``threads`` threads when given."""
     from lightning_sparselift.cli import SparseLiftCLI
 
-    # one process, no training: the trainer is built (the config names it) and never run
-    cli = SparseLiftCLI(args=["--config", config, "--trainer.devices=1", "--trainer.logger=false",
-                              f"--data.batch_size={batch_size}", f"--data.num_train={4 * batch_size}"], run=False)
-    return probe_workload(cli.model, cli.datamodule, config, batch_size)
+    # one process, no training: the trainer is built (the config names it) and never run; its
+    # messages and LightningCLI's about the command line (this one's, not the config's) say nothing here
+    argv, sys.argv = sys.argv, sys.argv[:1]
+    quiet = logging.getLogger("lightning.pytorch")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+    try:
+        cli = SparseLiftCLI(args=["--config", config, "--trainer.devices=1", "--trainer.logger=false",
+                                  f"--data.batch_size={batch_size}", f"--data.num_train={4 * batch_size}"], run=False)
+    finally:
+        sys.argv = argv
+        quiet.setLevel(level)
+    return probe_workload(cli.model, cli.datamodule, config, batch_size, threads)
 
 
-def workload_from_scenario(name: str, batch_size: int) -> Workload:
+def workload_from_scenario(name: str, batch_size: int, threads: Optional[int] = None) -> Workload:
     """A ``sparselift bench`` scenario's model and data at ``batch_size`` samples per rank."""
     import dataclasses
     import tempfile
@@ -80,12 +111,13 @@ def workload_from_scenario(name: str, batch_size: int) -> Workload:
     scenario = dataclasses.replace(load(name), batch_size=batch_size)
     with tempfile.TemporaryDirectory() as cache:
         return probe_workload(scenario.module(), scenario.datamodule(4 * batch_size, batch_size, 0, cache),
-                              f"scenario {scenario.name}", batch_size)
+                              f"scenario {scenario.name}", batch_size, threads)
 
 
-def probe_workload(model: nn.Module, data: Any, source: str, batch_size: int) -> Workload:
+def probe_workload(model: nn.Module, data: Any, source: str, batch_size: int, threads: Optional[int] = None
+                   ) -> Workload:
     """Count two training steps of ``model`` on ``data``'s batches (the second is counted; the
-    first announces it, as the capture needs)."""
+    first announces it, as the capture needs); with ``threads``, time its dense step too."""
     from lightning_sparselift.frontend.lift import dense_parameter_bytes
     from lightning_sparselift.sharding import find_sparse_modules
 
@@ -105,29 +137,64 @@ def probe_workload(model: nn.Module, data: Any, source: str, batch_size: int) ->
     flops, kernels = FlopCounterMode(display=False), _KernelCount()
     window: dict[str, float] = {}
     hooks = [m.register_forward_pre_hook(lambda _m, _a, p=p: _mark(window, p, flops)) for p, m in modules.items()]
-    try:
-        model.train()
-        with capture.step(first, second):
-            model.training_step(first, 0)
-        with flops, capture.step(second, third):
-            window.clear()
-            with kernels:
-                loss = model.training_step(second, 1)
-            forward, forward_kernels = flops.get_total_flops(), kernels.count
-            with kernels:
-                loss.backward()
-        backward, backward_kernels = flops.get_total_flops() - forward, kernels.count - forward_kernels
-    finally:
-        for h in hooks:
-            h.remove()
-        capture.remove()
+    # (the module logs its loss; there is no trainer to log to)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*self.trainer. reference is not registered")
+        try:
+            model.train()
+            with capture.step(first, second):
+                model.training_step(first, 0)
+            with flops, capture.step(second, third):
+                window.clear()
+                with kernels:
+                    loss = model.training_step(second, 1)
+                forward, forward_kernels = flops.get_total_flops(), kernels.count
+                with kernels:
+                    loss.backward()
+            backward, backward_kernels = flops.get_total_flops() - forward, kernels.count - forward_kernels
+        finally:
+            for h in hooks:
+                h.remove()
+            capture.remove()
     result = capture.result()
     errors = capture.errors()
     if errors:
         raise ValueError(f"{source}: {'; '.join(errors.values())}")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*self.trainer. reference is not registered")
+        timed = _time_dense(model, second, modules, threads) if threads else None
     return Workload(source, model, list(modules), result, batch_size, forward / batch_size, backward / batch_size,
                     {p: f / batch_size for p, f in window.items()}, forward_kernels, backward_kernels,
-                    dense_parameter_bytes(model, list(modules)))
+                    dense_parameter_bytes(model, list(modules)), timed)
+
+
+def _time_dense(model: nn.Module, batch: Any, modules: dict[str, nn.Module], threads: int, steps: int = 5
+                ) -> DenseTiming:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    forward, backward, windows = [], [], defaultdict(list)
+    start = [0.0]
+
+    def called(path: str) -> None:
+        windows[path].append((time.perf_counter() - start[0]) * 1e3)
+
+    hooks = [m.register_forward_pre_hook(lambda _m, _a, p=p: called(p)) for p, m in modules.items()]
+    try:
+        for step in range(steps + 1):
+            start[0] = time.perf_counter()
+            loss = model.training_step(batch, step)
+            middle = time.perf_counter()
+            loss.backward()
+            if step:  # (the first warms up)
+                forward.append((middle - start[0]) * 1e3)
+                backward.append((time.perf_counter() - middle) * 1e3)
+            else:
+                windows.clear()
+    finally:
+        for h in hooks:
+            h.remove()
+        torch.set_num_threads(before)
+    return DenseTiming(median(forward), median(backward), {p: median(w) for p, w in windows.items()}, threads)
 
 
 def _mark(window: dict[str, float], path: str, flops: FlopCounterMode) -> None:

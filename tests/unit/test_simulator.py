@@ -88,15 +88,26 @@ def test_strong_scaling_splits_the_global_batch_and_rejects_an_uneven_split(tmp_
     assert "does not split evenly over [3] ranks" in capsys.readouterr().err
 
 
-def test_a_profile_fitted_on_a_run_gives_that_runs_step_back(tmp_path):
-    """The profile fitted from a recorded 2-rank dlrm run, simulating dlrm at 2 ranks and the run's
-    batch: the captured step, up to the placement (the simulator asks TorchRec's planner itself)."""
+def test_a_profile_fitted_on_a_run_keeps_its_links_and_times_the_dense_step_here(tmp_path):
     from pathlib import Path
+
+    from lightning_sparselift.simulate.fit import read_run
 
     run = Path(__file__).parents[1] / "fixtures" / "step_model" / "dlrm_run1.json"
     profile_path = tmp_path / "cpu.yaml"
     assert main(["fit-profile", "--run", str(run), "--scenario", "dlrm", "--out", str(profile_path)]) == 0
     profile = HardwareProfile.load(str(profile_path))
-    assert profile.device.kind == "cpu" and profile.measured["world_size"] == 2
-    result = simulate_world(workload_from_scenario("dlrm", 1024), 2, 1024, profile)
-    assert result.identity.step == pytest.approx(profile.measured["captured_step_ms"], rel=0.05)
+    inputs, graph, _ = read_run(run)
+    assert profile.device.kind == "cpu" and profile.device.dense == "timed"
+    assert profile.measured["world_size"] == graph.world_size == 2
+    # the run's all-to-all, as the simulator prices it at the run's world size
+    link = profile.all_to_all(2, "world[2]")
+    assert link.alpha_ms == pytest.approx(inputs.links[0].alpha_ms)
+    assert link.beta_ms_per_byte == pytest.approx(inputs.links[0].beta_ms_per_byte)
+    assert profile.bandwidth_bytes_per_ms == pytest.approx(inputs.bandwidth_bytes_per_ms)
+
+
+def test_a_timed_profile_needs_a_timed_workload(tiny):
+    profile = HardwareProfile.load("cpu-2core-measured")
+    with pytest.raises(ValueError, match="the workload was not timed"):
+        simulate_world(tiny, 2, 64, profile)

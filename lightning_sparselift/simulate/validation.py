@@ -1,0 +1,87 @@
+"""The simulator against what ran here: for recorded ``sparselift bench`` runs
+(:class:`~lightning_sparselift.bench.model_error.RecordedRun`, ``tests/fixtures/step_model``), the
+step the simulator predicts from a profile of this machine and the run's scenario, world size and
+batch, beside the step the run measured: the identity plan's (TorchRec's path: the captured
+steps) and, where the run checked its plan against the identity plan in steady state, the plan's
+(captured step plus that check's change). The simulator chooses its own plan and placement; a row
+says whether they are the run's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from statistics import median
+from typing import Optional
+
+from lightning_sparselift.bench.model_error import RecordedRun
+from lightning_sparselift.ir import SparseGraph
+from lightning_sparselift.simulate.profile import HardwareProfile
+from lightning_sparselift.simulate.simulator import simulate_world, workload_threads
+from lightning_sparselift.simulate.workload import workload_from_scenario
+
+
+@dataclass
+class ValidationRow:
+    scenario: str
+    world: int
+    batch_per_rank: int
+    measured_identity_ms: float
+    predicted_identity_ms: float
+    measured_plan_ms: Optional[float]  # None: the run checked no plan
+    predicted_plan_ms: float
+    run_plan: list[str]
+    simulated_plan: list[str]
+    fitted_on: bool  # the profile was fitted on this run
+
+    @property
+    def identity_error(self) -> float:
+        return abs(self.predicted_identity_ms - self.measured_identity_ms) / self.measured_identity_ms
+
+    @property
+    def plan_error(self) -> Optional[float]:
+        if self.measured_plan_ms is None:
+            return None
+        return abs(self.predicted_plan_ms - self.measured_plan_ms) / self.measured_plan_ms
+
+
+def validate(runs: list[tuple[str, RecordedRun]], profile: HardwareProfile) -> list[ValidationRow]:
+    """One row per run (named by its file), simulated on ``profile``."""
+    rows = []
+    fitted = (profile.measured or {}).get("run", "")
+    workloads = {}
+    for name, run in runs:
+        identity = SparseGraph.from_dict(run.identity)
+        batch = max(max(m.batch_size_per_rank) for m in identity.modules)
+        if (run.scenario, batch) not in workloads:
+            workloads[(run.scenario, batch)] = workload_from_scenario(run.scenario, batch, workload_threads(profile))
+        result = simulate_world(workloads[(run.scenario, batch)], identity.world_size, batch, profile)
+        measured = max(run.inputs.timings.step_ms)
+        rows.append(ValidationRow(run.scenario, identity.world_size, batch, measured, result.identity.step,
+                                  measured + run.verified_ms if run.verified_ms is not None else None,
+                                  result.plan.step, [_short(c) for c in run.accepted],
+                                  [_short(c) for c in result.accepted], fitted.endswith(name)))
+    return rows
+
+
+def _short(candidate: str) -> str:
+    return candidate.split("@")[0]
+
+
+def median_error(rows: list[ValidationRow]) -> float:
+    """Over the runs the profile was not fitted on: identity and checked plan steps together."""
+    errors = [e for r in rows if not r.fitted_on for e in (r.identity_error, r.plan_error) if e is not None]
+    return median(errors) if errors else float("nan")
+
+
+def markdown(rows: list[ValidationRow], profile: HardwareProfile) -> str:
+    lines = [f"simulated on profile {profile.name!r} ({profile.description}) beside what the runs measured",
+             "| scenario | ranks | batch/rank | identity measured ms | predicted | error | plan measured ms | "
+             "predicted | error | run's plan | simulator's plan |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        plan = (f"{r.measured_plan_ms:.2f} | {r.predicted_plan_ms:.2f} | {r.plan_error:.0%}"
+                if r.measured_plan_ms is not None else f"- | {r.predicted_plan_ms:.2f} | -")
+        name = r.scenario + (" (fitted on)" if r.fitted_on else "")
+        lines.append(f"| {name} | {r.world} | {r.batch_per_rank} | {r.measured_identity_ms:.2f} | "
+                     f"{r.predicted_identity_ms:.2f} | {r.identity_error:.0%} | {plan} | "
+                     f"{', '.join(r.run_plan) or 'identity'} | {', '.join(r.simulated_plan) or 'identity'} |")
+    lines.append(f"\nmedian absolute error over the runs the profile was not fitted on: {median_error(rows):.0%}")
+    return "\n".join(lines)
