@@ -6,12 +6,12 @@ here is :meth:`StepModel.predict <lightning_sparselift.cost.step_model.StepModel
 function the planner's predictions and ``explain()`` read at run time.
 
 The rest of the step, which the step-time model takes as measured at run time, is priced from the
-profile: the dense forward and backward from their counted FLOPs at the profile's dense
-throughput plus a launch per dense kernel (on a profile of this machine: timed here, on its cores
-per rank); the dense gradients' all-reduce (DDP overlaps it with
-the backward: only what outlasts the dense backward shows); the dense optimizer as three passes
-over the dense parameters. TorchRec's path is the identity plan's schedule (the lifted executor
-runs TorchRec's step as TorchRec does), so its prediction is the identity plan's.
+profile: the dense forward and backward from their counted FLOPs at the profile's dense throughput
+plus a launch per dense kernel, and the dense optimizer as three passes over the dense parameters
+(on a profile of this machine both are timed here, on its cores per rank); the dense gradients'
+all-reduce (DDP overlaps it with the backward: only what outlasts the dense backward shows).
+TorchRec's path is the identity plan's schedule (the lifted executor runs TorchRec's step as
+TorchRec does), so its prediction is the identity plan's.
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ def dense_step(workload: Workload, graph: SparseGraph, profile: HardwareProfile,
     replicated = sum(t.rows * t.dim * 4 for m in graph.modules for g in m.groups
                      if g.sharding_type == "data_parallel" for t in g.tables)
     all_reduce = profile.all_reduce_ms(graph.world_size, workload.dense_param_bytes + replicated)
-    optimizer = _OPTIMIZER_PASSES * 2 * workload.dense_param_bytes / profile.bandwidth_bytes_per_ms
+    optimizer = (workload.timed.optimizer_ms if profile.device.dense == "timed" and workload.timed else
+                 _OPTIMIZER_PASSES * 2 * workload.dense_param_bytes / profile.bandwidth_bytes_per_ms)
     return DenseStep(forward, backward, all_reduce, max(all_reduce - backward, 0.0), optimizer, windows)
 
 

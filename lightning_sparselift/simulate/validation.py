@@ -85,3 +85,49 @@ def markdown(rows: list[ValidationRow], profile: HardwareProfile) -> str:
                      f"{', '.join(r.run_plan) or 'identity'} | {', '.join(r.simulated_plan) or 'identity'} |")
     lines.append(f"\nmedian absolute error over the runs the profile was not fitted on: {median_error(rows):.0%}")
     return "\n".join(lines)
+
+
+@dataclass
+class GridPoint:
+    """TorchRec's step measured by ``sparselift bench --systems torchrec`` at one world size and
+    batch (median; one thread per rank, as the profile's cores per rank), and the simulator's
+    identity plan there (TorchRec's schedule)."""
+
+    scenario: str
+    world: int
+    batch_per_rank: int
+    measured_ms: float
+    predicted_ms: Optional[float] = None
+
+    @property
+    def error(self) -> Optional[float]:
+        if self.predicted_ms is None:
+            return None
+        return abs(self.predicted_ms - self.measured_ms) / self.measured_ms
+
+
+def predict_grid(points: list[GridPoint], profile: HardwareProfile) -> list[GridPoint]:
+    workloads = {}
+    for p in points:
+        if (p.scenario, p.batch_per_rank) not in workloads:
+            workloads[(p.scenario, p.batch_per_rank)] = workload_from_scenario(p.scenario, p.batch_per_rank,
+                                                                              workload_threads(profile))
+        p.predicted_ms = simulate_world(workloads[(p.scenario, p.batch_per_rank)], p.world, p.batch_per_rank,
+                                        profile).identity.step
+    return points
+
+
+def grid_markdown(points: list[GridPoint], profile: HardwareProfile) -> str:
+    lines = [f"TorchRec's step measured (`sparselift bench --systems torchrec`, median) beside the simulator's "
+             f"identity plan on {profile.name!r}",
+             "| scenario | ranks | batch/rank | measured ms | predicted ms | error |", "|---|---|---|---|---|---|"]
+    for p in points:
+        lines.append(f"| {p.scenario} | {p.world} | {p.batch_per_rank} | {p.measured_ms:.2f} | "
+                     f"{p.predicted_ms:.2f} | {p.error:.0%} |" if p.predicted_ms is not None else
+                     f"| {p.scenario} | {p.world} | {p.batch_per_rank} | {p.measured_ms:.2f} | - | - |")
+    errors = sorted((p.error, p) for p in points if p.error is not None)
+    if errors:
+        worst = errors[-1][1]
+        lines.append(f"\nmedian absolute error {median(e for e, _ in errors):.0%}; worst {errors[-1][0]:.0%} "
+                     f"({worst.scenario}, {worst.world} ranks, batch {worst.batch_per_rank})")
+    return "\n".join(lines)

@@ -35,6 +35,7 @@ class DenseTiming:
     backward_ms: float
     window_ms: dict[str, float]  # per sparse module: from the root forward's start to its call
     threads: int
+    optimizer_ms: float  # the model's dense optimizer: step and zero_grad over the dense parameters
 
 
 @dataclass
@@ -168,7 +169,7 @@ def probe_workload(model: nn.Module, data: Any, source: str, batch_size: int, th
                     dense_parameter_bytes(model, list(modules)), timed)
 
 
-def _time_dense(model: nn.Module, batch: Any, modules: dict[str, nn.Module], threads: int, steps: int = 5
+def _time_dense(model: nn.Module, batch: Any, modules: dict[str, nn.Module], threads: int, steps: int = 8
                 ) -> DenseTiming:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -178,6 +179,8 @@ def _time_dense(model: nn.Module, batch: Any, modules: dict[str, nn.Module], thr
     def called(path: str) -> None:
         windows[path].append((time.perf_counter() - start[0]) * 1e3)
 
+    optimizer = _dense_optimizer(model)
+    updates = []
     hooks = [m.register_forward_pre_hook(lambda _m, _a, p=p: called(p)) for p, m in modules.items()]
     try:
         for step in range(steps + 1):
@@ -185,16 +188,32 @@ def _time_dense(model: nn.Module, batch: Any, modules: dict[str, nn.Module], thr
             loss = model.training_step(batch, step)
             middle = time.perf_counter()
             loss.backward()
+            done = time.perf_counter()
+            optimizer.step()
+            optimizer.zero_grad()
             if step:  # (the first warms up)
                 forward.append((middle - start[0]) * 1e3)
-                backward.append((time.perf_counter() - middle) * 1e3)
+                backward.append((done - middle) * 1e3)
+                updates.append((time.perf_counter() - done) * 1e3)
             else:
                 windows.clear()
     finally:
         for h in hooks:
             h.remove()
         torch.set_num_threads(before)
-    return DenseTiming(median(forward), median(backward), {p: median(w) for p, w in windows.items()}, threads)
+    return DenseTiming(median(forward), median(backward), {p: median(w) for p, w in windows.items()}, threads,
+                       median(updates))
+
+
+def _dense_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """The model's own optimizer (``configure_optimizers``) over its dense parameters (the tables
+    are updated by the fused embedding optimizer in backward; here they are on meta)."""
+    configured = model.configure_optimizers()
+    optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
+    if isinstance(optimizer, (list, tuple)):
+        (optimizer,) = optimizer
+    dense = [p for p in model.parameters() if p.requires_grad and p.device.type != "meta"]
+    return type(optimizer)(dense, **optimizer.defaults)
 
 
 def _mark(window: dict[str, float], path: str, flops: FlopCounterMode) -> None:
