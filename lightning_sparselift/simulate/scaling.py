@@ -3,15 +3,15 @@ profile's topology (on meta, no processes), and the lifted graph of that placeme
 own layout derivation, :func:`~lightning_sparselift.frontend.lift.lift_placement`), every rank
 seeing the workload's inputs at its batch.
 
-The planner is offered the sharding types the lifted executor runs at that world size whose
-pricing does not grow with it: table-wise and column-wise, and row-wise for a table no rank can
-hold. (Not table-row-wise: TorchRec builds its sharding from the node's process groups, which a
-world that never ran does not have; and across nodes it keeps TorchRec's path, which the
-step-time model does not price.) That bounds its cost: TorchRec's estimator prices every shard of an
-option one by one, and row-wise and data-parallel options have ``world`` shards (replicas), so
-offering them for every table costs ``tables x world`` estimates (26 tables: 15 s on 512 ranks,
-32 s on 1,024 here; 1,000 tables on 1,024 ranks with table- and column-wise options: 4 s).
-Placements are cached per (tables, world, topology, batch) within a process.
+The planner is offered the sharding types the lifted executor runs: table-wise, column-wise,
+row-wise and data-parallel (not table-row-wise: TorchRec builds its sharding from the node's process
+groups, which a world that never ran does not have; across nodes it keeps TorchRec's path, which
+the step-time model does not price). Its cost is bounded: TorchRec's estimator prices every shard of
+an option one by one, and row-wise and data-parallel options have ``world`` shards (replicas), so
+they are offered while ``tables x world`` stays within :data:`ESTIMATES` (26 tables with them: 15 s
+on 512 ranks, 32 s on 1,024 here), beyond only to a table no rank can hold; with table- and
+column-wise options 1,000 tables on 1,024 ranks place in 4 s. Placements are cached per (tables,
+world, topology, batch) within a process.
 """
 
 from __future__ import annotations
@@ -29,12 +29,16 @@ if TYPE_CHECKING:
 
 _PLACEMENTS: dict[str, Any] = {}
 _GREEDY_TABLES = 64  # beyond: TorchRec's uniform proposer only
+ESTIMATES = 4096  # tables x world up to which row-wise and data-parallel are offered to every table
 _STATE_BYTES = 2  # bytes of a table row per its float32 weights: the weights and the optimizer's state (Adam: 3)
 
 
-def offered_types(rows: int, dim: int, world: int, profile: HardwareProfile) -> list[str]:
-    """The sharding types the planner may give a table of ``rows x dim`` on ``world`` ranks."""
+def offered_types(rows: int, dim: int, world: int, tables: int, profile: HardwareProfile) -> list[str]:
+    """The sharding types the planner may give a table of ``rows x dim``, one of ``tables``, on
+    ``world`` ranks."""
     kinds = ["table_wise", "column_wise"]
+    if tables * world <= ESTIMATES:
+        return kinds + ["row_wise", "data_parallel"]
     if rows * dim * 4 * _STATE_BYTES > profile.device.memory_gib * 2**30 * 0.5:
         kinds.append("row_wise")  # (no rank holds it in half its memory)
     return kinds
@@ -56,7 +60,8 @@ def place(workload: Workload, world: int, batch_per_rank: int, profile: Hardware
     if key in _PLACEMENTS:
         return _PLACEMENTS[key]
     constraints = {t: ParameterConstraints(sharding_types=offered_types(i.num_embeddings, i.embedding_dim, world,
-                                                                        profile)) for t, i in tables.items()}
+                                                                        len(tables), profile))
+                   for t, i in tables.items()}
     memory = round(profile.device.memory_gib * 2**30)
     topology = TopologyFactory.create_topology(
         trainer_config=TrainerConfig(world_size=world, local_world_size=min(world, profile.ranks_per_node),

@@ -45,17 +45,18 @@ def test_a_scaled_graph_is_the_lifters_graph_of_the_planners_placement(tiny, gpu
     (m,) = graph.modules
     assert m.batch_size_per_rank == [128] * 16
     for g in m.groups:
-        assert g.sharding_type in offered_types(10**6, 64, 16, gpu)
+        assert g.sharding_type in offered_types(10**6, 64, 16, 6, gpu)
         for t in g.tables:
             assert t.rank is None or 0 <= t.rank < 16
     # every collective's bytes are per member of the 16 ranks
     assert all(len(n.bytes_per_member) == 16 for n in graph.collectives())
 
 
-def test_row_wise_is_offered_only_to_a_table_no_rank_holds(gpu):
-    assert "row_wise" not in offered_types(10**6, 128, 64, gpu)
-    assert "row_wise" in offered_types(10**9, 128, 64, gpu)
-    assert "data_parallel" not in offered_types(10**6, 128, 64, gpu)
+def test_row_wise_and_data_parallel_are_offered_within_the_estimate_budget(gpu):
+    assert set(offered_types(10**6, 128, 8, 26, gpu)) == {"table_wise", "column_wise", "row_wise", "data_parallel"}
+    # beyond it: row-wise only for a table no rank holds
+    assert set(offered_types(10**6, 128, 1024, 26, gpu)) == {"table_wise", "column_wise"}
+    assert "row_wise" in offered_types(10**9, 128, 1024, 26, gpu)
 
 
 @pytest.mark.parametrize("world", [2, 16])
