@@ -166,7 +166,8 @@ class Planner:
                     f"the sweep went the other way: {c.unless} was accepted"
                     if c.unless is not None and accepted.get(c.unless) else "")
             if skip:
-                decisions.append(self.undecided(c, skip))
+                decisions.append(Decision(c.id, c.pass_name, c.module, c.role, True, [], None, None, None, False,
+                                          f"not tried: {skip}"))
                 continue
             try:
                 after = self.apply(graph, c)

@@ -22,7 +22,7 @@ def table(rows: list[WorldPrediction], profile: HardwareProfile) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         placement = ", ".join(f"{k} {v}" for k, v in sorted(r.placement.items()))
-        plan = ", ".join(c.split(":")[1].split("@")[0] for c in r.accepted) or "identity"
+        plan = ", ".join(c.split("@")[0] for c in r.accepted) or "identity"
         lines.append(f"| {r.world} | {r.batch_per_rank} | {placement} | {r.identity.step:.3f} | {r.plan.step:.3f} | "
                      f"{r.speedup:.3f}x | {r.identity.sparse_forward + r.identity.sparse_backward:.3f} -> "
                      f"{r.plan.sparse_forward + r.plan.sparse_backward:.3f} | {plan} |")
