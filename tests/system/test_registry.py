@@ -12,6 +12,7 @@ import pytest
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
+from helpers import EXIT_ABORT
 import lightning_sparselift
 from lightning_sparselift import SparseLiftStrategy
 from lightning_sparselift.lightning.launcher import DenseOnlyMultiProcessingLauncher
@@ -74,9 +75,6 @@ def test_spawn_launcher_is_ours():
     assert isinstance(strategy.launcher, DenseOnlyMultiProcessingLauncher)
     assert lightning_sparselift.__version__
 
-
-# what a worker prints when it aborts at interpreter exit (seen intermittently after training finished)
-EXIT_ABORT = "terminate called without an active exception"
 
 TORCHRUN_SCRIPT = """
 import os, sys
