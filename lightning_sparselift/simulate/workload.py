@@ -85,7 +85,7 @@ class _KernelCount(TorchDispatchMode):
 def workload_from_config(config: str, batch_size: int, threads: Optional[int] = None) -> Workload:
     """The model and data of ``config`` (what ``sparselift fit --config`` takes) at ``batch_size``
     samples per rank; its dense step timed on ``threads`` threads when given."""
-    from lightning_sparselift.cli import SparseLiftCLI
+    from lightning_sparselift.lightning.cli import SparseLiftCLI
 
     # one process, no training: the trainer is built (the config names it) and never run; its
     # messages and LightningCLI's about the command line (this one's, not the config's) say nothing here
