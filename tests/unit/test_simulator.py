@@ -112,3 +112,28 @@ def test_a_timed_profile_needs_a_timed_workload(tiny):
     profile = HardwareProfile.load("cpu-2core-measured")
     with pytest.raises(ValueError, match="the workload was not timed"):
         simulate_world(tiny, 2, 64, profile)
+
+
+def test_fit_profile_reads_a_plan_file_as_it_reads_a_recorded_run(tmp_path):
+    """A plan file (``plan_path``) carries the model's inputs and its identity prediction."""
+    from pathlib import Path
+
+    from lightning_sparselift.bench.model_error import RecordedRun
+    from lightning_sparselift.cost.step_model import StepModel
+    from lightning_sparselift.ir import SparseGraph
+    from lightning_sparselift.plan.types import ExecutionPlan, PlanFingerprint
+    from lightning_sparselift.simulate.fit import read_run
+
+    recorded = Path(__file__).parents[1] / "fixtures" / "step_model" / "dlrm_run1.json"
+    run = RecordedRun.from_dict(json.loads(recorded.read_text()))
+    identity = SparseGraph.from_dict(run.identity)
+    record = StepModel(run.inputs, identity).record(identity)
+    plan = ExecutionPlan(PlanFingerprint(identity.fingerprint(), "0" * 16, identity.world_size, identity.backend,
+                                         dict(identity.versions), []), identity, step_model=record)
+    plan.save(tmp_path / "plan.json")
+    inputs, graph, sparse_ms = read_run(tmp_path / "plan.json")
+    assert inputs == run.inputs and graph.fingerprint() == identity.fingerprint()
+    assert sparse_ms == pytest.approx(read_run(recorded)[2])
+    with pytest.raises(ValueError, match="neither a plan file nor a recorded bench run"):
+        (tmp_path / "other.json").write_text("{}")
+        read_run(tmp_path / "other.json")
