@@ -16,7 +16,7 @@ from lightning_sparselift.bench.model_error import RecordedRun
 from lightning_sparselift.ir import SparseGraph
 from lightning_sparselift.simulate.profile import HardwareProfile
 from lightning_sparselift.simulate.simulator import simulate_world, workload_threads
-from lightning_sparselift.simulate.workload import workload_from_scenario
+from lightning_sparselift.simulate.workload import DenseTiming, Workload, workload_from_scenario
 
 
 @dataclass
@@ -43,17 +43,38 @@ class ValidationRow:
         return abs(self.predicted_plan_ms - self.measured_plan_ms) / self.measured_plan_ms
 
 
-def validate(runs: list[tuple[str, RecordedRun]], profile: HardwareProfile) -> list[ValidationRow]:
+Timings = dict[str, DenseTiming]  # a scenario's dense step timed here, by timing_key(scenario, batch)
+
+
+def timing_key(scenario: str, batch: int) -> str:
+    return f"{scenario}@{batch}"
+
+
+def workloads(pairs: set[tuple[str, int]], profile: HardwareProfile, timings: Optional[Timings] = None
+              ) -> dict[tuple[str, int], Workload]:
+    """The workload of each (scenario, batch): its dense step timed now, or the one ``timings``
+    recorded (the tables kept as tests: a step timed while the suite runs varies by a third)."""
+    out = {}
+    for scenario, batch in sorted(pairs):
+        recorded = (timings or {}).get(timing_key(scenario, batch))
+        out[(scenario, batch)] = workload_from_scenario(scenario, batch,
+                                                        None if recorded else workload_threads(profile))
+        if recorded:
+            out[(scenario, batch)].timed = recorded
+    return out
+
+
+def validate(runs: list[tuple[str, RecordedRun]], profile: HardwareProfile, timings: Optional[Timings] = None
+             ) -> list[ValidationRow]:
     """One row per run (named by its file), simulated on ``profile``."""
     rows = []
     fitted = (profile.measured or {}).get("run", "")
-    workloads = {}
-    for name, run in runs:
-        identity = SparseGraph.from_dict(run.identity)
-        batch = max(max(m.batch_size_per_rank) for m in identity.modules)
-        if (run.scenario, batch) not in workloads:
-            workloads[(run.scenario, batch)] = workload_from_scenario(run.scenario, batch, workload_threads(profile))
-        result = simulate_world(workloads[(run.scenario, batch)], identity.world_size, batch, profile)
+    graphs = [(name, run, SparseGraph.from_dict(run.identity)) for name, run in runs]
+    batches = {name: max(max(m.batch_size_per_rank) for m in g.modules) for name, _, g in graphs}
+    probed = workloads({(run.scenario, batches[name]) for name, run, _ in graphs}, profile, timings)
+    for name, run, identity in graphs:
+        batch = batches[name]
+        result = simulate_world(probed[(run.scenario, batch)], identity.world_size, batch, profile)
         measured = max(run.inputs.timings.step_ms)
         rows.append(ValidationRow(run.scenario, identity.world_size, batch, measured, result.identity.step,
                                   measured + run.verified_ms if run.verified_ms is not None else None,
@@ -106,13 +127,11 @@ class GridPoint:
         return abs(self.predicted_ms - self.measured_ms) / self.measured_ms
 
 
-def predict_grid(points: list[GridPoint], profile: HardwareProfile) -> list[GridPoint]:
-    workloads = {}
+def predict_grid(points: list[GridPoint], profile: HardwareProfile, timings: Optional[Timings] = None
+                 ) -> list[GridPoint]:
+    probed = workloads({(p.scenario, p.batch_per_rank) for p in points}, profile, timings)
     for p in points:
-        if (p.scenario, p.batch_per_rank) not in workloads:
-            workloads[(p.scenario, p.batch_per_rank)] = workload_from_scenario(p.scenario, p.batch_per_rank,
-                                                                              workload_threads(profile))
-        p.predicted_ms = simulate_world(workloads[(p.scenario, p.batch_per_rank)], p.world, p.batch_per_rank,
+        p.predicted_ms = simulate_world(probed[(p.scenario, p.batch_per_rank)], p.world, p.batch_per_rank,
                                         profile).identity.step
     return points
 

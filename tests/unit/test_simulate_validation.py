@@ -1,28 +1,37 @@
 """The simulator's error tables on this machine, kept on recorded measurements (the tables:
-``benchmarks/simulate_validation.py``, results/2026-12-05/simulate/validation.md) and the shipped
-profile of this machine. The dense step is timed here when the test runs, so the bounds are loose:
-on the recorded bench runs the median error measured 17-34% over three invocations (the same
-setup's recorded runs are themselves 46-57% apart: dlrm 139 vs 89 ms, sparse-heavy 193 vs 282; the
-machine is shared); on the measured grid 24-28%, its worst the small steps of tiny and sequence
-(50-75%: per-step costs the model does not price, see docs/simulate.md)."""
+``benchmarks/simulate_validation.py``, results/2026-12-05/simulate/validation.md): the recorded bench
+runs and the measured grid, the dense steps as timed here when they were recorded
+(``tests/fixtures/simulate/dense_timings.json``: timed while the suite runs they varied by a third and
+moved the medians from 24-35% to 43-49%), and the shipped profile of this machine. The bounds are the
+recorded medians: the model may not get worse on them. Neither is the 10% the issue asks: the
+grid's worst are the small steps of tiny and sequence (61-83%: per-step costs the model does not
+price, see docs/simulate.md); the recorded runs of one setup are themselves 46-57% apart (dlrm 139 vs
+89 ms, sparse-heavy 193 vs 282: the machine is shared)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from statistics import median
 
 from lightning_sparselift.bench.model_error import RecordedRun
 from lightning_sparselift.simulate.profile import HardwareProfile
 from lightning_sparselift.simulate.validation import markdown, median_error, validate
+from lightning_sparselift.simulate.workload import DenseTiming
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "step_model"
-MEDIAN_ERROR = 0.45
+TIMINGS = Path(__file__).parents[1] / "fixtures" / "simulate" / "dense_timings.json"
+MEDIAN_ERROR = 0.41
+
+
+def _timings() -> dict[str, DenseTiming]:
+    return {k: DenseTiming(**v) for k, v in json.loads(TIMINGS.read_text()).items()}
 
 
 def test_the_simulated_steps_of_the_recorded_runs():
     runs = [(p.name, RecordedRun.from_dict(json.loads(p.read_text()))) for p in sorted(FIXTURES.glob("*.json"))]
     profile = HardwareProfile.load("cpu-2core-measured")
-    rows = validate(runs, profile)
+    rows = validate(runs, profile, _timings())
     assert len(rows) == len(runs) and sum(r.fitted_on for r in rows) == 1
     assert all(r.predicted_plan_ms <= r.predicted_identity_ms for r in rows)
     text = markdown(rows, profile)
@@ -30,7 +39,7 @@ def test_the_simulated_steps_of_the_recorded_runs():
 
 
 GRID = Path(__file__).parents[1] / "fixtures" / "simulate" / "grid.json"
-GRID_MEDIAN_ERROR = 0.4
+GRID_MEDIAN_ERROR = 0.25
 
 
 def test_the_simulated_identity_step_on_the_measured_grid():
@@ -41,6 +50,5 @@ def test_the_simulated_identity_step_on_the_measured_grid():
     points = [GridPoint(**{**x, "predicted_ms": None}) for x in json.loads(GRID.read_text())]
     assert {p.world for p in points} == {1, 2} and len({p.scenario for p in points}) == 5
     profile = HardwareProfile.load("cpu-2core-measured")
-    points = predict_grid(points, profile)
-    errors = sorted(p.error for p in points)
-    assert errors[len(errors) // 2] <= GRID_MEDIAN_ERROR, grid_markdown(points, profile)
+    points = predict_grid(points, profile, _timings())
+    assert median(p.error for p in points) <= GRID_MEDIAN_ERROR, grid_markdown(points, profile)
