@@ -4,7 +4,7 @@ files). ``profiles/`` ships an 8-GPU NVLink node with a 400 Gb/s-per-GPU network
 figures, cited in the file) and this CPU machine as measured (written by ``sparselift simulate
 fit-profile``, not typed in); ``--profile PATH`` reads a user's own.
 
-A profile becomes the step-time model's machine inputs per world size (:meth:`HardwareProfile.links`):
+A profile becomes the step-time model's machine inputs per world size (:meth:`HardwareProfile.all_to_all`):
 an all-to-all over ``world`` ranks, ``ranks_per_node`` of them per node, sends each peer
 ``1/world`` of a member's bytes, the peers in its node over the intra-node link and the others over
 the inter-node one at once; its latency grows with the peers it posts a message to. So

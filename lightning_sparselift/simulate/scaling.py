@@ -84,14 +84,13 @@ def place(workload: Workload, world: int, batch_per_rank: int, profile: Hardware
     return plan
 
 
-def scaled_graph(workload: Workload, world: int, batch_per_rank: int, profile: HardwareProfile,
-                 plan: Any = None) -> SparseGraph:
-    """The identity graph of the workload on ``world`` ranks (TorchRec's placement unless ``plan``),
-    each rank with ``batch_per_rank`` samples; generated lookup kernels counted as available (the
+def scaled_graph(workload: Workload, world: int, batch_per_rank: int, profile: HardwareProfile) -> SparseGraph:
+    """The identity graph of the workload on ``world`` ranks in TorchRec's placement, each rank with
+    ``batch_per_rank`` samples; generated lookup kernels counted as available (the
     GPU path's Triton kernels, the CPU path's C++ ones)."""
     from lightning_sparselift.frontend.lift import lift_placement
 
-    plan = plan if plan is not None else place(workload, world, batch_per_rank, profile)
+    plan = place(workload, world, batch_per_rank, profile)
     captures = [workload.capture_at(r, world, batch_per_rank) for r in range(world)]
     backend = "nccl" if profile.device.kind == "cuda" else "gloo"
     graph = lift_placement(workload.model, plan, workload.module_paths, captures, world, profile.device.kind,

@@ -89,6 +89,7 @@ def dense_step(workload: Workload, graph: SparseGraph, profile: HardwareProfile,
         scale = batch / workload.batch_size  # (timed at the workload's batch)
         forward, backward = workload.timed.forward_ms * scale, workload.timed.backward_ms * scale
         windows = {p: workload.timed.window_ms.get(p, 0.0) * scale for p in workload.module_paths}
+        optimizer = workload.timed.optimizer_ms
     else:
         launch = profile.device.launch_us / 1e3
         forward = profile.dense_ms(workload.forward_flops * batch) + workload.forward_kernels * launch
@@ -97,11 +98,10 @@ def dense_step(workload: Workload, graph: SparseGraph, profile: HardwareProfile,
                  for p, f in workload.window_flops.items()}
         windows = {p: profile.dense_ms(workload.window_flops.get(p, 0.0) * batch)
                    + workload.forward_kernels * share.get(p, 0.0) * launch for p in workload.module_paths}
+        optimizer = _OPTIMIZER_PASSES * 2 * workload.dense_param_bytes / profile.bandwidth_bytes_per_ms
     replicated = sum(t.rows * t.dim * 4 for m in graph.modules for g in m.groups
                      if g.sharding_type == "data_parallel" for t in g.tables)
     all_reduce = profile.all_reduce_ms(graph.world_size, workload.dense_param_bytes + replicated)
-    optimizer = (workload.timed.optimizer_ms if profile.device.dense == "timed" and workload.timed else
-                 _OPTIMIZER_PASSES * 2 * workload.dense_param_bytes / profile.bandwidth_bytes_per_ms)
     return DenseStep(forward, backward, all_reduce, max(all_reduce - backward, 0.0), optimizer, windows)
 
 

@@ -52,21 +52,20 @@ class Workload:
     backward_kernels: int
     dense_param_bytes: int
     timed: Optional[DenseTiming] = None  # this machine's dense step at ``batch_size`` (None: not timed)
-    _scaled: dict[tuple[int], dict[str, ModuleCapture]] = field(default_factory=dict, repr=False)
+    _scaled: dict[int, dict[str, ModuleCapture]] = field(default_factory=dict, repr=False)  # by batch per rank
 
     def capture_at(self, rank: int, world: int, batch_per_rank: int) -> RankCapture:
         """This workload's capture as a rank of ``world`` sees it with ``batch_per_rank`` samples:
         ids per step in proportion to the batch (bag lengths keep their distribution)."""
-        key = (batch_per_rank,)
-        if key not in self._scaled:  # (every rank's is the same: one object for all)
+        if batch_per_rank not in self._scaled:  # (every rank's is the same: one object for all)
             scale = batch_per_rank / self.batch_size
             modules = {}
             for path, m in self.capture.modules.items():
                 features = {k: FeatureStats(1, round(f.ids_per_step * scale), dict(f.percentiles))
                             for k, f in m.features.items()}
                 modules[path] = ModuleCapture(**{**m.__dict__, "features": features, "batch_size": batch_per_rank})
-            self._scaled[key] = modules
-        return RankCapture(rank, world, self._scaled[key], self.capture.threads)
+            self._scaled[batch_per_rank] = modules
+        return RankCapture(rank, world, self._scaled[batch_per_rank], self.capture.threads)
 
 
 class _KernelCount(TorchDispatchMode):
