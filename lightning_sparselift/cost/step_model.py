@@ -106,6 +106,12 @@ class StepModel:
                  if (total := sum(n.bytes_per_member[r] for n in nodes if r < len(n.bytes_per_member))) > 0]
         return max(rates, default=0.0)
 
+    def reference_lookup_ms(self, graph: SparseGraph) -> dict[str, list[float]]:
+        """Per sparse module, per rank: the byte model's ms of TorchRec's lookups on ``graph``
+        (before the captured lookups scale them)."""
+        return {m.path: _ModuleSimulation(self, graph, m, [n for n in graph.nodes if n.module == m.path])
+                .reference_lookup_ms() for m in graph.modules}
+
     def copy_ms(self, nbytes: float, passes: float) -> float:
         """``passes`` reads and writes of ``nbytes`` at the copy bandwidth."""
         return passes * 2 * nbytes / max(self.inputs.bandwidth_bytes_per_ms, 1e-9)
@@ -192,12 +198,9 @@ class _ModuleSimulation:
         ids = self.ids.get((group, node.rank), 0.0)
         return self.model.copy_ms(ids * dim * 4, PASSES.get((part, kernel), PASSES.get((part, "any"))))
 
-    def _lookup_scale(self) -> list[float]:
-        """Per rank: the captured ms of TorchRec's lookups of this module over what the byte model
-        gives its reference kernels (1 where nothing was captured)."""
-        measured = self.model.inputs.timings.lookup_ms.get(self.m.path, [])
-        if not any(measured):
-            return [1.0] * self.world
+    def reference_lookup_ms(self) -> list[float]:
+        """Per rank: what the byte model gives TorchRec's lookups of this module (its reference
+        kernels), forward and backward."""
         mine = [0.0] * self.world
         everyone = 0.0  # (a data-parallel lookup runs on every rank)
         for n in self.nodes:
@@ -207,9 +210,16 @@ class _ModuleSimulation:
                     everyone += ms
                 elif n.rank < self.world:
                     mine[n.rank] += ms
+        return [ms + everyone for ms in mine]
+
+    def _lookup_scale(self) -> list[float]:
+        """Per rank: the captured ms of TorchRec's lookups of this module over what the byte model
+        gives its reference kernels (1 where nothing was captured)."""
+        measured = self.model.inputs.timings.lookup_ms.get(self.m.path, [])
+        if not any(measured):
+            return [1.0] * self.world
         out = []
-        for r in range(self.world):
-            modelled = mine[r] + everyone
+        for r, modelled in enumerate(self.reference_lookup_ms()):
             ms = measured[r] if r < len(measured) else 0.0
             out.append(ms / modelled if ms > 0 and modelled > 0 else 1.0)
         return out

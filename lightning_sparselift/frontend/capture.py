@@ -255,11 +255,13 @@ class SparseCapture:
             if not self._active:
                 return
             self._lookup_now[path] += (time.thread_time() - module._sparselift_capture_start) * 1e3
-            node = output.grad_fn if isinstance(output, torch.Tensor) else None
-            if node is not None:
+            # every node of the lookup's backward, not only its output's: an EmbeddingCollection's
+            # lookup returns a view of fbgemm's output and several groups a cat of theirs, whose own
+            # backward is nothing beside fbgemm's (with the fused update) below them
+            for node in _lookup_nodes(output):
                 started: list[float] = []
-                node.register_prehook(lambda *_: started.append(time.thread_time()))
-                node.register_hook(lambda *_: self._lookup_backward_done(path, started))
+                node.register_prehook(lambda *_, started=started: started.append(time.thread_time()))
+                node.register_hook(lambda *_, started=started: self._lookup_backward_done(path, started))
         return hook
 
     def _lookup_backward_done(self, path: str, started: list[float]) -> None:
@@ -312,6 +314,22 @@ class SparseCapture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _lookup_nodes(output: Any) -> list[Any]:
+    """The autograd nodes of a lookup's output down to its tables (the lookup's input ids take no
+    gradient, so nothing below them is another module's)."""
+    if not isinstance(output, torch.Tensor) or output.grad_fn is None:
+        return []
+    nodes, seen, stack = [], set(), [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen or type(node).__name__ == "AccumulateGrad":
+            continue
+        seen.add(node)
+        nodes.append(node)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return nodes
 
 
 def _lookup_started(module: nn.Module, _args: tuple) -> None:

@@ -59,6 +59,9 @@ def _fit_parser() -> argparse.ArgumentParser:
                                             "recorded bench run")
     p.add_argument("--run", type=Path, required=True, help="a plan file (plan_path) or a recorded bench run")
     _source(p)
+    p.add_argument("--timings", type=Path, help="the workload's timings as recorded (a timings file of "
+                   "benchmarks/simulate_validation.py, keyed scenario@batch) instead of timing it now: this machine's "
+                   "speed drifts within minutes, and a fit should see it as the run did")
     p.add_argument("--name", default="cpu-measured", help="the profile's name")
     p.add_argument("--out", type=Path, required=True, help="the profile YAML to write")
     return p
@@ -85,6 +88,21 @@ def _default_batch(args: argparse.Namespace) -> int:
     return batch
 
 
+def _recorded_timing(args: argparse.Namespace, batch: int) -> tuple:
+    import json
+
+    from lightning_sparselift.simulate.validation import Timed, timing_key
+
+    if not args.scenario:
+        raise ValueError("--timings holds bench scenarios' timings: use it with --scenario")
+    recorded = json.loads(args.timings.read_text())
+    key = timing_key(args.scenario, batch)
+    if key not in recorded:
+        raise ValueError(f"{args.timings} has no timing of {key} (it has {sorted(recorded)})")
+    timed = Timed.from_dict(recorded[key])
+    return timed.dense, timed.one_rank
+
+
 def fit_main(argv: list[str], out: Optional[TextIO] = None) -> int:
     out = out or sys.stdout
     from lightning_sparselift.simulate.fit import fit_profile, read_run
@@ -92,7 +110,14 @@ def fit_main(argv: list[str], out: Optional[TextIO] = None) -> int:
     args = _fit_parser().parse_args(argv)
     inputs, graph, _ = read_run(args.run)
     batch = max(max(m.batch_size_per_rank) for m in graph.modules)
-    profile = fit_profile(args.run, _workload(args, batch, max(1, round(inputs.cores_per_rank))), args.name)
+    if args.timings:
+        workload = _workload(args, batch, None)
+        workload.timed, workload.one_rank = _recorded_timing(args, batch)
+    else:
+        workload = _workload(args, batch, max(1, round(inputs.cores_per_rank)))
+    profile = fit_profile(args.run, workload, args.name)
+    if args.timings:
+        profile.sources.append(f"the workload timed as recorded in {args.timings}")
     profile.save(args.out)
     print(f"wrote {args.out}: dense timed here ({profile.device.dense_tflops * 1e3:.1f} GFLOP/s), copy "
           f"{profile.device.memory_gb_per_s:.2f} GB/s, all-to-all alpha {profile.intra_node.alpha_us:.0f} us + "

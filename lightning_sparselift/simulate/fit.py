@@ -1,8 +1,9 @@
 """A hardware profile of the machine a run measured (``sparselift simulate fit-profile``): fitted
 from what the run recorded for its step-time model (the all-to-all's alpha-beta, the copy
-bandwidth, the cores per rank, the collectives' backend CPU); the dense step is timed on this
-machine per workload (``dense: timed``: one throughput does not carry from one model's layers to
-another's), so the profile is this machine's only.
+bandwidth, the cores per rank, the collectives' backend CPU); the dense step and TorchRec's step
+at one rank are timed on this machine per workload (``dense: timed``: one throughput does not carry
+from one model's layers to another's, nor one lookup rate from one table set to another), so the
+profile is this machine's only.
 
 The run is a plan file (``plan_path``: its graph is the plan's, its model's identity prediction
 recorded) or a recorded bench run (``benchmarks/step_model_error.py``: the identity graph itself).
@@ -68,7 +69,30 @@ def fit_profile(run: Path, workload: Workload, name: str) -> HardwareProfile:
     dense = timed.forward_ms + timed.backward_ms
     # (what the dense layers reached here: the profile also prices by FLOPs if its dense is set so)
     profile.device.dense_tflops = (workload.forward_flops + workload.backward_flops) * workload.batch_size / dense / 1e9
+    captured = max(inputs.timings.step_ms)
+    simulated, per_step_mb = _simulated(workload, world, batch, profile)
+    # What the run's step took beyond the simulated one, per MB through its collectives, is what a
+    # MB costs a rank's step beyond the link's alpha-beta (probed after a barrier) and the backend's
+    # CPU: where the ranks share the cores, the backend's threads and the other ranks take the
+    # training thread's core while bytes move. It joins the backend's rate, the model's per-byte
+    # term of a collective on the training thread.
+    profile.backend_cpu_ms_per_mb += max(captured - simulated, 0.0) / per_step_mb if per_step_mb > 0 else 0.0
     profile.measured = {"run": str(run), "workload": workload.source, "world_size": world, "batch_per_rank": batch,
-                        "captured_step_ms": max(inputs.timings.step_ms), "modelled_sparse_ms": sparse_ms,
-                        "timed_dense_ms": dense, "timed_on_threads": timed.threads}
+                        "captured_step_ms": captured, "modelled_sparse_ms": sparse_ms, "timed_dense_ms": dense,
+                        "timed_one_rank_step_ms": workload.one_rank.step_ms, "timed_on_threads": timed.threads,
+                        "backend_cpu_ms_per_mb": backend, "simulated_step_ms_before_fit": simulated,
+                        "collectives_mb_per_step": per_step_mb}
     return profile
+
+
+def _simulated(workload: Workload, world: int, batch: int, profile: HardwareProfile) -> tuple[float, float]:
+    """(the identity step the simulator predicts for the run on ``profile``, the MB a rank puts
+    through the sparse path's collectives per step: the busiest rank's)."""
+    from lightning_sparselift.simulate.scaling import scaled_graph
+    from lightning_sparselift.simulate.simulator import simulate_world
+
+    graph = scaled_graph(workload, world, batch, profile)
+    # (the step-time model charges the sparse path's collectives per byte; DDP's overlap the backward)
+    nodes = [n for n in graph.collectives() if n.issue != "ddp_backward"]
+    per_step_mb = max(sum(n.bytes_per_member[r] for n in nodes) for r in range(world)) / 1e6
+    return simulate_world(workload, world, batch, profile).identity.step, per_step_mb

@@ -59,8 +59,9 @@ class Device:
     concurrent_lookups: float
     memory_gib: float  # what TorchRec's planner may place per rank
     # "flops": the dense step from its counted FLOPs at ``dense_tflops`` and a launch per kernel;
-    # "timed": timed by running the model's dense part here (a profile of the machine that
-    # simulates: a single throughput does not carry from one model's layers to another's)
+    # "timed": timed by running the model's dense part here, and TorchRec's whole step at one rank
+    # (its lookups' rate and its host work per step; a profile of the machine that simulates: a
+    # single throughput does not carry from one model's layers, or one table set, to another's)
     dense: Literal["flops", "timed"] = "flops"
 
 

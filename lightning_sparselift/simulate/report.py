@@ -12,7 +12,7 @@ from lightning_sparselift.simulate.profile import HardwareProfile
 from lightning_sparselift.simulate.simulator import WorldPrediction
 
 SCHEMA = "sparselift-simulate/1"
-_STAGES = ("sparse_forward", "other_forward", "sparse_backward", "other_backward")
+_STAGES = ("sparse_forward", "other_forward", "sparse_backward", "other_backward", "host")
 
 
 def table(rows: list[WorldPrediction], profile: HardwareProfile) -> str:

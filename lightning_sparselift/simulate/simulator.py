@@ -10,6 +10,10 @@ profile: the dense forward and backward from their counted FLOPs at the profile'
 plus a launch per dense kernel, and the dense optimizer as three passes over the dense parameters
 (on a profile of this machine both are timed here, on its cores per rank); the dense gradients'
 all-reduce (DDP overlaps it with the backward: only what outlasts the dense backward shows).
+On a profile of this machine TorchRec's step is also timed at one rank (:mod:`.one_rank`): its
+lookups scale the byte model's lookups of the module at every world size (as a run's captured
+lookups scale them at run time), and what the step took beyond the model's parts at one rank
+(TorchRec's host work per step) is added at every world size.
 TorchRec's path is the identity plan's schedule (the lifted executor runs TorchRec's step as
 TorchRec does), so its prediction is the identity plan's.
 """
@@ -43,10 +47,11 @@ class Stages:
     other_forward: float
     sparse_backward: float
     other_backward: float
+    host: float = 0.0  # TorchRec's host work beyond the model's parts (timed at one rank; else 0)
 
     @property
     def step(self) -> float:
-        return self.sparse_forward + self.other_forward + self.sparse_backward + self.other_backward
+        return self.sparse_forward + self.other_forward + self.sparse_backward + self.other_backward + self.host
 
 
 @dataclass
@@ -79,6 +84,8 @@ class DenseStep:
     exposed_all_reduce: float  # what outlasts the dense backward
     optimizer: float
     windows: dict[str, float]  # per sparse module: the dense forward before its call
+    host: float = 0.0  # TorchRec's host work per step beyond the model's parts (timed at one rank)
+    lookup_scale: dict[str, float] = field(default_factory=dict)  # per module: timed / byte model (one rank)
 
 
 def dense_step(workload: Workload, graph: SparseGraph, profile: HardwareProfile, batch: int) -> DenseStep:
@@ -90,6 +97,9 @@ def dense_step(workload: Workload, graph: SparseGraph, profile: HardwareProfile,
         forward, backward = workload.timed.forward_ms * scale, workload.timed.backward_ms * scale
         windows = {p: workload.timed.window_ms.get(p, 0.0) * scale for p in workload.module_paths}
         optimizer = workload.timed.optimizer_ms
+        if workload.one_rank is None:
+            raise ValueError(f"profile {profile.name!r} prices TorchRec's step as timed at one rank on this machine; "
+                             f"the workload was not timed there")
     else:
         launch = profile.device.launch_us / 1e3
         forward = profile.dense_ms(workload.forward_flops * batch) + workload.forward_kernels * launch
@@ -105,9 +115,18 @@ def dense_step(workload: Workload, graph: SparseGraph, profile: HardwareProfile,
     return DenseStep(forward, backward, all_reduce, max(all_reduce - backward, 0.0), optimizer, windows)
 
 
+def rest_of_step(workload: Workload, graph: SparseGraph, profile: HardwareProfile, batch: int) -> DenseStep:
+    """:func:`dense_step`, and on a profile of this machine what TorchRec's step timed at one rank
+    adds to it."""
+    dense = dense_step(workload, graph, profile, batch)
+    if profile.device.dense == "timed":
+        dense.lookup_scale, dense.host = one_rank_terms(workload, profile)
+    return dense
+
+
 def model_inputs(graph: SparseGraph, dense: DenseStep, profile: HardwareProfile) -> StepModelInputs:
     """The step-time model's inputs at ``graph``'s world size from ``profile``: the identity plan's
-    step is the dense step plus the model's own sparse path of the identity plan."""
+    step is the rest of the step plus the model's own sparse path of the identity plan."""
     world = graph.world_size
     link = profile.all_to_all(world, f"world[{world}]")
     collectives = graph.collectives()
@@ -116,10 +135,26 @@ def model_inputs(graph: SparseGraph, dense: DenseStep, profile: HardwareProfile)
                           [b / 1e6 * profile.backend_cpu_ms_per_mb for b in identity_bytes])
     inputs = StepModelInputs(timings, [link], profile.bandwidth_bytes_per_ms, profile.device.concurrent_lookups,
                              launch_ms=profile.device.launch_us / 1e3)
+    if dense.lookup_scale:  # TorchRec's lookups as timed at one rank, at this world size's bytes
+        timings.lookup_ms = {p: [ms * dense.lookup_scale.get(p, 1.0) for ms in per_rank]
+                             for p, per_rank in StepModel(inputs, graph).reference_lookup_ms(graph).items()}
     sparse = StepModel(inputs, graph).predict(graph).sparse_ms
-    rest = dense.forward + dense.backward + dense.exposed_all_reduce + dense.optimizer
+    rest = dense.forward + dense.backward + dense.exposed_all_reduce + dense.optimizer + dense.host
     timings.step_ms = [rest + sparse] * world
     return inputs
+
+
+def one_rank_terms(workload: Workload, profile: HardwareProfile) -> tuple[dict[str, float], float]:
+    """(per sparse module: TorchRec's lookups timed at one rank over the byte model's, TorchRec's
+    step timed at one rank beyond the model's prediction of it, which holds the dense step as
+    timed, the lookups as timed and the copies as modelled)."""
+    timed = workload.one_rank
+    graph = scaled_graph(workload, 1, workload.batch_size, profile)
+    dense = dense_step(workload, graph, profile, workload.batch_size)
+    modelled = StepModel(model_inputs(graph, dense, profile), graph).reference_lookup_ms(graph)
+    dense.lookup_scale = {p: timed.lookup_ms[p] / ms[0] for p, ms in modelled.items()
+                          if ms[0] > 0 and timed.lookup_ms.get(p, 0.0) > 0}
+    return dense.lookup_scale, timed.step_ms - model_inputs(graph, dense, profile).timings.step_ms[0]
 
 
 def workload_threads(profile: HardwareProfile) -> Optional[int]:
@@ -130,7 +165,7 @@ def workload_threads(profile: HardwareProfile) -> Optional[int]:
 def simulate_world(workload: Workload, world: int, batch_per_rank: int, profile: HardwareProfile,
                    optimizations: Optional[list[str]] = None, numerics: str = "exact") -> WorldPrediction:
     graph = scaled_graph(workload, world, batch_per_rank, profile)
-    dense = dense_step(workload, graph, profile, batch_per_rank)
+    dense = rest_of_step(workload, graph, profile, batch_per_rank)
     model = StepModel(model_inputs(graph, dense, profile), graph)
     planner = Planner(select_passes(optimizations or sorted(PASSES), numerics), model, calibrate=False)
     identity = model.predict(graph)
@@ -149,4 +184,4 @@ def simulate_world(workload: Workload, world: int, batch_per_rank: int, profile:
 
 def _stages(p: StepPrediction, dense: DenseStep) -> Stages:
     return Stages(p.sparse_forward_ms, dense.forward, p.sparse_backward_ms,
-                  dense.backward + dense.exposed_all_reduce + dense.optimizer)
+                  dense.backward + dense.exposed_all_reduce + dense.optimizer, dense.host)

@@ -8,7 +8,7 @@ says whether they are the run's."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from statistics import median
 from typing import Optional
 
@@ -16,6 +16,7 @@ from lightning_sparselift.bench.model_error import RecordedRun
 from lightning_sparselift.ir import SparseGraph
 from lightning_sparselift.simulate.profile import HardwareProfile
 from lightning_sparselift.simulate.simulator import simulate_world, workload_threads
+from lightning_sparselift.simulate.one_rank import OneRankTiming
 from lightning_sparselift.simulate.workload import DenseTiming, Workload, workload_from_scenario
 
 
@@ -43,7 +44,20 @@ class ValidationRow:
         return abs(self.predicted_plan_ms - self.measured_plan_ms) / self.measured_plan_ms
 
 
-Timings = dict[str, DenseTiming]  # a scenario's dense step timed here, by timing_key(scenario, batch)
+@dataclass
+class Timed:
+    """What a profile of this machine times of a workload: its dense step and TorchRec's step at
+    one rank."""
+
+    dense: DenseTiming
+    one_rank: OneRankTiming
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Timed":
+        return cls(DenseTiming(**data["dense"]), OneRankTiming(**data["one_rank"]))
+
+
+Timings = dict[str, Timed]  # by timing_key(scenario, batch)
 
 
 def timing_key(scenario: str, batch: int) -> str:
@@ -52,15 +66,15 @@ def timing_key(scenario: str, batch: int) -> str:
 
 def workloads(pairs: set[tuple[str, int]], profile: HardwareProfile, timings: Optional[Timings] = None
               ) -> dict[tuple[str, int], Workload]:
-    """The workload of each (scenario, batch): its dense step timed now, or the one ``timings``
-    recorded (the tables kept as tests: a step timed while the suite runs varies by a third)."""
+    """The workload of each (scenario, batch): timed now, or as ``timings`` recorded (the tables
+    kept as tests: a step timed while the suite runs varies by a third)."""
     out = {}
     for scenario, batch in sorted(pairs):
         recorded = (timings or {}).get(timing_key(scenario, batch))
         out[(scenario, batch)] = workload_from_scenario(scenario, batch,
                                                         None if recorded else workload_threads(profile))
         if recorded:
-            out[(scenario, batch)].timed = recorded
+            out[(scenario, batch)].timed, out[(scenario, batch)].one_rank = recorded.dense, recorded.one_rank
     return out
 
 
@@ -117,8 +131,9 @@ class GridPoint:
     scenario: str
     world: int
     batch_per_rank: int
-    measured_ms: float
+    measured_ms: float  # the median over the passes
     predicted_ms: Optional[float] = None
+    passes: list[float] = field(default_factory=list)  # each pass's median step
 
     @property
     def error(self) -> Optional[float]:

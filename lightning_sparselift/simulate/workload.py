@@ -8,6 +8,7 @@ sparse modules' forward is replaced by zeros of their output's shape while the s
 
 from __future__ import annotations
 
+import copy
 import logging
 import sys
 import time
@@ -24,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_sparselift.frontend.capture import FeatureStats, ModuleCapture, RankCapture, SparseCapture
+from lightning_sparselift.simulate.one_rank import OneRankTiming, model_optimizer, time_one_rank
 
 
 @dataclass
@@ -52,6 +54,7 @@ class Workload:
     backward_kernels: int
     dense_param_bytes: int
     timed: Optional[DenseTiming] = None  # this machine's dense step at ``batch_size`` (None: not timed)
+    one_rank: Optional[OneRankTiming] = None  # TorchRec's step at one rank here, at ``batch_size`` (None: not timed)
     _scaled: dict[int, dict[str, ModuleCapture]] = field(default_factory=dict, repr=False)  # by batch per rank
 
     def capture_at(self, rank: int, world: int, batch_per_rank: int) -> RankCapture:
@@ -98,7 +101,9 @@ def workload_from_config(config: str, batch_size: int, threads: Optional[int] = 
     finally:
         sys.argv = argv
         quiet.setLevel(level)
-    return probe_workload(cli.model, cli.datamodule, config, batch_size, threads)
+    # (the tables' optimizer is the strategy's option; a config without the strategy trains them with SGD)
+    embedding_optimizer = getattr(cli.trainer.strategy, "embedding_optimizer", "sgd")
+    return probe_workload(cli.model, cli.datamodule, config, batch_size, threads, embedding_optimizer)
 
 
 def workload_from_scenario(name: str, batch_size: int, threads: Optional[int] = None) -> Workload:
@@ -111,13 +116,14 @@ def workload_from_scenario(name: str, batch_size: int, threads: Optional[int] = 
     scenario = dataclasses.replace(load(name), batch_size=batch_size)
     with tempfile.TemporaryDirectory() as cache:
         return probe_workload(scenario.module(), scenario.datamodule(4 * batch_size, batch_size, 0, cache),
-                              f"scenario {scenario.name}", batch_size, threads)
+                              f"scenario {scenario.name}", batch_size, threads, scenario.embedding_optimizer())
 
 
-def probe_workload(model: nn.Module, data: Any, source: str, batch_size: int, threads: Optional[int] = None
-                   ) -> Workload:
+def probe_workload(model: nn.Module, data: Any, source: str, batch_size: int, threads: Optional[int] = None,
+                   embedding_optimizer: Any = "sgd") -> Workload:
     """Count two training steps of ``model`` on ``data``'s batches (the second is counted; the
-    first announces it, as the capture needs); with ``threads``, time its dense step too."""
+    first announces it, as the capture needs); with ``threads``, time its dense step and TorchRec's
+    step at one rank (its tables updated by ``embedding_optimizer``) too."""
     from lightning_sparselift.frontend.lift import dense_parameter_bytes
     from lightning_sparselift.sharding import find_sparse_modules
 
@@ -126,6 +132,9 @@ def probe_workload(model: nn.Module, data: Any, source: str, batch_size: int, th
     data.setup("fit")
     batches = iter(data.train_dataloader())
     first, second, third = next(batches), next(batches), next(batches)
+    # (before the sparse modules' forward is replaced below)
+    one_rank = time_one_rank(copy.deepcopy(model), [first, second, third], embedding_optimizer,
+                             threads) if threads else None
     modules = find_sparse_modules(model)
     unsupported = [p for p, m in modules.items() if _zeros_forward(m) is None]
     if unsupported:
@@ -165,7 +174,7 @@ def probe_workload(model: nn.Module, data: Any, source: str, batch_size: int, th
         timed = _time_dense(model, second, modules, threads) if threads else None
     return Workload(source, model, list(modules), result, batch_size, forward / batch_size, backward / batch_size,
                     {p: f / batch_size for p, f in window.items()}, forward_kernels, backward_kernels,
-                    dense_parameter_bytes(model, list(modules)), timed)
+                    dense_parameter_bytes(model, list(modules)), timed, one_rank)
 
 
 def _time_dense(model: nn.Module, batch: Any, modules: dict[str, nn.Module], threads: int, steps: int = 8
@@ -178,7 +187,8 @@ def _time_dense(model: nn.Module, batch: Any, modules: dict[str, nn.Module], thr
     def called(path: str) -> None:
         windows[path].append((time.perf_counter() - start[0]) * 1e3)
 
-    optimizer = _dense_optimizer(model)
+    # (the tables are updated by the fused embedding optimizer in backward; here they are on meta)
+    optimizer = model_optimizer(model, [p for p in model.parameters() if p.requires_grad and p.device.type != "meta"])
     updates = []
     hooks = [m.register_forward_pre_hook(lambda _m, _a, p=p: called(p)) for p, m in modules.items()]
     try:
@@ -202,17 +212,6 @@ def _time_dense(model: nn.Module, batch: Any, modules: dict[str, nn.Module], thr
         torch.set_num_threads(before)
     return DenseTiming(median(forward), median(backward), {p: median(w) for p, w in windows.items()}, threads,
                        median(updates))
-
-
-def _dense_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    """The model's own optimizer (``configure_optimizers``) over its dense parameters (the tables
-    are updated by the fused embedding optimizer in backward; here they are on meta)."""
-    configured = model.configure_optimizers()
-    optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
-    if isinstance(optimizer, (list, tuple)):
-        (optimizer,) = optimizer
-    dense = [p for p in model.parameters() if p.requires_grad and p.device.type != "meta"]
-    return type(optimizer)(dense, **optimizer.defaults)
 
 
 def _mark(window: dict[str, float], path: str, flops: FlopCounterMode) -> None:

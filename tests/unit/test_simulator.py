@@ -108,6 +108,30 @@ def test_a_profile_fitted_on_a_run_keeps_its_links_and_times_the_dense_step_here
     assert profile.bandwidth_bytes_per_ms == pytest.approx(inputs.bandwidth_bytes_per_ms)
 
 
+def test_a_fitted_profile_reproduces_the_step_of_the_run_it_was_fitted_on():
+    """What the run's step took beyond the simulated one joins the per-MB term of its collectives,
+    so the simulator, on the profile it fitted, predicts that run's step (the workload's timings as
+    recorded, so that the check does not move with the machine)."""
+    from pathlib import Path
+
+    from lightning_sparselift.simulate.fit import fit_profile, read_run
+    from lightning_sparselift.simulate.validation import Timed
+    from lightning_sparselift.simulate.workload import workload_from_scenario
+
+    fixtures = Path(__file__).parents[1] / "fixtures" / "simulate"
+    run = fixtures / "runs" / "dlrm_run1.json"
+    inputs, graph, _ = read_run(run)
+    batch = max(max(m.batch_size_per_rank) for m in graph.modules)
+    workload = workload_from_scenario("dlrm", batch)
+    recorded = Timed.from_dict(json.loads((fixtures / "timings.json").read_text())[f"dlrm@{batch}"])
+    workload.timed, workload.one_rank = recorded.dense, recorded.one_rank
+    profile = fit_profile(run, workload, "fitted")
+    assert profile.backend_cpu_ms_per_mb >= profile.measured["backend_cpu_ms_per_mb"] > 0
+    captured = max(inputs.timings.step_ms)
+    predicted = simulate_world(workload, graph.world_size, batch, profile).identity.step
+    assert predicted == pytest.approx(max(captured, profile.measured["simulated_step_ms_before_fit"]), rel=0.02)
+
+
 def test_a_timed_profile_needs_a_timed_workload(tiny):
     profile = HardwareProfile.load("cpu-2core-measured")
     with pytest.raises(ValueError, match="the workload was not timed"):
@@ -137,3 +161,51 @@ def test_fit_profile_reads_a_plan_file_as_it_reads_a_recorded_run(tmp_path):
     with pytest.raises(ValueError, match="neither a plan file nor a recorded bench run"):
         (tmp_path / "other.json").write_text("{}")
         read_run(tmp_path / "other.json")
+
+
+def _timed(workload, lookup_ms: float, step_ms: float):
+    """``workload`` as a profile of this machine would time it (made-up timings)."""
+    import copy
+
+    from lightning_sparselift.simulate.one_rank import OneRankTiming
+    from lightning_sparselift.simulate.workload import DenseTiming
+
+    timed = copy.copy(workload)
+    timed._scaled = {}
+    timed.timed = DenseTiming(0.3, 0.4, {p: 0.1 for p in workload.module_paths}, 1, 0.1)
+    timed.one_rank = OneRankTiming(step_ms, {p: lookup_ms for p in workload.module_paths}, 1)
+    return timed
+
+
+def test_a_timed_profile_predicts_the_one_rank_step_it_timed_and_scales_its_lookups(tiny):
+    """On a profile of this machine TorchRec's step timed at one rank is the prediction there; at
+    more ranks its lookups scale the byte model's as a run's captured lookups do, and what the
+    step took beyond the model's parts (host work) is added."""
+    from lightning_sparselift.simulate.simulator import one_rank_terms, rest_of_step
+
+    profile = HardwareProfile.load("cpu-2core-measured")
+    (path,) = tiny.module_paths
+    slow, fast = _timed(tiny, 2.0, 5.0), _timed(tiny, 1.0, 5.0)
+    assert simulate_world(slow, 1, 64, profile).identity.step == pytest.approx(5.0)
+    scale, host = one_rank_terms(slow, profile)
+    assert scale[path] == pytest.approx(2 * one_rank_terms(fast, profile)[0][path])
+    # the host term is what the timed step leaves: the slower lookups leave less of it
+    assert host == pytest.approx(one_rank_terms(fast, profile)[1] - 1.0)
+    graph = scaled_graph(slow, 2, 64, profile)
+    dense = rest_of_step(slow, graph, profile, 64)
+    inputs = model_inputs(graph, dense, profile)
+    modelled = StepModel(inputs, graph).reference_lookup_ms(graph)[path]
+    assert inputs.timings.lookup_ms[path] == pytest.approx([ms * scale[path] for ms in modelled])
+    two = simulate_world(slow, 2, 64, profile)
+    assert two.identity.host == pytest.approx(host) and two.identity.step > two.identity.host
+
+
+def test_torchrecs_step_is_timed_at_one_rank_in_a_process_group_of_its_own(tiny):
+    import torch.distributed as dist
+
+    from lightning_sparselift.simulate.workload import workload_from_scenario
+
+    timed = workload_from_scenario("tiny", 32, threads=1)
+    (path,) = timed.module_paths
+    assert timed.one_rank.step_ms > 0 and timed.one_rank.lookup_ms[path] > 0 and timed.one_rank.threads == 1
+    assert not dist.is_initialized()  # (the group it made is gone)
