@@ -11,6 +11,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
+from lightning_sparselift.frontend.capture import backward_nodes
 from lightning_sparselift.ir.vocab import DTYPE_BYTES
 
 _TOP_OPS = 8
@@ -69,16 +70,10 @@ class StageTimer:
         """Time the backward of every autograd node that ``output`` was computed from."""
         if not self.enabled:
             return
-        seen, stack = set(), [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen or type(node).__name__ == "AccumulateGrad":
-                continue
-            seen.add(node)
+        for node in backward_nodes(_tensors(output)):
             starts: list[float] = []
             node.register_prehook(lambda grads, starts=starts: starts.append(time.perf_counter()))
             node.register_hook(lambda gi, go, starts=starts: self._node_done(starts))
-            stack.extend(fn for fn, _ in node.next_functions)
 
     def _node_done(self, starts: list[float]) -> None:
         if starts:

@@ -316,12 +316,10 @@ class SparseCapture:
         self._handles.clear()
 
 
-def _lookup_nodes(output: Any) -> list[Any]:
-    """The autograd nodes of a lookup's output down to its tables (the lookup's input ids take no
-    gradient, so nothing below them is another module's)."""
-    if not isinstance(output, torch.Tensor) or output.grad_fn is None:
-        return []
-    nodes, seen, stack = [], set(), [output.grad_fn]
+def backward_nodes(tensors: list[torch.Tensor]) -> list[Any]:
+    """The autograd nodes ``tensors`` were computed from, down to the leaves (their gradient
+    accumulators left out)."""
+    nodes, seen, stack = [], set(), [t.grad_fn for t in tensors if t.grad_fn is not None]
     while stack:
         node = stack.pop()
         if node is None or node in seen or type(node).__name__ == "AccumulateGrad":
@@ -330,6 +328,12 @@ def _lookup_nodes(output: Any) -> list[Any]:
         nodes.append(node)
         stack.extend(fn for fn, _ in node.next_functions)
     return nodes
+
+
+def _lookup_nodes(output: Any) -> list[Any]:
+    """The autograd nodes of a lookup's output down to its tables (the lookup's input ids take no
+    gradient, so nothing below them is another module's)."""
+    return backward_nodes([output]) if isinstance(output, torch.Tensor) else []
 
 
 def _lookup_started(module: nn.Module, _args: tuple) -> None:

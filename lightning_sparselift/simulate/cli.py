@@ -89,18 +89,15 @@ def _default_batch(args: argparse.Namespace) -> int:
 
 
 def _recorded_timing(args: argparse.Namespace, batch: int) -> tuple:
-    import json
-
-    from lightning_sparselift.simulate.validation import Timed, timing_key
+    from lightning_sparselift.simulate.validation import read_timings, timing_key
 
     if not args.scenario:
         raise ValueError("--timings holds bench scenarios' timings: use it with --scenario")
-    recorded = json.loads(args.timings.read_text())
+    recorded = read_timings(args.timings)
     key = timing_key(args.scenario, batch)
     if key not in recorded:
         raise ValueError(f"{args.timings} has no timing of {key} (it has {sorted(recorded)})")
-    timed = Timed.from_dict(recorded[key])
-    return timed.dense, timed.one_rank
+    return recorded[key].dense, recorded[key].one_rank
 
 
 def fit_main(argv: list[str], out: Optional[TextIO] = None) -> int:

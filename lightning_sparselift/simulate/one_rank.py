@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from statistics import median
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -94,11 +95,18 @@ def time_one_rank(model: nn.Module, batches: list[Any], embedding_optimizer: Any
             dist.destroy_process_group()
 
 
+@contextmanager
+def without_trainer() -> Iterator[None]:
+    """A LightningModule's ``training_step`` run outside a Trainer: the module logs its loss, and
+    there is no trainer to log to (Lightning warns at every call)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*self.trainer. reference is not registered")
+        yield
+
+
 def _stepper(dmp: nn.Module, optimizer: Any, batches: list[Any]) -> Callable[[int], None]:
     def step(i: int) -> None:
-        # (the module logs its loss; there is no trainer to log to)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*self.trainer. reference is not registered")
+        with without_trainer():
             dmp(batches[i % len(batches)], i).backward()
         optimizer.step()
         optimizer.zero_grad()

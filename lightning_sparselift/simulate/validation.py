@@ -8,7 +8,9 @@ says whether they are the run's."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from statistics import median
 from typing import Optional
 
@@ -58,6 +60,11 @@ class Timed:
 
 
 Timings = dict[str, Timed]  # by timing_key(scenario, batch)
+
+
+def read_timings(path: Path) -> Timings:
+    """A timings file (``benchmarks/simulate_validation.py --measure | --time``)."""
+    return {k: Timed.from_dict(v) for k, v in json.loads(path.read_text()).items()}
 
 
 def timing_key(scenario: str, batch: int) -> str:

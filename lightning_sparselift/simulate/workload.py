@@ -13,7 +13,6 @@ import logging
 import sys
 import time
 import types
-import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from statistics import median
@@ -25,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_sparselift.frontend.capture import FeatureStats, ModuleCapture, RankCapture, SparseCapture
-from lightning_sparselift.simulate.one_rank import OneRankTiming, model_optimizer, time_one_rank
+from lightning_sparselift.simulate.one_rank import OneRankTiming, model_optimizer, time_one_rank, without_trainer
 
 
 @dataclass
@@ -146,9 +145,7 @@ def probe_workload(model: nn.Module, data: Any, source: str, batch_size: int, th
     flops, kernels = FlopCounterMode(display=False), _KernelCount()
     window: dict[str, float] = {}
     hooks = [m.register_forward_pre_hook(lambda _m, _a, p=p: _mark(window, p, flops)) for p, m in modules.items()]
-    # (the module logs its loss; there is no trainer to log to)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*self.trainer. reference is not registered")
+    with without_trainer():
         try:
             model.train()
             with capture.step(first, second):
@@ -169,8 +166,7 @@ def probe_workload(model: nn.Module, data: Any, source: str, batch_size: int, th
     errors = capture.errors()
     if errors:
         raise ValueError(f"{source}: {'; '.join(errors.values())}")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*self.trainer. reference is not registered")
+    with without_trainer():
         timed = _time_dense(model, second, modules, threads) if threads else None
     return Workload(source, model, list(modules), result, batch_size, forward / batch_size, backward / batch_size,
                     {p: f / batch_size for p, f in window.items()}, forward_kernels, backward_kernels,

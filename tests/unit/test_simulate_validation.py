@@ -16,21 +16,19 @@ from statistics import median
 
 from lightning_sparselift.bench.model_error import RecordedRun
 from lightning_sparselift.simulate.profile import HardwareProfile
-from lightning_sparselift.simulate.validation import Timed, markdown, median_error, validate
+from lightning_sparselift.simulate.validation import markdown, median_error, read_timings, validate
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "simulate" / "runs"
 TIMINGS = Path(__file__).parents[1] / "fixtures" / "simulate" / "timings.json"
 MEDIAN_ERROR = 0.19
 
 
-def _timings() -> dict[str, Timed]:
-    return {k: Timed.from_dict(v) for k, v in json.loads(TIMINGS.read_text()).items()}
 
 
 def test_the_simulated_steps_of_the_recorded_runs():
     runs = [(p.name, RecordedRun.from_dict(json.loads(p.read_text()))) for p in sorted(FIXTURES.glob("*.json"))]
     profile = HardwareProfile.load("cpu-2core-measured")
-    rows = validate(runs, profile, _timings())
+    rows = validate(runs, profile, read_timings(TIMINGS))
     assert len(rows) == len(runs) and sum(r.fitted_on for r in rows) == 1
     assert all(r.predicted_plan_ms <= r.predicted_identity_ms for r in rows)
     text = markdown(rows, profile)
@@ -49,5 +47,5 @@ def test_the_simulated_identity_step_on_the_measured_grid():
     points = [GridPoint(**{**x, "predicted_ms": None}) for x in json.loads(GRID.read_text())]
     assert {p.world for p in points} == {1, 2} and len({p.scenario for p in points}) == 5
     profile = HardwareProfile.load("cpu-2core-measured")
-    points = predict_grid(points, profile, _timings())
+    points = predict_grid(points, profile, read_timings(TIMINGS))
     assert median(p.error for p in points) <= GRID_MEDIAN_ERROR, grid_markdown(points, profile)

@@ -115,7 +115,7 @@ def test_a_fitted_profile_reproduces_the_step_of_the_run_it_was_fitted_on():
     from pathlib import Path
 
     from lightning_sparselift.simulate.fit import fit_profile, read_run
-    from lightning_sparselift.simulate.validation import Timed
+    from lightning_sparselift.simulate.validation import read_timings
     from lightning_sparselift.simulate.workload import workload_from_scenario
 
     fixtures = Path(__file__).parents[1] / "fixtures" / "simulate"
@@ -123,7 +123,7 @@ def test_a_fitted_profile_reproduces_the_step_of_the_run_it_was_fitted_on():
     inputs, graph, _ = read_run(run)
     batch = max(max(m.batch_size_per_rank) for m in graph.modules)
     workload = workload_from_scenario("dlrm", batch)
-    recorded = Timed.from_dict(json.loads((fixtures / "timings.json").read_text())[f"dlrm@{batch}"])
+    recorded = read_timings(fixtures / "timings.json")[f"dlrm@{batch}"]
     workload.timed, workload.one_rank = recorded.dense, recorded.one_rank
     profile = fit_profile(run, workload, "fitted")
     assert profile.backend_cpu_ms_per_mb >= profile.measured["backend_cpu_ms_per_mb"] > 0
