@@ -3,6 +3,11 @@ over seeds, |mean delta AUC| <= 0.001 and mean relative delta logloss <= 0.2% ag
 exact path): one epoch per scenario and seed of every system in ``--systems`` from the same
 initial weights, then the table per run and the verdict per scenario and system.
 
+Every scenario trains with the demo's optimizers (``configs/dlrm_synthetic.yaml``: row-wise Adagrad
+for the tables, Adagrad for the rest; ``--optimizer``): with dlrm's own plain SGD a 300-step epoch
+learns almost nothing from the tables (AUC 0.559 where the planted signal allows 0.90), so what the
+wire does to the embeddings cannot show and every setting, the degraded one included, met the bound.
+
     python benchmarks/quality_bound.py --out benchmarks/results/DATE/quality
     python benchmarks/quality_bound.py --table benchmarks/results/DATE/quality   # again from the runs
 
@@ -21,13 +26,15 @@ from lightning_sparselift.bench.parity import bound_table
 
 SYSTEMS = "torchrec,sparselift,torchrec-qcomm,sparselift-fast-uncalibrated,torchrec-mx4"
 EPOCH_STEPS = 300  # per scenario: one epoch of this many global batches (the demo's length)
+# the demo's optimizers (configs/dlrm_synthetic.yaml), under which the tables learn within the epoch
+LEARNING = "dense=adagrad,dense_lr=0.02,embedding=rowwise_adagrad,embedding_lr=0.05"
 
 
-def run(scenario: str, seed: int, systems: str, steps: int, out: Path) -> None:
+def run(scenario: str, seed: int, systems: str, steps: int, optimizer: str, out: Path) -> None:
     batch = {"dlrm": 1024, "sequence": 512}[scenario]
     subprocess.run([sys.executable, "-m", "lightning_sparselift.cli", "bench", "--scenario", scenario, "--parity",
                     "--systems", systems, "--seed", str(seed), "--num-samples", str(steps * 2 * batch),
-                    "--json", str(out)], check=True, stdout=subprocess.DEVNULL)
+                    "--optimizer", optimizer, "--json", str(out)], check=True, stdout=subprocess.DEVNULL)
 
 
 def table(folder: Path) -> str:
@@ -42,6 +49,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--systems", default=SYSTEMS)
     parser.add_argument("--steps", type=int, default=EPOCH_STEPS)
+    parser.add_argument("--optimizer", default=LEARNING, help="the scenarios' optimizers (sparselift bench --optimizer)")
     args = parser.parse_args()
     if args.out is None and args.table is None:
         parser.error("--out or --table")
@@ -49,7 +57,7 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         for scenario in args.scenarios.split(","):
             for seed in map(int, args.seeds.split(",")):
-                run(scenario, seed, args.systems, args.steps, args.out / f"{scenario}-seed{seed}.json")
+                run(scenario, seed, args.systems, args.steps, args.optimizer, args.out / f"{scenario}-seed{seed}.json")
     print(table(args.out or args.table))
 
 

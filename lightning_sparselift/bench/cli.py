@@ -49,6 +49,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--pin-cores", action="store_true", help="pin rank r to CPU core r")
     parser.add_argument("--num-samples", type=int, default=None, help="training samples generated (default 64 batches per rank)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--optimizer", default="", help="overrides of the scenario's optimizers, e.g. "
+                                                          "dense=adagrad,dense_lr=0.02,embedding=rowwise_adagrad,"
+                                                          "embedding_lr=0.05 (keys: dense, dense_lr, embedding, "
+                                                          "embedding_lr)")
     parser.add_argument("--precision", default="32-true", help="the Trainer precision every system runs under: "
                                                                 "32-true or bf16-mixed (the dense part autocast)")
     parser.add_argument("--parity", action="store_true", help="quality-parity mode: train torchrec and (--systems "
@@ -73,6 +77,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                   else list(PARITY_DEFAULT) if args.parity else default_systems(scenarios.load(args.scenario)))
         if args.parity:
             check_parity_systems(chosen)
+        optimizer = scenarios.parse_optimizer(args.optimizer)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     config = BenchConfig(scenario=args.scenario, world_size=args.world_size,
@@ -80,7 +85,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                          steps_per_round=args.steps_per_round, warmup_steps=args.warmup_steps,
                          breakdown_steps=args.breakdown_steps, threads_per_rank=args.threads_per_rank,
                          pin_cores=args.pin_cores,
-                         num_samples=args.num_samples, seed=args.seed, precision=args.precision,
+                         num_samples=args.num_samples, seed=args.seed, precision=args.precision, optimizer=optimizer,
                          cache_dir=os.environ.get("SPARSELIFT_CACHE"))
     try:
         config.validate()

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-from lightning_sparselift.bench import scenarios
 from lightning_sparselift.bench.runner import BenchConfig, _data, _write_atomically, spawn_workers
 from lightning_sparselift.bench.systems import SYSTEMS as BENCH_SYSTEMS
 from lightning_sparselift.bench.systems.base import BenchEnv, System, build_sharded
@@ -128,7 +127,7 @@ def _worker(rank: int, config: BenchConfig, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(config.threads_per_rank)
     dist.init_process_group("gloo", rank=rank, world_size=config.world_size, timeout=timedelta(seconds=config.timeout_s))
-    scenario = scenarios.load(config.scenario)
+    scenario = config.load_scenario()
     dm = _data(config, scenario)
     train = dm.split("train")
     steps = len(train) // (scenario.batch_size * config.world_size)
@@ -171,7 +170,7 @@ def _worker(rank: int, config: BenchConfig, port: int, out: str) -> None:
 def run(config: BenchConfig) -> dict[str, Any]:
     config.validate()
     check_systems(config.systems)
-    scenario = scenarios.load(config.scenario)
+    scenario = config.load_scenario()
     _data(config, scenario)
     raw, teardown_error = spawn_workers(_worker, config, "parity.json")
     reference = np.array(raw["curves"][REFERENCE])
@@ -186,7 +185,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
                          "identical": bool(np.array_equal(reference, raw["curves"][name]))}
     return {
         "schema": "sparselift-parity/2",
-        "scenario": scenario.name, "world_size": config.world_size, "seed": config.seed,
+        "scenario": scenario.name, "optimizer": scenario.optimizer, "world_size": config.world_size, "seed": config.seed,
         "epoch_steps": raw["steps"], "global_batch": scenario.batch_size * config.world_size,
         "compared": list(config.systems), "quality": raw["quality"], "against_reference": against,
         "loss_curves": raw["curves"],

@@ -55,6 +55,12 @@ class BenchConfig:
     num_samples: Optional[int] = None  # default: 64 batches per rank
     cache_dir: Optional[str] = None
     timeout_s: float = 600.0
+    optimizer: dict[str, Any] = field(default_factory=dict)  # overrides of the scenario's (scenarios.OPTIMIZER_KEYS)
+
+    def load_scenario(self) -> scenarios.Scenario:
+        """The scenario, with this run's optimizer overrides."""
+        scenario = scenarios.load(self.scenario)
+        return scenario.with_optimizer(self.optimizer) if self.optimizer else scenario
 
     def validate(self) -> None:
         if self.scenario not in scenarios.available() and not Path(self.scenario).exists():
@@ -64,7 +70,7 @@ class BenchConfig:
             raise ValueError(f"unknown system(s) {unknown}; available: {ALL_SYSTEMS}")
         if not self.systems:
             raise ValueError("no systems selected")
-        family = scenarios.load(self.scenario).family
+        family = self.load_scenario().family
         unfit = [n for n in self.systems if n in SYSTEMS and family not in SYSTEMS[n].families]
         if unfit:
             raise ValueError(f"system(s) {unfit} run only {sorted({f for n in unfit for f in SYSTEMS[n].families})} "
@@ -98,7 +104,7 @@ class _Worker:
 
     def __init__(self, rank: int, config: BenchConfig):
         self.rank, self.config = rank, config
-        self.scenario = scenarios.load(config.scenario)
+        self.scenario = config.load_scenario()
         self.control = dist.new_group(backend="gloo")  # decisions travel apart from the systems' collectives
         self.env = BenchEnv(self.scenario, rank, config.world_size, _data(config, self.scenario).split("train"),
                             seed=config.seed, warmup_steps=config.warmup_steps, precision=config.precision)
@@ -286,7 +292,7 @@ def summarize(config: BenchConfig, raw: dict[str, Any], scenario: scenarios.Scen
     return {
         "schema": "sparselift-bench/1",
         "scenario": {"name": scenario.name, "description": scenario.description, "batch_size_per_rank": scenario.batch_size,
-                     "num_features": scenario.num_features},
+                     "num_features": scenario.num_features, "optimizer": scenario.optimizer},
         "world_size": config.world_size,
         "config": asdict(config),
         "global_batch": global_batch,
@@ -308,7 +314,7 @@ def _split(values: list[float], sizes: list[int]) -> list[list[float]]:
 def run(config: BenchConfig) -> dict[str, Any]:
     """Run the benchmark in ``config.world_size`` fresh processes and return its summary."""
     config.validate()
-    scenario = scenarios.load(config.scenario)
+    scenario = config.load_scenario()
     _data(config, scenario)  # generate once here, so ranks only memory-map
     start = time.perf_counter()
     raw, teardown_error = spawn_workers(_worker_main, config, "raw.json")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -15,6 +15,8 @@ SCENARIO_DIR = Path(__file__).resolve().parents[2] / "configs" / "bench"
 
 
 FAMILIES = ("dlrm", "sequence")
+# a scenario's ``optimizer`` keys: the dense part's and the tables' optimizer and learning rate
+OPTIMIZER_KEYS = {"dense": str, "dense_lr": float, "embedding": str, "embedding_lr": float}
 
 
 @dataclass
@@ -96,6 +98,36 @@ class Scenario:
 
     def embedding_optimizer(self) -> dict[str, Any]:
         return {"name": self.optimizer.get("embedding", "sgd"), "lr": self.optimizer.get("embedding_lr", 0.1)}
+
+    def with_optimizer(self, overrides: dict[str, Any]) -> "Scenario":
+        """This scenario with ``overrides`` of its ``optimizer`` (:data:`OPTIMIZER_KEYS`)."""
+        from lightning_sparselift.embedding_optimizer import EMBEDDING_OPTIMIZERS
+        from lightning_sparselift.models.base import DENSE_OPTIMIZERS
+
+        unknown = sorted(set(overrides) - set(OPTIMIZER_KEYS))
+        if unknown:
+            raise ValueError(f"unknown optimizer key(s) {unknown}; known: {list(OPTIMIZER_KEYS)}")
+        for key, names in (("dense", sorted(DENSE_OPTIMIZERS)), ("embedding", list(EMBEDDING_OPTIMIZERS))):
+            if key in overrides and overrides[key] not in names:
+                raise ValueError(f"optimizer {key}={overrides[key]!r}: one of {names}")
+        for key in ("dense_lr", "embedding_lr"):
+            if key in overrides and not (isinstance(overrides[key], (int, float)) and overrides[key] > 0):
+                raise ValueError(f"optimizer {key}={overrides[key]!r}: a learning rate > 0")
+        return replace(self, optimizer={**self.optimizer, **overrides})
+
+
+def parse_optimizer(text: str) -> dict[str, Any]:
+    """``"embedding=rowwise_adagrad,embedding_lr=0.05"`` -> overrides of a scenario's ``optimizer``."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in OPTIMIZER_KEYS:
+            raise ValueError(f"optimizer override {item!r}: KEY=VALUE with KEY one of {list(OPTIMIZER_KEYS)}")
+        try:
+            out[key] = OPTIMIZER_KEYS[key](value)
+        except ValueError:
+            raise ValueError(f"optimizer override {item!r}: {value!r} is not a {OPTIMIZER_KEYS[key].__name__}") from None
+    return out
 
 
 def available() -> list[str]:

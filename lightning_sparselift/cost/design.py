@@ -63,6 +63,15 @@ class Factor:
 
 
 @dataclass(frozen=True)
+class ClockNoise:
+    """What a design's last look measured of one region's clock: the step (the scale of the
+    smallest gain) and the spread of a block's paired difference once the factors' effects are out."""
+
+    step_ms: float
+    spread_ms: float
+
+
+@dataclass(frozen=True)
 class Interaction:
     """The step-time change of two factors together beyond the sum of their own effects."""
 
@@ -95,6 +104,7 @@ class FactorialDesign(PairedRuns):
         self._observed: list[list[float]] = []  # per observed step: REGIONS' values (nan: not reported)
         self._blocks = 0
         self._slowest: Optional[np.ndarray] = None  # the last look's observations, slowest rank per step
+        self.clocks: dict[str, ClockNoise] = {}  # per region every step reported: its noise at the last look
         self._cycle: list[tuple[bool, ...]] = []  # the first runs' assignments still to draw
         self._add_blocks(warmup_blocks + self.looks[0])
 
@@ -176,9 +186,11 @@ class FactorialDesign(PairedRuns):
         first, second = self._runs(slowest, len(signs))
         blocks = len(signs)
         step = median(np.concatenate([first[:, 0], second[:, 0]]).tolist()) if blocks else 0.0
-        fits = {r: _fit(second[:, REGIONS.index(r)] - first[:, REGIONS.index(r)], signs,
-                        float(np.median(np.abs(slowest[:, REGIONS.index(r)]))))
-                for r in {f.region for f in self.factors if f.fixed is None}}
+        # the varied factors' regions, and every other region each step reported (its noise, for the loop)
+        varied_regions = {f.region for f in self.factors if f.fixed is None}
+        fits = {r: _fit(second[:, i] - first[:, i], signs, float(np.median(np.abs(slowest[:, i]))))
+                for i, r in enumerate(REGIONS) if r in varied_regions or np.isfinite(slowest[:, i]).all()}
+        self.clocks = {r: ClockNoise(step, math.sqrt(2) * noise) for r, (_, _, noise) in fits.items()}
         out: list[Optional[Measurement]] = []
         for j, factor in enumerate(self.factors):
             if factor.fixed is not None:
@@ -218,9 +230,8 @@ class FactorialDesign(PairedRuns):
         often small)."""
         if predicted_ms is None or not e.pairs:
             return e
-        z_end = NormalDist().inv_cdf(1 - self.alphas[-1])
-        resolvable = e.threshold_ms - (z_end + _POWER_Z) * spread_ms / math.sqrt(self.looks[-1])
-        if PREDICTION_SLACK * predicted_ms > resolvable and e.increment_ms > resolvable:
+        resolvable = resolvable_ms(self.rule, self.looks[-1], e.threshold_ms, spread_ms)
+        if out_of_reach(predicted_ms, resolvable) and e.increment_ms > resolvable:
             return replace(e, verdict="futile", resolvable_ms=resolvable)
         return e
 
@@ -264,6 +275,21 @@ def _fit(diffs: np.ndarray, signs: np.ndarray, scale: float) -> tuple[np.ndarray
         spread = max(robust_sigma(residuals[kept].tolist()), MIN_RELATIVE_SPREAD * scale, 1e-9)
         kept = np.abs(residuals) <= OUTLIER_SIGMAS * spread
     return effects, kept, robust_sigma((diffs - signs @ effects)[kept].tolist()) / math.sqrt(2)
+
+
+def resolvable_ms(rule: DecisionRule, max_blocks: int, threshold_ms: float, spread_ms: float) -> float:
+    """The smallest effect a design of ``max_blocks`` blocks accepts nine times in ten (the
+    standard error at its last look from ``spread_ms``, a block's paired spread; beyond
+    ``threshold_ms``, minus the smallest gain accepted)."""
+    looks = look_points(2, max_blocks, rule.confidence)
+    z_end = NormalDist().inv_cdf(1 - look_alphas(looks, rule.confidence)[-1])
+    return threshold_ms - (z_end + _POWER_Z) * spread_ms / math.sqrt(looks[-1])
+
+
+def out_of_reach(predicted_ms: float, resolvable: float) -> bool:
+    """Whether the model's prediction, even :data:`PREDICTION_SLACK` times larger, stays short of
+    ``resolvable`` (:func:`resolvable_ms`)."""
+    return PREDICTION_SLACK * predicted_ms > resolvable
 
 
 def fewest_steps(rule: DecisionRule, warmup_blocks: int, settle_steps: int) -> int:

@@ -157,6 +157,10 @@ def test_a_sequence_scenario_side_by_side_and_in_parity(tmp_path, data_cache):
     (["--systems", "torchrec,fastest"], r"unknown system\(s\) \['fastest'\]"),
     (["--world-size", "4096"], "does not fit this machine"),
     (["--json", "/nonexistent-dir/out.json"], "cannot write"),
+    (["--optimizer", "lr=0.1"], r"optimizer override 'lr=0.1': KEY=VALUE with KEY one of \['dense', "),
+    (["--optimizer", "embedding_lr=fast"], r"optimizer override 'embedding_lr=fast': 'fast' is not a float"),
+    (["--optimizer", "embedding=lamb"], r"optimizer embedding='lamb': one of \['sgd', 'adagrad', 'rowwise_adagrad'"),
+    (["--optimizer", "dense_lr=0"], r"optimizer dense_lr=0.0: a learning rate > 0"),
 ])
 def test_bad_input(args, message):
     with pytest.raises(SystemExit, match=message):

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from lightning_sparselift.cost.decision import DecisionRule
-from lightning_sparselift.cost.design import REGIONS, Factor, FactorialDesign, fewest_steps
+from lightning_sparselift.cost.design import REGIONS, Factor, FactorialDesign, fewest_steps, out_of_reach, resolvable_ms
 
 RULE = DecisionRule(confidence=0.95, max_pairs=24)
 
@@ -130,3 +130,31 @@ def test_a_design_never_bounds_a_factor_from_fewer_blocks_than_the_others_fitted
     # so a round puts one candidate in a design that small, and up to six in the default one
     assert most_factors(DecisionRule(confidence=0.95, max_pairs=5), 5) == 1
     assert most_factors(DecisionRule(), 119) == 6
+
+
+def test_a_look_measures_every_reported_regions_noise_for_the_rounds_later_candidates():
+    # one factor on the lookup region; the step reported beside it is noisy (sigma 2 ms per step),
+    # the sparse region quiet: the look keeps each clock's step and paired spread (sqrt(2) sigma)
+    design, rng = FactorialDesign([Factor("lookup", 0.001)], DecisionRule(confidence=0.95, max_pairs=64), seed=5), \
+        random.Random(5)
+    while design.can_extend:  # (no decision taken: the last look sees all 64 blocks)
+        design.extend()
+    while not design.done:
+        on = design.next_assignment()
+        design.record(_values(80.0 + rng.gauss(0.0, 2.0), lookup=5.0 - 0.3 * on[0], sparse=10.0))
+    design.look(None)
+    clocks = design.clocks
+    assert set(clocks) == set(REGIONS)
+    assert clocks["step"].step_ms == pytest.approx(80.0, abs=1.5)
+    assert clocks["step"].spread_ms == pytest.approx(2.0 * 2 ** 0.5, rel=0.25) and clocks["sparse"].spread_ms == 0.0
+
+
+def test_what_a_budget_resolves_shrinks_with_its_blocks_and_grows_with_the_noise():
+    rule = DecisionRule(confidence=0.95, max_pairs=128)
+    assert resolvable_ms(rule, 64, -0.4, 0.0) == -0.4  # noiseless: the smallest gain itself
+    few, many, noisy = (resolvable_ms(rule, 16, -0.4, 6.0), resolvable_ms(rule, 64, -0.4, 6.0),
+                        resolvable_ms(rule, 64, -0.4, 12.0))
+    assert noisy < few < many < -0.4
+    assert many == pytest.approx(-0.4 + (noisy + 0.4) / 2)  # linear in the spread
+    # the model's prediction is given PREDICTION_SLACK (3x): -1 ms reaches -2.9 ms, -0.9 ms does not
+    assert not out_of_reach(-1.0, -2.9) and out_of_reach(-0.9, -2.9) and out_of_reach(0.0, -0.4)
