@@ -14,6 +14,7 @@ are all-gathered, measurements reduced.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ContextManager, Literal, Optional
 
 import torch
@@ -274,9 +275,7 @@ class SparseLiftSession:
         start = time.perf_counter()
         self.watch = None
         self._round_started = self.steps
-        # (a saved plan is rebuilt with its kernels, and a round without calibration applies them at
-        # once: both wait for them; a calibrating round admits them when they are there)
-        self._admit_builds(None if (reuse_saved and self.options.plan_path) or not self.options.calibrate else 0.0)
+        self._admit_builds(self._builds_wait_s(reuse_saved))
         fingerprint = plan_store.fingerprint(self.identity, self.sharding_plan, self.world, self.options.optimizations)
         saved = plan_store.reuse(self.options.plan_path, fingerprint, self.identity, self.passes,
                                  self.options.drift_ratio, self.group, self.steps) if reuse_saved else plan_store.Reuse()
@@ -316,6 +315,14 @@ class SparseLiftSession:
             self._finish()
             return True
         return False
+
+    def _builds_wait_s(self, reuse_saved: bool) -> Optional[float]:
+        """How long planning waits for the kernel builds (None: until they finish). A saved plan is
+        rebuilt with its kernels and a round without calibration applies them at once: both wait; a
+        calibrating round admits them when they are there, so with no plan file to read (a first
+        run, a fresh clone's demo) the training thread does not wait."""
+        saved = reuse_saved and self.options.plan_path is not None and Path(self.options.plan_path).exists()
+        return None if saved or not self.options.calibrate else 0.0
 
     def _finish(self) -> None:
         loop, self.loop = self.loop, None

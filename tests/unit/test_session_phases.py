@@ -296,3 +296,18 @@ def test_a_session_calibrating_says_so():
         session.begin_step()
         session.end_step()
     assert session.explain().startswith("ExecutionPlan") and "reject" in session.explain()
+
+
+def test_planning_waits_for_the_kernel_builds_only_when_a_saved_plan_or_no_calibration_needs_them(tmp_path):
+    plan_path = tmp_path / "plan.json"
+
+    def wait(reuse_saved: bool = True, **options) -> object:
+        session = SparseLiftSession(nn.Linear(1, 1), None, [], None, torch.device("cpu"), SessionOptions(**options))
+        return session._builds_wait_s(reuse_saved)
+
+    # a first run (no plan file yet): calibration admits the kernels once built, training goes on
+    assert wait(plan_path=str(plan_path)) == 0.0 and wait() == 0.0
+    plan_path.write_text("{}")
+    assert wait(plan_path=str(plan_path)) is None  # the saved plan may need them
+    assert wait(reuse_saved=False, plan_path=str(plan_path)) == 0.0  # planning again: not read
+    assert wait(calibrate=False) is None  # applied at once
