@@ -278,7 +278,7 @@ def install_forced(model: nn.Module, sharded: Any, capture: Any, world: int, dev
     graph.threads_per_rank = [2] * world
     installed = install(graph, model, dist.group.WORLD, device)
     if any(p.uses_generated_kernels for p in select_passes(list(optimizations))):
-        # built before planning, as the session does
+        # built before the run, as a saved plan's are
         builds: list = [None] * world
         dist.all_gather_object(builds, installed.build_generated())
         mark_generated(graph, [KernelBuild(rank=r, **b) for r, bs in enumerate(builds) for b in bs])

@@ -55,7 +55,7 @@ class OptimizationPass(ABC):
     # passes whose candidates are decided before this pass's (when selected): this one builds on
     # what they change (e.g. buckets of a generated kernel after the kernel itself)
     runs_after: tuple[str, ...] = ()
-    # its candidates run generated lookup kernels: the session builds them before planning
+    # its candidates run generated lookup kernels: the session builds them from the lift on
     uses_generated_kernels: bool = False
 
     def __init__(self, only: Optional[set[str]] = None, numerics: str = "exact") -> None:

@@ -4,8 +4,8 @@ layout the model's concatenation reads (role ``output``), and its input side's p
 and recat regions by a kernel generated for its keys (role ``input``).
 
 The runtime (:mod:`lightning_sparselift.runtime.codegen`) emits C++ with each table's rows, dim,
-offsets, pooling, id check and optimizer baked in, builds it before planning (cached by the hash
-of its source) and records in the graph which groups have a kernel on every rank
+offsets, pooling, id check and optimizer baked in, builds it from the lift on, on a thread of its
+own (cached by the hash of its source) and records in the graph which groups have a kernel on every rank
 (``ShardingGroup.lookup_kernels``, with the reason in ``lookup_notes`` where not). The generated
 kernel pools in forward and applies the fused optimizer update in backward on the storage
 TorchRec's lookup modules own, with fbgemm's arithmetic operation for operation: results stay
@@ -20,7 +20,8 @@ Calibration (the paper's: one warmup per implementation, then complete-region ob
 ref -> gen -> gen -> ref) of the lookup regions: each lookup call and its backward node (the
 fused update), as the training thread's CPU time on CPU (the kernels change only that compute;
 a whole step's wall or CPU time adds the dense compute's and the collectives' noise, larger than
-the effect); compile time is spent before planning, never in a timed step.
+the effect); compile time is spent on that thread, and a kernel candidate is calibrated only once
+every rank has its kernel: never in a timed step.
 
 ``output`` (:mod:`lightning_sparselift.runtime.consumer_layout`): the received pooled blocks are
 written once, straight into the tensor the model concatenates the module's values into, and the
@@ -84,7 +85,7 @@ class CodeGeneration(OptimizationPass):
             reasons = ["already scheduled"] if done else [
                 f"g{g.index} ({g.sharding_type}): "
                 + g.lookup_notes.get(GENERATED_KERNEL, "no generated kernel was built (the session builds them "
-                                                      "before planning)") for g in module.lifted_groups]
+                                                      "from the lift on)") for g in module.lifted_groups]
         per_group = [module.ids_per_member(module.groups[i]) for i in groups]
         ids = max((sum(g[m] for g in per_group) for m in range(len(module.ids_per_step))), default=0.0)
         return reasons, {"groups": float(len(groups)), "ids": ids, "touched_bytes": module.touched_bytes(groups)}
@@ -98,7 +99,7 @@ class CodeGeneration(OptimizationPass):
             reasons.append(f"no concatenation to write into: {module.consumer_note or 'capture recorded none'}")
         elif CONSUMER_KERNEL not in module.output_kernels:
             reasons.append(module.output_notes.get(CONSUMER_KERNEL, "no layout kernel was built (the session builds "
-                                                                    "them before planning)"))
+                                                                    "them from the lift on)"))
         else:
             kept = [f"g{g.index}" for g in module.groups if g.not_lifted]
             if kept:
@@ -121,7 +122,7 @@ class CodeGeneration(OptimizationPass):
             reasons.append("already scheduled")
         elif GENERATED_KERNEL not in module.input_kernels:
             reasons.append(module.input_notes.get(GENERATED_KERNEL, "no input kernel was built (the session builds "
-                                                                    "them before planning)"))
+                                                                    "them from the lift on)"))
         ids = max((sum(stats.values()) for stats in module.ids_per_step), default=0.0)
         id_bytes = DTYPE_BYTES[module.values_dtype] + (4 if module.weighted else 0)
         return reasons, {"ids": ids, "id_bytes": float(id_bytes)}

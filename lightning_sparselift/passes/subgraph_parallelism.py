@@ -233,7 +233,7 @@ class SubgraphParallelism(OptimizationPass):
                 why = f"its output all-to-all carries {e.label} together (aggregation)"
             elif GENERATED_KERNEL not in g.lookup_kernels:
                 why = "no generated lookup kernel (pipelined buckets run one bucket per call): " + g.lookup_notes.get(
-                    GENERATED_KERNEL, "none was built (the session builds them before planning)")
+                    GENERATED_KERNEL, "none was built (the session builds them from the lift on)")
             elif {t.rank for t in g.tables} != set(range(graph.world_size)):
                 why = "some rank holds none of its tables"
             elif len(g.output_blocks) != graph.world_size:
@@ -260,7 +260,7 @@ class SubgraphParallelism(OptimizationPass):
             reasons = [f"g{g.index} ({g.sharding_type}): " + (
                 "no rank holds two of its tables" if GENERATED_KERNEL in g.lookup_kernels else
                 "no generated lookup kernel (buckets run one): " + g.lookup_notes.get(
-                    GENERATED_KERNEL, "none was built (the session builds them before planning)"))
+                    GENERATED_KERNEL, "none was built (the session builds them from the lift on)"))
                 for g in module.lifted_groups]
         elif all(module.schedule.region("lookup", i).buckets == b and not _split(module, i) for i, b in buckets.items()):
             reasons = ["already scheduled"]

@@ -66,8 +66,8 @@ class Decision:
 @dataclass
 class KernelBuild:
     """One rank's generated lookup kernel for one sharding group (or a module's consumer layout
-    or input kernel): built before planning, or (its tables in buckets) when the planner first
-    ran a trial with those buckets, between steps."""
+    or input kernel): built from the lift on, on a thread of its own, or (its tables in buckets)
+    when the planner first ran a trial with those buckets, between steps."""
 
     module: str
     group: int  # or a module-wide kernel's: ir.schedule.OUTPUT_KERNEL_GROUP, INPUT_KERNEL_GROUP
@@ -173,7 +173,7 @@ class ExecutionPlan:
                  f"{self.fingerprint.backend}; optimizations {self.fingerprint.optimizations or 'none (identity plan)'}"]
         if self.step_model is not None:
             lines += self.step_model.explain()
-        for when, built in (("before planning", [b for b in self.kernel_builds if not b.note and b.buckets == 1]),
+        for when, built in (("from the lift on", [b for b in self.kernel_builds if not b.note and b.buckets == 1]),
                             ("in buckets, between calibration steps",
                              [b for b in self.kernel_builds if not b.note and b.buckets > 1])):
             if not built:

@@ -122,8 +122,8 @@ def test_the_pass_proposes_the_input_kernel_only_where_every_rank_built_it():
     def inputs(g):
         return {c.module: c for c in CodeGeneration().candidates(g) if c.role == "input"}
 
-    assert inputs(graph)[module.path].reasons == ["no input kernel was built (the session builds them before "
-                                                   "planning)"]
+    assert inputs(graph)[module.path].reasons == ["no input kernel was built (the session builds them from the "
+                                                   "lift on)"]
     mark_generated(graph, [KernelBuild(module.path, INPUT_KERNEL_GROUP, 0, "", 0.1, False),
                            KernelBuild(module.path, INPUT_KERNEL_GROUP, 1, "no compiler", 0.0, False)])
     assert inputs(graph)[module.path].reasons == ["rank 1: no compiler"]
