@@ -163,7 +163,7 @@ def main() -> None:
                   "steps": trainer.global_step, "executor": strategy.executor_in_use,
                   "cluster_environment": type(strategy.cluster_environment).__name__,
                   "decisions": [{"candidate": d.candidate, "feasible": d.feasible, "accepted": d.accepted,
-                                 "measured": d.measured_ms is not None} for d in plan.decisions] if plan else None,
+                                 "decided": d.decided} for d in plan.decisions] if plan else None,
                   "dense_checksum": dense_checksum(model)}
         Path(args.result_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.result_dir) / f"rank{trainer.global_rank}.json").write_text(json.dumps(result, indent=1))

@@ -120,7 +120,7 @@ class ExecutorReport(L.Callback):
                   "early_steps": sum(f.early_steps for f in executor.executors.values()) if executor else 0,
                   "prefetched_steps": sum(f.prefetched_steps for f in executor.executors.values()) if executor else 0,
                   "buffers_reused": sum(f.buffers.reused for f in executor.executors.values()) if executor else 0,
-                  "decisions": [[d.candidate, d.accepted, d.measured_ms is not None or not d.feasible]
+                  "decisions": [[d.candidate, d.accepted, d.decided or not d.feasible]
                                 for d in plan.decisions]
                   if plan else None,
                   "measured": [d.candidate for d in plan.decisions if d.measured_ms is not None] if plan else None}

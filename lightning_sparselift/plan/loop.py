@@ -29,7 +29,7 @@ from lightning_sparselift.cost.design import (
 )
 from lightning_sparselift.passes import Candidate, InfeasibleCandidate
 from lightning_sparselift.plan.planner import Planner
-from lightning_sparselift.plan.types import Decision, ExecutionPlan, PlanFingerprint
+from lightning_sparselift.plan.types import FUTILE_BEFORE_MEASURING, Decision, ExecutionPlan, PlanFingerprint
 
 if TYPE_CHECKING:
     from lightning_sparselift.ir import SparseGraph
@@ -110,12 +110,17 @@ class PlanningLoop:
     def admit(self) -> None:
         """Propose again on the incumbent (the graph now holds what new candidates need, e.g. built
         kernels): feasible candidates not proposed feasible before join the queue (their earlier
-        infeasible decisions dropped); the loop no longer waits for more."""
+        infeasible decisions dropped), those still infeasible keep the new proposal's reasons; the
+        loop no longer waits for more."""
         known = {c.id for c in self._queue} | set(self._accepted)
-        feasible = self._agreed(self.planner.propose(self.incumbent)[0])
+        feasible, rejected = self.planner.propose(self.incumbent)
+        feasible = self._agreed(feasible)
         new = [c for c in feasible if c.id not in known]
         admitted = {c.id for c in new}
-        self.plan.decisions = [d for d in self.plan.decisions if d.candidate not in admitted]
+        # (the candidates still infeasible get this proposal's reasons: e.g. no longer "none was built")
+        again = {d.candidate: d for d in rejected}
+        self.plan.decisions = [again.get(d.candidate, d) if not d.feasible else d for d in self.plan.decisions
+                               if d.candidate not in admitted]
         self._queue += new
         if new:
             self.events.append(f"admitted {len(new)} candidate(s) now feasible: {', '.join(sorted(admitted))}")
@@ -340,7 +345,7 @@ class PlanningLoop:
         if predicted is None or not out_of_reach(predicted, reach):
             return False
         self._accepted[candidate.id] = False
-        reason = (f"futile before measuring: the model predicts {predicted:+.3f} ms; {PREDICTION_SLACK:g}x that does "
+        reason = (f"{FUTILE_BEFORE_MEASURING}: the model predicts {predicted:+.3f} ms; {PREDICTION_SLACK:g}x that does "
                   f"not reach the {reach:+.3f} ms that {blocks} pairs resolve at the {protocol.region} clock's noise "
                   f"this round ({clock.spread_ms:.3f} ms per pair)")
         self.plan.decisions.append(Decision(candidate.id, candidate.pass_name, candidate.module, candidate.role, True,

@@ -43,6 +43,10 @@ class PlanFingerprint:
         return [f"{key}: plan has {mine[key]!r}, this run has {theirs[key]!r}" for key in mine if mine[key] != theirs[key]]
 
 
+# how a candidate's reason begins when the loop rejected it without measuring (plan/loop.py)
+FUTILE_BEFORE_MEASURING = "futile before measuring"
+
+
 @dataclass
 class Decision:
     candidate: str  # "<pass>:<name>"
@@ -61,6 +65,12 @@ class Decision:
     noise_ms: Optional[float] = None  # the robust standard deviation of the incumbent's steps
     pairs: int = 0  # measured pairs used
     outliers: int = 0  # pairs left out as outliers
+
+    @property
+    def decided(self) -> bool:
+        """Whether calibration reached a verdict on it: measured, or futile before measuring (not
+        infeasible, accepted without calibration, nor left undecided by the budget or the run's end)."""
+        return self.measured_ms is not None or self.reason.startswith(FUTILE_BEFORE_MEASURING)
 
 
 @dataclass

@@ -38,7 +38,7 @@ def test_own_model_example(steps, tmp_path):
         assert result["executor"] == "sparselift" and result["steps"] == steps and result["world_size"] == 2
         assert any(d["feasible"] for d in result["decisions"])
         if steps == 3700:
-            assert all(d["measured"] for d in result["decisions"] if d["feasible"]), "calibration did not finish"
+            assert all(d["decided"] for d in result["decisions"] if d["feasible"]), "calibration did not finish"
     if steps == 3700:
         assert "latency_hiding:early_start@embeddings" in out.stdout  # the plan explained
     assert results[0]["decisions"] == results[1]["decisions"]

@@ -241,7 +241,8 @@ def test_kernel_candidates_join_the_round_once_every_ranks_background_builds_are
             return [{"module": m.path, "group": g.index, "note": "", "seconds": 5.0, "cached": False}
                     for m in identity.modules for g in m.lifted_groups]
 
-    options = SessionOptions(optimizations=("codegen:lookup", "latency_hiding:early_start"), verify_steps=0)
+    options = SessionOptions(optimizations=("codegen:lookup", "latency_hiding:early_start",
+                                            "subgraph_parallelism:buckets2"), verify_steps=0)
     session = SparseLiftSession(nn.Linear(1, 1), None, [], None, torch.device("cpu"), options)
     session.capture, session.identity = None, identity
     session.installed = Building()
@@ -252,6 +253,8 @@ def test_kernel_candidates_join_the_round_once_every_ranks_background_builds_are
     session.loop.propose()
     session.phase = "plan"
     assert session.loop.trials == []  # no design starts without the kernel candidates
+    (buckets,) = [d for d in session.loop.plan.decisions if ":buckets2@" in d.candidate]
+    assert all("none was built" in r for r in buckets.reasons)
     for _ in range(20):  # training goes on, on the incumbent: no calibration step
         session.begin_step()
         session.end_step()
@@ -265,6 +268,10 @@ def test_kernel_candidates_join_the_round_once_every_ranks_background_builds_are
     assert session._builds is None
     assert sorted(c.id.split("@")[0] for c in session.loop.trials) == ["codegen:lookup", "latency_hiding:early_start"]
     assert any(e.startswith("admitted 1 candidate(s) now feasible: codegen:lookup@") for e in session.events)
+    # a candidate still infeasible once the kernels are there says why now, not "none was built"
+    (buckets,) = [d for d in session.loop.plan.decisions if ":buckets2@" in d.candidate]
+    assert not buckets.feasible and buckets.reasons == ["g0 (table_wise): no rank holds two of its tables",
+                                                        "g1 (column_wise): no rank holds two of its tables"]
     assert any("on a thread of their own; training waited 0.00 s for them" in e for e in session.events)
     while session.phase == "plan":
         session.begin_step()
