@@ -25,6 +25,7 @@ step plus the simulated sparse path's change from the identity plan, on the slow
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from lightning_sparselift.cost.priors import AlphaBeta, Priors
@@ -65,13 +66,18 @@ class StepModel:
         self.inputs = inputs
         self.identity = identity
         self.backend_ms_per_byte = self._backend_rate(identity)
-        self._base = self._simulate(identity)
 
     @classmethod
     def measure(cls, priors: Priors, timings: StepTimings, identity: SparseGraph) -> "StepModel":
         """From this run's machine constants (:func:`~.priors.measure_priors`) and capture steps."""
         return cls(StepModelInputs(timings, [priors.all_to_all], priors.lookup.bandwidth_bytes_per_ms,
                                    priors.cores_per_rank), identity)
+
+    @cached_property
+    def _base(self) -> tuple[float, float, float, float, float]:
+        """The identity graph's sparse path, which predictions are differences from (simulated at
+        the first prediction: :meth:`reference_lookup_ms` needs none)."""
+        return self._simulate(self.identity)
 
     def predict(self, graph: SparseGraph) -> StepPrediction:
         forward, backward, collectives, hidden, compute = self._simulate(graph)

@@ -135,10 +135,12 @@ def model_inputs(graph: SparseGraph, dense: DenseStep, profile: HardwareProfile)
                           [b / 1e6 * profile.backend_cpu_ms_per_mb for b in identity_bytes])
     inputs = StepModelInputs(timings, [link], profile.bandwidth_bytes_per_ms, profile.device.concurrent_lookups,
                              launch_ms=profile.device.launch_us / 1e3)
+    model = StepModel(inputs, graph)
     if dense.lookup_scale:  # TorchRec's lookups as timed at one rank, at this world size's bytes
         timings.lookup_ms = {p: [ms * dense.lookup_scale.get(p, 1.0) for ms in per_rank]
-                             for p, per_rank in StepModel(inputs, graph).reference_lookup_ms(graph).items()}
-    sparse = StepModel(inputs, graph).predict(graph).sparse_ms
+                             for p, per_rank in model.reference_lookup_ms(graph).items()}
+    # (each prediction scales the lookups by the timings it reads then: those just set)
+    sparse = model.predict(graph).sparse_ms
     rest = dense.forward + dense.backward + dense.exposed_all_reduce + dense.optimizer + dense.host
     timings.step_ms = [rest + sparse] * world
     return inputs
