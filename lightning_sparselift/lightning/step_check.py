@@ -144,9 +144,24 @@ class StepCheck:
             raise self._error(message)
 
     def _wait_in_backward(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """A sparse module's forward hook: its output's gradient waits for the check first. A
+        TorchRec module's output is an awaitable whose exchange stays in flight until the model
+        reads it (TorchRec overlaps it with the model's next work, e.g. the next sparse module's
+        input distribution): reading it here would wait at once, so the hook joins its callbacks."""
+        from torchrec.distributed.types import Awaitable
+
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        if isinstance(output, Awaitable):
+            output.callbacks.append(self._hook_values)
+        else:
+            self._hook_values(output)
+
+    def _hook_values(self, output: Any) -> Any:
         values = output.values() if hasattr(output, "values") and callable(output.values) else None
-        if module.training and torch.is_grad_enabled() and isinstance(values, Tensor) and values.requires_grad:
+        if isinstance(values, Tensor) and values.requires_grad:
             values.register_hook(lambda grad: self.before_update())
+        return output
 
     def _wait(self) -> list[list[int]]:
         work, rows, _ = self._pending
