@@ -84,7 +84,9 @@ class InputExchange(Exchange):
 @dataclass
 class OutputExchange(Exchange):
     op: Literal["all_to_all_single", "reduce_scatter"]
-    wait: Point  # lookup_at (synchronous) or module_call (left in flight from an early start)
+    # lookup_at or module_call (left in flight from an early start); waited at module_call
+    # (whether the lookups ran there or earlier) means when the model first reads the call's output
+    wait: Point
     # pipelined buckets: one all-to-all per bucket of the group's lookup region, on these process
     # groups (one each, in bucket order), each issued when its bucket's lookups are done; [] = one
     split: list[str] = field(default_factory=list, kw_only=True)

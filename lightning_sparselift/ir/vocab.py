@@ -86,7 +86,9 @@ COLLECTIVE_ROLES: tuple[str, ...] = get_args(CollectiveRole)
 Point = Literal[
     "previous_step",  # after the previous training step's call of the module
     "root_forward",  # when the root module's forward begins
-    "module_call",  # the sparse module's own call
+    # the sparse module's own call (an exchange waited here: when the model first reads the
+    # call's output, as TorchRec's lazy outputs are waited)
+    "module_call",
     "module_call_backward",  # in backward, where the module call's output receives its gradient
     "lookup_backward",  # in backward, just before the lookups' fused update
     "ddp_backward",  # DDP's gradient buckets (outside the executor)

@@ -3,7 +3,8 @@
 It runs the module's schedule: the input distribution (at the lookups, or started during the
 previous step for the batch the loop announced), TorchRec's lookup modules (so parameters, fused
 optimizer state, ``state_dict`` and checkpoints stay TorchRec's), and the output distribution
-(at the module's call, or issued when the root forward began and waited for here). Every step
+(issued at the module's call, or when the root forward began; waited for when the model first
+reads the module's output, as TorchRec's lazy outputs are). Every step
 moves the same bytes in the same layouts as TorchRec and does the same arithmetic, so results
 are bit-identical. Which exchanges and kernels run is decided once, in :meth:`use`.
 """
@@ -86,6 +87,7 @@ class ModuleExecutor:
         self._started: Optional[_Started] = None
         self._announced: Any = None  # the features of the next training step, as the loop announced them
         self._prefetch: Optional[_Prefetch] = None
+        self._output: Any = None  # the last output handed to the model, until its wait ran (a LazyOutput)
         self.torchrec_steps = 0
         self.early_steps = 0  # calls finished from an early start
         self.early_starts = 0  # early starts that ran (one per step unless a start is discarded)
@@ -206,13 +208,14 @@ class ModuleExecutor:
 
     # ------------------------------------------------------------------ the module's call
     def __call__(self, features: Any) -> Any:
+        self._settle()
         self._check(features)
         if self.observer is not None and self._training():
             self.observer(self.spec.path, features)
         if self._started is not None and same_features(self._started.features, features):
             started, self._started = self._started, None
             self.early_steps += 1
-            result = self._finish(started.out, started.pending, started.inputs, features)
+            result = self._hand_off(started.out, started.pending, started.inputs, features)
         else:
             self._discard_started()
             ran = self._run(features, early=False)
@@ -223,7 +226,7 @@ class ModuleExecutor:
                 self.torchrec_steps += features.stride() > 0
                 result = self.torchrec_forward(features)
             else:
-                result = self._finish(*ran, features)
+                result = self._hand_off(*ran, features)
         if self.distributes_ahead and self._announced is not None and self._training():
             self._start_next()
         return result
@@ -232,6 +235,7 @@ class ModuleExecutor:
         """The root forward began: run this step's input distribution and lookups now and leave
         the output all-to-alls in flight; the module's call with the same ``features`` finishes it."""
         with self.start_region():
+            self._settle()
             if self._started is not None and same_features(self._started.features, features):
                 # the root forward ran again on the same input: Lightning calls the LightningModule for
                 # its forward redirection and again in training_step (with DDP's copy of the batch)
@@ -314,6 +318,27 @@ class ModuleExecutor:
             self.clock.lookup_backward(out)
         return out
 
+    def _hand_off(self, out: list[Tensor], pending: list[Pending | KeptPending], inputs: list[Distributed],
+                  features: Any) -> Any:
+        """The module's output as TorchRec hands its own: waited for when the model first reads it
+        (see :mod:`~lightning_sparselift.runtime.lazy_output`)."""
+        from lightning_sparselift.runtime.lazy_output import LazyOutput
+
+        def finish() -> Any:
+            self._output = None
+            return self._finish(out, pending, inputs, features)
+
+        self._output = LazyOutput(finish)
+        return self._output
+
+    def _settle(self) -> None:
+        """Wait for the last output if the model has not read it, before this module exchanges again
+        (its exchanges and the buffers they fill go in order)."""
+        if self._output is not None:
+            from lightning_sparselift.runtime.lazy_output import settle
+
+            settle(self._output)
+
     def _finish(self, out: list[Tensor], pending: list[Pending | KeptPending], inputs: list[Distributed],
                 features: Any) -> Any:
         received = guarded(self.before_update, self.outputs.wait(out, pending))
@@ -333,6 +358,7 @@ class ModuleExecutor:
 
     def discard(self) -> None:
         """Complete and drop work started for a step that will not run (training ended)."""
+        self._settle()
         self._discard_started()
         self._discard_prefetch()
         self._announced = None

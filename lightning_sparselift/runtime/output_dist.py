@@ -79,18 +79,16 @@ class OutputDistribution:
     def issue(self, locals_: list[Optional[Tensor]], inputs: list[Distributed], batch_size: int, early: bool
               ) -> tuple[list[Tensor], list[Pending | KeptPending]]:
         """Every group's output (data-parallel and one-rank groups as they are), and the
-        all-to-alls left in flight when the lookups ran ``early`` (with those of the groups that
-        keep TorchRec's path: their awaitables are waited for where the module's call waits).
-        The lookups of pipelined groups (``locals_`` None) run here, with their exchanges."""
+        exchanges left in flight, waited for when the model first reads the module's output (the
+        executor hands it over as TorchRec does, lazily): at the module call every all-to-all and
+        the awaitables of the groups that keep TorchRec's path; when the lookups ran ``early``
+        (at the root forward), those the schedule waits for at the module call. The lookups of
+        pipelined groups (``locals_`` None) run here, with their exchanges."""
         exchanged = {i for b in self.buckets for i in b.groups}
         out = [t if i in exchanged else _unbucketize(t, d.unbucketize) for i, (t, d) in enumerate(zip(locals_, inputs))]
         pending: list[Pending | KeptPending] = []
         for i, group in self.kept.items():
-            awaitable = group.issue_output(locals_[i], inputs[i].context)
-            if early:
-                pending.append(KeptPending(i, awaitable))
-            else:
-                out[i] = awaitable.wait()
+            pending.append(KeptPending(i, group.issue_output(locals_[i], inputs[i].context)))
         for b in self.buckets:
             if not b.all_to_all:
                 (i,) = b.groups
@@ -112,7 +110,7 @@ class OutputDistribution:
                 continue
             tensors = [locals_[i] for i in b.groups]
             unbucketize = [inputs[i].unbucketize for i in b.groups]
-            if early and b.in_flight:
+            if b.in_flight or not early:
                 box: dict = {}
                 pending.append(Pending(b.groups, layout, box, IssueOutputAllToAll.apply(layout, box, self.clock,
                                                                                         *tensors), unbucketize))
