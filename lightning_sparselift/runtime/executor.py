@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -38,6 +38,9 @@ from lightning_sparselift.runtime.pipeline import Pipeline
 from lightning_sparselift.runtime.torchrec_group import TorchRecGroup
 from lightning_sparselift.runtime.update_guard import UpdateCheck, guarded, no_check
 from lightning_sparselift.validation import InputCheck
+
+if TYPE_CHECKING:
+    from lightning_sparselift.runtime.lazy_output import LazyOutput  # (imports torchrec)
 
 
 @dataclass
@@ -87,7 +90,7 @@ class ModuleExecutor:
         self._started: Optional[_Started] = None
         self._announced: Any = None  # the features of the next training step, as the loop announced them
         self._prefetch: Optional[_Prefetch] = None
-        self._output: Any = None  # the last output handed to the model, until its wait ran (a LazyOutput)
+        self._output: Optional[LazyOutput] = None  # the last output handed to the model, until its wait ran
         self.torchrec_steps = 0
         self.early_steps = 0  # calls finished from an early start
         self.early_starts = 0  # early starts that ran (one per step unless a start is discarded)
@@ -319,7 +322,7 @@ class ModuleExecutor:
         return out
 
     def _hand_off(self, out: list[Tensor], pending: list[Pending | KeptPending], inputs: list[Distributed],
-                  features: Any) -> Any:
+                  features: Any) -> LazyOutput:
         """The module's output as TorchRec hands its own: waited for when the model first reads it
         (see :mod:`~lightning_sparselift.runtime.lazy_output`)."""
         from lightning_sparselift.runtime.lazy_output import LazyOutput
