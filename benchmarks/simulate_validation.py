@@ -12,7 +12,11 @@
 What the profile times here (the dense step and TorchRec's step at one rank) is recorded too, in
 ``--timings`` (default ``tests/fixtures/simulate/timings.json``): with ``--measure`` each workload
 right before its grid points are measured, with ``--time`` the recorded runs' workloads; without
-either, the recorded ones. So the tables, kept as tests, do not move with the machine's load while
+either, the recorded ones. With ``--measure``, a collective's latency in a step
+(:func:`~lightning_sparselift.simulate.fit.measure_step_latency_here`, what ``fit-profile``
+prices the links' alpha with) is measured beside each workload's timing and recorded in
+``--latency`` (default ``tests/fixtures/simulate/step_latency.json``): the profile fitted with
+the median (``fit-profile --step-latency-us``) sees the machine the grid saw. So the tables, kept as tests, do not move with the machine's load while
 the suite runs. Nothing else may run while measuring or timing.
 
     .venv/bin/python benchmarks/simulate_validation.py [--measure] [--time] [--out FILE.md]
@@ -34,6 +38,7 @@ import yaml
 
 from lightning_sparselift.bench.model_error import RecordedRun
 from lightning_sparselift.bench.scenarios import SCENARIO_DIR
+from lightning_sparselift.simulate.fit import measure_step_latency_here
 from lightning_sparselift.simulate.profile import HardwareProfile
 from lightning_sparselift.simulate.validation import (
     GridPoint, Timed, grid_markdown, markdown, predict_grid, timing_key, validate, workloads,
@@ -71,6 +76,7 @@ if __name__ == "__main__":
     p.add_argument("--measure", action="store_true")
     p.add_argument("--timings", type=Path, default=ROOT / "tests" / "fixtures" / "simulate" / "timings.json")
     p.add_argument("--time", action="store_true")
+    p.add_argument("--latency", type=Path, default=ROOT / "tests" / "fixtures" / "simulate" / "step_latency.json")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--worlds", default="1,2")  # (bench refuses 3 ranks on 2 cores: oversubscribed)
     p.add_argument("--rounds", type=int, default=8)
@@ -87,17 +93,23 @@ if __name__ == "__main__":
 
         steps: dict[tuple[str, int, int], list[float]] = defaultdict(list)
         timings: dict[str, list[dict]] = defaultdict(list)
+        latencies: list[float] = []
         for _ in range(args.passes):
             for s in args.scenarios.split(","):
                 for b in (load(s).batch_size, load(s).batch_size // 2):
                     # timed right before its steps are measured: this machine's speed drifts by a
                     # fifth within minutes (other tenants), and the two sides must see the same machine
                     timings[timing_key(s, b)].append(timed_now(s, b, profile))
+                    latencies.append(measure_step_latency_here(2) * 1e3)
                     for w in worlds:
                         steps[(s, w, b)].append(measure(s, w, b, args.rounds))
         for key, values in timings.items():  # the median pass's, by TorchRec's step at one rank
             recorded[key] = sorted(values, key=lambda t: t["one_rank"]["step_ms"])[len(values) // 2]
             timed.add(key)
+        args.latency.write_text(json.dumps({"step_latency_us": median(latencies), "measured_us": latencies},
+                                           indent=1) + "\n")
+        print(f"a collective's latency in a step: median {median(latencies):.0f} us of {len(latencies)} "
+              f"({min(latencies):.0f}-{max(latencies):.0f})", flush=True)
         points = [GridPoint(s, w, b, median(v), passes=v) for (s, w, b), v in steps.items()]
         args.grid.parent.mkdir(parents=True, exist_ok=True)
         args.grid.write_text(json.dumps([asdict(x) for x in points], indent=1) + "\n")

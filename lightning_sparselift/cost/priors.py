@@ -121,6 +121,36 @@ def measure_priors(group: Any, device: torch.device, sizes: Sequence[int] = _PRO
                   time.perf_counter() - start, cores)
 
 
+def measure_step_latency(group: Any, compute_ms: Sequence[float] = (0.5, 1.0, 2.0), reps: int = 32) -> float:
+    """The all-to-all's latency as a training step meets it (ms, the slowest rank's): the smallest
+    probe payload issued after compute on every rank (``reps`` times after each of
+    ``compute_ms``), as a step issues its exchanges after the lookups or the dense layers, not
+    after a barrier as :func:`measure_priors` times it. Where the ranks share cores the backend's
+    threads sleep while the ranks compute and the collective must wake them, and a rank the OS
+    preempted arrives a compute period late: here from 0.05 ms (as back to back) to 2.5 ms, a
+    median anywhere in 0.13-1.2 ms from one probe to the next. A step's collectives add up, so
+    the mean is what a step pays; a tenth at each end left out (another tenant's burst)."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world == 1:
+        return 0.0
+    send = torch.zeros(max(_PROBE_BYTES[0] // 4 // world, 1) * world)
+    recv, work = torch.empty_like(send), torch.ones(64, 64)
+    times = []
+    for gap in compute_ms:
+        for rep in range(reps + 1):
+            end = time.perf_counter() + gap / 1e3
+            while time.perf_counter() < end:
+                work = torch.tanh(work @ work)
+            t0 = time.perf_counter()
+            dist.all_to_all_single(recv, send, group=group)
+            if rep:  # (the first after a change of gap settles the ranks)
+                times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    cut = len(times) // 10
+    kept = times[cut:len(times) - cut]
+    return _slowest([sum(kept) / len(kept)], group)[0]
+
+
 def _cores_per_rank(group: Any, world: int) -> float:
     """The cores this process may run on over the ranks on its host (ranks grouped by host name)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -62,6 +62,9 @@ def _fit_parser() -> argparse.ArgumentParser:
     p.add_argument("--timings", type=Path, help="the workload's timings as recorded (a timings file of "
                    "benchmarks/simulate_validation.py, keyed scenario@batch) instead of timing it now: this machine's "
                    "speed drifts within minutes, and a fit should see it as the run did")
+    p.add_argument("--step-latency-us", type=float, help="a collective's latency inside a step on this machine as "
+                   "measured before (the fitted profile records it) instead of measuring it now: an all-to-all "
+                   "after compute on as many processes as the run's ranks")
     p.add_argument("--name", default="cpu-measured", help="the profile's name")
     p.add_argument("--out", type=Path, required=True, help="the profile YAML to write")
     return p
@@ -102,9 +105,12 @@ def _recorded_timing(args: argparse.Namespace, batch: int) -> tuple:
 
 def fit_main(argv: list[str], out: Optional[TextIO] = None) -> int:
     out = out or sys.stdout
-    from lightning_sparselift.simulate.fit import fit_profile, read_run
+    from lightning_sparselift.simulate.fit import fit_profile, measure_step_latency_here, read_run
 
-    args = _fit_parser().parse_args(argv)
+    parser = _fit_parser()
+    args = parser.parse_args(argv)
+    if args.step_latency_us is not None and args.step_latency_us < 0:
+        parser.error(f"--step-latency-us must be >= 0, got {args.step_latency_us}")
     inputs, graph, _ = read_run(args.run)
     batch = max(max(m.batch_size_per_rank) for m in graph.modules)
     if args.timings:
@@ -112,13 +118,19 @@ def fit_main(argv: list[str], out: Optional[TextIO] = None) -> int:
         workload.timed, workload.one_rank = _recorded_timing(args, batch)
     else:
         workload = _workload(args, batch, max(1, round(inputs.cores_per_rank)))
-    profile = fit_profile(args.run, workload, args.name)
+    latency_ms = (args.step_latency_us / 1e3 if args.step_latency_us is not None
+                  else measure_step_latency_here(graph.world_size))
+    profile = fit_profile(args.run, workload, args.name, latency_ms)
     if args.timings:
         profile.sources.append(f"the workload timed as recorded in {args.timings}")
+    profile.sources.append(f"a collective's latency in a step: {latency_ms * 1e3:.0f} us, "
+                           + ("as given (--step-latency-us)" if args.step_latency_us is not None else
+                              f"measured by fit-profile on {graph.world_size} processes"))
     profile.save(args.out)
     print(f"wrote {args.out}: dense timed here ({profile.device.dense_tflops * 1e3:.1f} GFLOP/s), copy "
           f"{profile.device.memory_gb_per_s:.2f} GB/s, all-to-all alpha {profile.intra_node.alpha_us:.0f} us + "
-          f"{profile.intra_node.gb_per_s:.2f} GB/s, backend CPU {profile.backend_cpu_ms_per_mb:.3f} ms/MB", file=out)
+          f"{profile.intra_node.gb_per_s:.2f} GB/s (alpha: a collective in a step; after a barrier "
+          f"{profile.measured['probed_alpha_us']:.0f} us), backend CPU {profile.backend_cpu_ms_per_mb:.3f} ms/MB", file=out)
     return 0
 
 

@@ -16,7 +16,12 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
+from typing import Optional
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from lightning_sparselift.cost.step_model import StepModel
 from lightning_sparselift.cost.step_record import StepModelInputs
@@ -44,7 +49,11 @@ def read_run(path: Path) -> tuple[StepModelInputs, SparseGraph, float]:
     raise ValueError(f"{path}: neither a plan file nor a recorded bench run")
 
 
-def fit_profile(run: Path, workload: Workload, name: str) -> HardwareProfile:
+def fit_profile(run: Path, workload: Workload, name: str, step_latency_ms: Optional[float] = None
+                ) -> HardwareProfile:
+    """``step_latency_ms``: a collective's latency inside a step on this machine
+    (:func:`measure_step_latency_here`), the links' alpha; None: the run's probed alpha (after a
+    barrier), which leaves the ranks' synchronisation in a step to the per-MB term."""
     inputs, graph, sparse_ms = read_run(run)
     world = graph.world_size
     if world < 2 or not inputs.links:
@@ -53,7 +62,8 @@ def fit_profile(run: Path, workload: Workload, name: str) -> HardwareProfile:
     link = inputs.links[0]
     # beta over the bytes a member puts in: (world - 1) / world of them leave it
     gb_per_s = (world - 1) / world / max(link.beta_ms_per_byte, 1e-15) / 1e6
-    shared = Link(alpha_us=link.alpha_ms * 1e3, per_peer_us=0.0, gb_per_s=gb_per_s)
+    alpha_ms = link.alpha_ms if step_latency_ms is None else step_latency_ms
+    shared = Link(alpha_us=alpha_ms * 1e3, per_peer_us=0.0, gb_per_s=gb_per_s)
     backend = StepModel(inputs, graph).backend_ms_per_byte * 1e6
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / world
     profile = HardwareProfile(
@@ -72,27 +82,54 @@ def fit_profile(run: Path, workload: Workload, name: str) -> HardwareProfile:
     captured = max(inputs.timings.step_ms)
     simulated, per_step_mb = _simulated(workload, world, batch, profile)
     # What the run's step took beyond the simulated one, per MB through its collectives, is what a
-    # MB costs a rank's step beyond the link's alpha-beta (probed after a barrier) and the backend's
-    # CPU: where the ranks share the cores, the backend's threads and the other ranks take the
-    # training thread's core while bytes move. It joins the backend's rate, the model's per-byte
-    # term of a collective on the training thread.
+    # MB costs a rank's step beyond the link's alpha-beta and the backend's CPU: where the ranks
+    # share the cores, the backend's threads and the other ranks take the training thread's core
+    # while bytes move. It joins the backend's rate, the model's per-byte term of a collective on
+    # the training thread.
     profile.backend_cpu_ms_per_mb += max(captured - simulated, 0.0) / per_step_mb if per_step_mb > 0 else 0.0
     profile.measured = {"run": str(run), "workload": workload.source, "world_size": world, "batch_per_rank": batch,
                         "captured_step_ms": captured, "modelled_sparse_ms": sparse_ms, "timed_dense_ms": dense,
                         "timed_one_rank_step_ms": workload.one_rank.step_ms, "timed_on_threads": timed.threads,
-                        "backend_cpu_ms_per_mb": backend, "simulated_step_ms_before_fit": simulated,
+                        "backend_cpu_ms_per_mb": backend, "probed_alpha_us": link.alpha_ms * 1e3,
+                        "step_latency_us": None if step_latency_ms is None else step_latency_ms * 1e3,
+                        "simulated_step_ms_before_fit": simulated,
                         "collectives_mb_per_step": per_step_mb}
     return profile
 
 
 def _simulated(workload: Workload, world: int, batch: int, profile: HardwareProfile) -> tuple[float, float]:
     """(the identity step the simulator predicts for the run on ``profile``, the MB a rank puts
-    through the sparse path's collectives per step: the busiest rank's)."""
+    through the collectives per step: the sparse path's, the busiest rank's, and DDP's all-reduce)."""
     from lightning_sparselift.simulate.scaling import scaled_graph
-    from lightning_sparselift.simulate.simulator import simulate_world
+    from lightning_sparselift.simulate.simulator import all_reduce_bytes, simulate_world
 
     graph = scaled_graph(workload, world, batch, profile)
-    # (the step-time model charges the sparse path's collectives per byte; DDP's overlap the backward)
-    nodes = [n for n in graph.collectives() if n.issue != "ddp_backward"]
-    per_step_mb = max(sum(n.bytes_per_member[r] for n in nodes) for r in range(world)) / 1e6
+    nodes = [n for n in graph.collectives() if n.issue != "ddp_backward"]  # (DDP's: all_reduce_bytes)
+    sparse = max(sum(n.bytes_per_member[r] for n in nodes) for r in range(world))
+    per_step_mb = (sparse + all_reduce_bytes(workload, graph)) / 1e6
     return simulate_world(workload, world, batch, profile).identity.step, per_step_mb
+
+
+def measure_step_latency_here(world: int) -> float:
+    """:func:`~lightning_sparselift.cost.priors.measure_step_latency` over ``world`` processes of
+    this machine (ms; a few seconds)."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "latency"
+        mp.start_processes(_latency_rank, args=(world, str(Path(folder) / "store"), str(out)), nprocs=world,
+                           start_method="spawn")
+        return float(out.read_text())
+
+
+def _latency_rank(rank: int, world: int, store: str, out: str) -> None:
+    import torch
+
+    from lightning_sparselift.cost.priors import measure_step_latency
+
+    torch.set_num_threads(1)  # (the profile's ranks: one training thread each)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    try:
+        latency = measure_step_latency(dist.group.WORLD)
+        if rank == 0:
+            Path(out).write_text(repr(latency))
+    finally:
+        dist.destroy_process_group()

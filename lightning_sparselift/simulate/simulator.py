@@ -81,7 +81,7 @@ class DenseStep:
     forward: float
     backward: float
     all_reduce: float  # the dense gradients' all-reduce, all of it
-    exposed_all_reduce: float  # what outlasts the dense backward
+    exposed_all_reduce: float  # what outlasts the dense backward, and its backend CPU on shared cores
     optimizer: float
     windows: dict[str, float]  # per sparse module: the dense forward before its call
     host: float = 0.0  # TorchRec's host work per step beyond the model's parts (timed at one rank)
@@ -109,10 +109,21 @@ def dense_step(workload: Workload, graph: SparseGraph, profile: HardwareProfile,
         windows = {p: profile.dense_ms(workload.window_flops.get(p, 0.0) * batch)
                    + workload.forward_kernels * share.get(p, 0.0) * launch for p in workload.module_paths}
         optimizer = _OPTIMIZER_PASSES * 2 * workload.dense_param_bytes / profile.bandwidth_bytes_per_ms
+    reduced = all_reduce_bytes(workload, graph)
+    all_reduce = profile.all_reduce_ms(graph.world_size, reduced)
+    # DDP overlaps the all-reduce with the backward: what outlasts it shows, and where the ranks
+    # share the cores the backend's reduction takes the training thread's core meanwhile (its CPU
+    # per MB, as the sparse path's collectives are charged; 0 on a profile with spare cores)
+    backend = profile.backend_cpu_ms_per_mb * reduced / 1e6 if graph.world_size > 1 else 0.0
+    return DenseStep(forward, backward, all_reduce, max(all_reduce - backward, 0.0) + backend, optimizer, windows)
+
+
+def all_reduce_bytes(workload: Workload, graph: SparseGraph) -> int:
+    """The bytes DDP all-reduces per step: the dense parameters' gradients and the data-parallel
+    tables'."""
     replicated = sum(t.rows * t.dim * 4 for m in graph.modules for g in m.groups
                      if g.sharding_type == "data_parallel" for t in g.tables)
-    all_reduce = profile.all_reduce_ms(graph.world_size, workload.dense_param_bytes + replicated)
-    return DenseStep(forward, backward, all_reduce, max(all_reduce - backward, 0.0), optimizer, windows)
+    return workload.dense_param_bytes + replicated
 
 
 def rest_of_step(workload: Workload, graph: SparseGraph, profile: HardwareProfile, batch: int) -> DenseStep:

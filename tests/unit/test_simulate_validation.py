@@ -1,12 +1,13 @@
 """The simulator's error tables on this machine, kept on recorded measurements (the tables:
-``benchmarks/simulate_validation.py``, results/2026-12-05/simulate/validation.md): the recorded bench
+``benchmarks/simulate_validation.py``, results/2026-12-06/simulate/validation.md): the recorded bench
 runs (``tests/fixtures/simulate/runs``) and the measured grid, what the profile times here as timed
 right before the grid was measured (``tests/fixtures/simulate/timings.json``: the dense step and
-TorchRec's step at one rank; this machine's speed drifts by up to 2x within half an hour), and the
-shipped profile of this machine (fitted on the dlrm run with those timings). The bounds are the
-recorded medians (grid 15%, runs 19%): the model may not get worse on them. Neither is the 10% the
-issue asks: the worst are the 2-rank steps of tiny and sequence at batch 256 (the 2 ranks'
-synchronisation on 2 shared cores, which the model does not price, see docs/simulate.md)."""
+TorchRec's step at one rank; this machine's speed drifts by up to 2x within half an hour), all
+measured in one sitting, and the shipped profile of this machine (fitted on the dlrm run with those
+timings and the collective latency measured beside them, ``step_latency.json``). The bounds are the
+recorded medians (grid 4.4%, its 2-rank points alone 9.0%, runs 3.1%), rounded up: the model may not
+get worse on them. The worst point is dlrm at 2 ranks, batch 1024 (19%): the profile is fitted on
+the dlrm run's captured steps, which its capture hooks make slower than the bench's steady step."""
 
 from __future__ import annotations
 
@@ -20,9 +21,7 @@ from lightning_sparselift.simulate.validation import markdown, median_error, rea
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "simulate" / "runs"
 TIMINGS = Path(__file__).parents[1] / "fixtures" / "simulate" / "timings.json"
-MEDIAN_ERROR = 0.19
-
-
+MEDIAN_ERROR = 0.035
 
 
 def test_the_simulated_steps_of_the_recorded_runs():
@@ -36,7 +35,8 @@ def test_the_simulated_steps_of_the_recorded_runs():
 
 
 GRID = Path(__file__).parents[1] / "fixtures" / "simulate" / "grid.json"
-GRID_MEDIAN_ERROR = 0.16
+GRID_MEDIAN_ERROR = 0.05
+TWO_RANK_MEDIAN_ERROR = 0.10
 
 
 def test_the_simulated_identity_step_on_the_measured_grid():
@@ -49,3 +49,6 @@ def test_the_simulated_identity_step_on_the_measured_grid():
     profile = HardwareProfile.load("cpu-2core-measured")
     points = predict_grid(points, profile, read_timings(TIMINGS))
     assert median(p.error for p in points) <= GRID_MEDIAN_ERROR, grid_markdown(points, profile)
+    # at 1 rank the prediction is, by construction, about the step the profile timed there; the
+    # model's own part (collectives, their latency and CPU, scaling the lookups) is the 2-rank points'
+    assert median(p.error for p in points if p.world == 2) <= TWO_RANK_MEDIAN_ERROR, grid_markdown(points, profile)

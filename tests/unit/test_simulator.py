@@ -52,6 +52,26 @@ def test_a_scaled_graph_is_the_lifters_graph_of_the_planners_placement(tiny, gpu
     assert all(len(n.bytes_per_member) == 16 for n in graph.collectives())
 
 
+def test_the_dense_all_reduce_takes_the_backend_cpu_per_mb_where_the_ranks_share_cores(tiny):
+    """DDP hides the all-reduce behind the backward, but on ranks without a spare core its
+    backend's reduction takes the training thread's core: its bytes are charged as the sparse
+    path's collectives are (the profile's per-MB; 0 on a profile with spare cores)."""
+    import copy
+
+    from lightning_sparselift.simulate.simulator import all_reduce_bytes
+
+    profile = copy.deepcopy(HardwareProfile.load(DEFAULT_PROFILE))
+    graph = scaled_graph(tiny, 2, 64, profile)
+    assert profile.backend_cpu_ms_per_mb == 0.0
+    spare = dense_step(tiny, graph, profile, 64)
+    profile.backend_cpu_ms_per_mb = 2.0
+    shared = dense_step(tiny, graph, profile, 64)
+    assert all_reduce_bytes(tiny, graph) >= tiny.dense_param_bytes > 0
+    assert shared.exposed_all_reduce - spare.exposed_all_reduce == pytest.approx(
+        2.0 * all_reduce_bytes(tiny, graph) / 1e6)
+    assert shared.all_reduce == spare.all_reduce  # (the link's time is the link's)
+
+
 def test_row_wise_and_data_parallel_are_offered_within_the_estimate_budget(gpu):
     assert set(offered_types(10**6, 128, 8, 26, gpu)) == {"table_wise", "column_wise", "row_wise", "data_parallel"}
     # beyond it: row-wise only for a table no rank holds
@@ -96,16 +116,31 @@ def test_a_profile_fitted_on_a_run_keeps_its_links_and_times_the_dense_step_here
 
     run = Path(__file__).parents[1] / "fixtures" / "step_model" / "dlrm_run1.json"
     profile_path = tmp_path / "cpu.yaml"
-    assert main(["fit-profile", "--run", str(run), "--scenario", "dlrm", "--out", str(profile_path)]) == 0
+    assert main(["fit-profile", "--run", str(run), "--scenario", "dlrm", "--step-latency-us", "450",
+                 "--out", str(profile_path)]) == 0
     profile = HardwareProfile.load(str(profile_path))
     inputs, graph, _ = read_run(run)
     assert profile.device.kind == "cpu" and profile.device.dense == "timed"
     assert profile.measured["world_size"] == graph.world_size == 2
-    # the run's all-to-all, as the simulator prices it at the run's world size
+    # the run's all-to-all's bandwidth and a collective's latency in a step, as the simulator
+    # prices them at the run's world size; the run's alpha (after a barrier) is recorded beside
     link = profile.all_to_all(2, "world[2]")
-    assert link.alpha_ms == pytest.approx(inputs.links[0].alpha_ms)
+    assert link.alpha_ms == pytest.approx(0.45)
+    assert profile.measured["probed_alpha_us"] == pytest.approx(inputs.links[0].alpha_ms * 1e3)
     assert link.beta_ms_per_byte == pytest.approx(inputs.links[0].beta_ms_per_byte)
     assert profile.bandwidth_bytes_per_ms == pytest.approx(inputs.bandwidth_bytes_per_ms)
+
+
+def test_one_process_has_no_collective_latency_to_measure():
+    from lightning_sparselift.cost.priors import measure_step_latency
+
+    assert measure_step_latency(None) == 0.0
+
+
+def test_fit_profile_refuses_a_negative_step_latency(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit-profile", "--run", "plan.json", "--scenario", "dlrm", "--step-latency-us", "-1", "--out", "x.yaml"])
+    assert "--step-latency-us must be >= 0" in capsys.readouterr().err
 
 
 def test_a_fitted_profile_reproduces_the_step_of_the_run_it_was_fitted_on():
