@@ -12,9 +12,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Optional, TextIO
+from typing import TYPE_CHECKING, Optional, TextIO
 
 from lightning_sparselift.simulate.profile import DEFAULT_PROFILE, HardwareProfile, shipped_profiles
+
+if TYPE_CHECKING:
+    from lightning_sparselift.simulate.validation import Timed
 
 
 def _ranks(text: str) -> list[int]:
@@ -91,7 +94,7 @@ def _default_batch(args: argparse.Namespace) -> int:
     return batch
 
 
-def _recorded_timing(args: argparse.Namespace, batch: int) -> tuple:
+def _recorded_timing(args: argparse.Namespace, batch: int) -> Timed:
     from lightning_sparselift.simulate.validation import read_timings, timing_key
 
     if not args.scenario:
@@ -100,7 +103,7 @@ def _recorded_timing(args: argparse.Namespace, batch: int) -> tuple:
     key = timing_key(args.scenario, batch)
     if key not in recorded:
         raise ValueError(f"{args.timings} has no timing of {key} (it has {sorted(recorded)})")
-    return recorded[key].dense, recorded[key].one_rank
+    return recorded[key]
 
 
 def fit_main(argv: list[str], out: Optional[TextIO] = None) -> int:
@@ -114,8 +117,7 @@ def fit_main(argv: list[str], out: Optional[TextIO] = None) -> int:
     inputs, graph, _ = read_run(args.run)
     batch = max(max(m.batch_size_per_rank) for m in graph.modules)
     if args.timings:
-        workload = _workload(args, batch, None)
-        workload.timed, workload.one_rank = _recorded_timing(args, batch)
+        workload = _recorded_timing(args, batch).onto(_workload(args, batch, None))
     else:
         workload = _workload(args, batch, max(1, round(inputs.cores_per_rank)))
     latency_ms = (args.step_latency_us / 1e3 if args.step_latency_us is not None

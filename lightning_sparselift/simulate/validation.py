@@ -58,6 +58,11 @@ class Timed:
     def from_dict(cls, data: dict) -> "Timed":
         return cls(DenseTiming(**data["dense"]), OneRankTiming(**data["one_rank"]))
 
+    def onto(self, workload: Workload) -> Workload:
+        """``workload`` with these timings (instead of timing it now)."""
+        workload.timed, workload.one_rank = self.dense, self.one_rank
+        return workload
+
 
 Timings = dict[str, Timed]  # by timing_key(scenario, batch)
 
@@ -78,10 +83,8 @@ def workloads(pairs: set[tuple[str, int]], profile: HardwareProfile, timings: Op
     out = {}
     for scenario, batch in sorted(pairs):
         recorded = (timings or {}).get(timing_key(scenario, batch))
-        out[(scenario, batch)] = workload_from_scenario(scenario, batch,
-                                                        None if recorded else workload_threads(profile))
-        if recorded:
-            out[(scenario, batch)].timed, out[(scenario, batch)].one_rank = recorded.dense, recorded.one_rank
+        workload = workload_from_scenario(scenario, batch, None if recorded else workload_threads(profile))
+        out[(scenario, batch)] = recorded.onto(workload) if recorded else workload
     return out
 
 

@@ -157,9 +157,7 @@ def test_a_fitted_profile_reproduces_the_step_of_the_run_it_was_fitted_on():
     run = fixtures / "runs" / "dlrm_run1.json"
     inputs, graph, _ = read_run(run)
     batch = max(max(m.batch_size_per_rank) for m in graph.modules)
-    workload = workload_from_scenario("dlrm", batch)
-    recorded = read_timings(fixtures / "timings.json")[f"dlrm@{batch}"]
-    workload.timed, workload.one_rank = recorded.dense, recorded.one_rank
+    workload = read_timings(fixtures / "timings.json")[f"dlrm@{batch}"].onto(workload_from_scenario("dlrm", batch))
     profile = fit_profile(run, workload, "fitted")
     assert profile.backend_cpu_ms_per_mb >= profile.measured["backend_cpu_ms_per_mb"] > 0
     captured = max(inputs.timings.step_ms)
