@@ -127,9 +127,10 @@ def measure_step_latency(group: Any, compute_ms: Sequence[float] = (0.5, 1.0, 2.
     ``compute_ms``), as a step issues its exchanges after the lookups or the dense layers, not
     after a barrier as :func:`measure_priors` times it. Where the ranks share cores the backend's
     threads sleep while the ranks compute and the collective must wake them, and a rank the OS
-    preempted arrives a compute period late: here from 0.05 ms (as back to back) to 2.5 ms, a
+    preempted arrives a compute period late: here from 0.05 ms (as back to back) to 2.5 ms, the
     median anywhere in 0.13-1.2 ms from one probe to the next. A step's collectives add up, so
-    the mean is what a step pays; a tenth at each end left out (another tenant's burst)."""
+    the mean is what a step pays (a tenth at each end left out: another tenant's burst; 0.5-1.5
+    ms here from one probe to the next)."""
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1:
         return 0.0

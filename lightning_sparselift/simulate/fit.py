@@ -1,6 +1,8 @@
 """A hardware profile of the machine a run measured (``sparselift simulate fit-profile``): fitted
-from what the run recorded for its step-time model (the all-to-all's alpha-beta, the copy
-bandwidth, the cores per rank, the collectives' backend CPU); the dense step and TorchRec's step
+from what the run recorded for its step-time model (the all-to-all's bandwidth, the copy
+bandwidth, the cores per rank, the collectives' backend CPU) and a collective's latency inside a
+step measured here (the links' alpha: a step's exchanges follow compute, and on shared cores that
+costs several times the alpha the run probed after a barrier); the dense step and TorchRec's step
 at one rank are timed on this machine per workload (``dense: timed``: one throughput does not carry
 from one model's layers to another's, nor one lookup rate from one table set to another), so the
 profile is this machine's only.
@@ -8,7 +10,7 @@ profile is this machine's only.
 The run is a plan file (``plan_path``: its graph is the plan's, its model's identity prediction
 recorded) or a recorded bench run (``benchmarks/step_model_error.py``: the identity graph itself).
 One all-to-all measured at one world size cannot separate the per-peer latency from the fixed one:
-``per_peer_us`` is 0 and the fixed latency is the measured alpha; the ranks of a CPU run share the
+``per_peer_us`` is 0 and the fixed latency is the measured one; the ranks of a CPU run share the
 host's memory, so the intra- and inter-node links are the same link.
 """
 

@@ -9,7 +9,8 @@ The rest of the step, which the step-time model takes as measured at run time, i
 profile: the dense forward and backward from their counted FLOPs at the profile's dense throughput
 plus a launch per dense kernel, and the dense optimizer as three passes over the dense parameters
 (on a profile of this machine both are timed here, on its cores per rank); the dense gradients'
-all-reduce (DDP overlaps it with the backward: only what outlasts the dense backward shows).
+all-reduce (DDP overlaps it with the backward: only what outlasts the dense backward shows, and
+where the ranks share cores its bytes at the profile's backend CPU per MB).
 On a profile of this machine TorchRec's step is also timed at one rank (:mod:`.one_rank`): its
 lookups scale the byte model's lookups of the module at every world size (as a run's captured
 lookups scale them at run time), and what the step took beyond the model's parts at one rank
