@@ -12,12 +12,13 @@
 What the profile times here (the dense step and TorchRec's step at one rank) is recorded too, in
 ``--timings`` (default ``tests/fixtures/simulate/timings.json``): with ``--measure`` each workload
 right before its grid points are measured, with ``--time`` the recorded runs' workloads; without
-either, the recorded ones. With ``--measure``, a collective's latency in a step
+either, the recorded ones. So the tables, kept as tests, do not move with the machine's load while
+the suite runs. With ``--measure``, a collective's latency in a step
 (:func:`~lightning_sparselift.simulate.fit.measure_step_latency_here`, what ``fit-profile``
-prices the links' alpha with) is measured beside each workload's timing and recorded in
-``--latency`` (default ``tests/fixtures/simulate/step_latency.json``): the profile fitted with
-the median (``fit-profile --step-latency-us``) sees the machine the grid saw. So the tables, kept as tests, do not move with the machine's load while
-the suite runs. Nothing else may run while measuring or timing.
+prices the links' alpha with) is measured beside each workload's timing on the grid's most ranks
+and recorded in ``--latency`` (default ``tests/fixtures/simulate/step_latency.json``): the profile
+fitted with the median (``fit-profile --step-latency-us``) sees the machine the grid saw. Nothing
+else may run while measuring or timing.
 
     .venv/bin/python benchmarks/simulate_validation.py [--measure] [--time] [--out FILE.md]
 """
@@ -100,7 +101,7 @@ if __name__ == "__main__":
                     # timed right before its steps are measured: this machine's speed drifts by a
                     # fifth within minutes (other tenants), and the two sides must see the same machine
                     timings[timing_key(s, b)].append(timed_now(s, b, profile))
-                    latencies.append(measure_step_latency_here(2) * 1e3)
+                    latencies.append(measure_step_latency_here(max(worlds)) * 1e3)
                     for w in worlds:
                         steps[(s, w, b)].append(measure(s, w, b, args.rounds))
         for key, values in timings.items():  # the median pass's, by TorchRec's step at one rank

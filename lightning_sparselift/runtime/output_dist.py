@@ -82,9 +82,9 @@ class OutputDistribution:
         exchanges left in flight, waited for when the model first reads the module's output (the
         executor hands it over as TorchRec does, lazily): the awaitables of the groups that keep
         TorchRec's path, and at the module call every other all-to-all but a pipelined group's (its
-        buckets' exchanges run with its lookups and are waited for here); when the lookups ran ``early`` (at the root forward), the
-        exchanges the schedule waits for at the module call. The lookups of pipelined groups
-        (``locals_`` None) run here, with their exchanges."""
+        buckets' exchanges run with its lookups and are waited for here); when the lookups ran
+        ``early`` (at the root forward), the exchanges the schedule waits for at the module call.
+        The lookups of pipelined groups (``locals_`` None) run here, with their exchanges."""
         exchanged = {i for b in self.buckets for i in b.groups}
         out = [t if i in exchanged else _unbucketize(t, d.unbucketize) for i, (t, d) in enumerate(zip(locals_, inputs))]
         pending: list[Pending | KeptPending] = []

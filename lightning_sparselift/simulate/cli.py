@@ -132,7 +132,8 @@ def fit_main(argv: list[str], out: Optional[TextIO] = None) -> int:
     print(f"wrote {args.out}: dense timed here ({profile.device.dense_tflops * 1e3:.1f} GFLOP/s), copy "
           f"{profile.device.memory_gb_per_s:.2f} GB/s, all-to-all alpha {profile.intra_node.alpha_us:.0f} us + "
           f"{profile.intra_node.gb_per_s:.2f} GB/s (alpha: a collective in a step; after a barrier "
-          f"{profile.measured['probed_alpha_us']:.0f} us), backend CPU {profile.backend_cpu_ms_per_mb:.3f} ms/MB", file=out)
+          f"{profile.measured['probed_alpha_us']:.0f} us), backend CPU {profile.backend_cpu_ms_per_mb:.3f} ms/MB",
+          file=out)
     return 0
 
 

@@ -22,9 +22,11 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_sparselift.cost.priors import measure_step_latency
 from lightning_sparselift.cost.step_model import StepModel
 from lightning_sparselift.cost.step_record import StepModelInputs
 from lightning_sparselift.ir import SparseGraph
@@ -123,10 +125,6 @@ def measure_step_latency_here(world: int) -> float:
 
 
 def _latency_rank(rank: int, world: int, store: str, out: str) -> None:
-    import torch
-
-    from lightning_sparselift.cost.priors import measure_step_latency
-
     torch.set_num_threads(1)  # (the profile's ranks: one training thread each)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     try:
