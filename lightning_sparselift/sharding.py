@@ -257,7 +257,8 @@ class ShardedModel:
 
 def shard_model(module: nn.Module, world_size: int, device: torch.device, sharding_types: Optional[dict[str, str]],
                 embedding_optimizer: EmbeddingOptimizer, process_group: Any, input_check_group: Optional[Any],
-                generated_adam: bool = True, qcomms_config: Optional[Any] = None) -> ShardedModel:
+                generated_adam: bool = True, qcomms_config: Optional[Any] = None,
+                placed_as_exact: bool = False) -> ShardedModel:
     """Shard every TorchRec sparse module of ``module`` (EmbeddingBagCollection,
     EmbeddingCollection, FeatureProcessedEmbeddingBagCollection, the managed-collision
     collections: row-wise, as TorchRec allows) with TorchRec's sharders and
@@ -268,7 +269,11 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
     None: no checks (fbgemm's stay). ``generated_adam``: Adam on CPU tables runs SparseLift's
     generated kernel (False: TorchRec and fbgemm alone, which have no CPU Adam: ValueError).
     ``qcomms_config``: TorchRec's ``QCommsConfig``, whose codecs TorchRec's sharders apply to the
-    output exchanges (its registry for ``device``: on CPU TorchRec turns BF16 into FP16)."""
+    output exchanges (its registry for ``device``: on CPU TorchRec turns BF16 into FP16).
+    ``placed_as_exact``: TorchRec's planner places the tables as it would without the codecs
+    (by default it prices each exchange in its codec's format, which may move a table: under a
+    quantized wire a small table can become table-wise where float32 makes it data-parallel, and
+    then the tables train with another optimizer); a comparison of wire formats alone needs it."""
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -300,10 +305,9 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
     parameters = [p for m in modules.values() for p in table_parameters(m)]
     values = built_tables(module, parameters)
     embedding_optimizer.apply_in_backward(parameters)
-    # (one per module type, in the order the modules appear: the same list on every rank)
-    codecs = quantized_comms(qcomms_config, device)
-    sharders = [cls(qcomm_codecs_registry=codecs) for cls in dict.fromkeys(_sharders()[type(m)] for m in modules.values())]
-    plan = build_sharding_plan(module, sharders, world_size, device.type, checked, process_group)
+    sharders = sharders_with(modules, quantized_comms(qcomms_config, device))
+    planned_with = sharders_with(modules, None) if placed_as_exact else sharders
+    plan = build_sharding_plan(module, planned_with, world_size, device.type, checked, process_group)
     if input_check_group is not None:
         _without_lookup_bounds_check(plan)
     register_dense_lookup_autograd()
@@ -323,6 +327,12 @@ def shard_model(module: nn.Module, world_size: int, device: torch.device, shardi
         install_input_checks(module, sorted(modules), tables, input_check_group, having("row_wise", "table_row_wise"),
                              set(having("data_parallel")), _pooling_data_parallel(modules, plan), weighted)
     return ShardedModel(dmp, tables, sorted(modules))
+
+
+def sharders_with(modules: dict[str, nn.Module], codecs: Optional[dict[str, Any]]) -> list[Any]:
+    """TorchRec's sharders of ``modules`` with TorchRec's codec registry ``codecs``: one per module
+    type, in the order the modules appear (the same list on every rank)."""
+    return [cls(qcomm_codecs_registry=codecs) for cls in dict.fromkeys(_sharders()[type(m)] for m in modules.values())]
 
 
 def quantized_comms(config: Optional[Any], device: torch.device) -> Optional[dict[str, Any]]:

@@ -131,13 +131,15 @@ def _worker(rank: int, config: BenchConfig, port: int, out: str) -> None:
     dm = _data(config, scenario)
     train = dm.split("train")
     steps = len(train) // (scenario.batch_size * config.world_size)
-    env = BenchEnv(scenario, rank, config.world_size, train, seed=config.seed, pool=steps, precision=config.precision)
+    env = BenchEnv(scenario, rank, config.world_size, train, seed=config.seed, pool=steps, precision=config.precision,
+                   placed_as_exact=True)
     systems = {name: BENCH_SYSTEMS[name](env) for name in config.systems}
     for system in systems.values():
         system.setup()
-    # the same initial weights, tables included: the reference's, whole, copied into every other
-    # system's shards (a quantized wire may make TorchRec's planner shard a table otherwise, so one
-    # system's state dict need not load into another's), then checked
+    # the same tables in the same places (placed_as_exact: TorchRec's planner would move some under a
+    # quantized wire, and a moved table trains with another optimizer) and the same initial weights:
+    # the reference's, whole, copied into every other system's shards (tables built on meta are
+    # initialized shard by shard), then checked
     weights = _whole(_module(systems[REFERENCE]))
     for name, system in systems.items():
         if name != REFERENCE:

@@ -36,6 +36,8 @@ class BenchEnv:
     pool: int = 32  # distinct batches per rank, cycled
     warmup_steps: int = 5  # untimed steps before measuring
     precision: str = "32-true"  # one of PRECISIONS
+    # every system's tables placed as float32 exchanges place them (a parity run: only the wire differs)
+    placed_as_exact: bool = False
     _local: list[RecBatch] = field(default_factory=list)
     _global: list[list[RecBatch]] = field(default_factory=list)
 
@@ -169,6 +171,6 @@ def build_sharded(env: BenchEnv, validate_inputs: bool, sharding_types: Optional
     sharded = shard_model(wrapped, env.world_size, torch.device("cpu"), sharding_types,
                           EmbeddingOptimizer.parse(embedding_optimizer or env.scenario.embedding_optimizer()),
                           dist.group.WORLD, dist.group.WORLD if validate_inputs else None, generated_adam,
-                          qcomms_config)
+                          qcomms_config, env.placed_as_exact)
     dense = dense_optimizer(env.scenario, sharded.dmp.parameters())
     return sharded.dmp, combine_optimizers(sharded.dmp, dense), wrapped, sharded.sparse_module_paths
