@@ -345,12 +345,13 @@ def test_ranks_with_different_graphs_raise_instead_of_hanging(data_cache, monkey
         t.fit(tiny_model(dm), dm)
 
 
-def _fit_with_plan(tmp_path, data_cache, plan_path, run):
+def _fit_with_plan(tmp_path, data_cache, plan_path, run, **options):
     dm = tiny_data(data_cache, num_train=6656)  # 104 steps: 3 captured, 96 calibrating, 5 on the plan
     L.seed_everything(0)
     folder = tmp_path / run
     folder.mkdir()
-    t = trainer(2, SparseLiftStrategy(start_method="fork", sharding_types=MIXED, plan_path=str(plan_path), **ONE_LOOK),
+    t = trainer(2, SparseLiftStrategy(start_method="fork", sharding_types=MIXED, plan_path=str(plan_path),
+                                      **{**ONE_LOOK, **options}),
                 callbacks=[SaveExecutor(folder)], limit_val_batches=0)
     t.fit(tiny_model(dm), dm)
     return torch.load(folder / "executor0.pt", weights_only=False)["metrics"]
@@ -373,6 +374,9 @@ def test_saved_plan_is_reused_and_a_mismatching_plan_is_rejected(tmp_path, data_
 
     from lightning_sparselift.plan import ExecutionPlan
 
+    # the graph's kernels built first (a round without calibration waits for them): calibration starts
+    # once they are built, and on a cold kernel cache their builds outlast the 104 steps
+    _fit_with_plan(tmp_path, data_cache, tmp_path / "uncalibrated.json", "builds", calibrate=False)
     plan_path = tmp_path / "plan.json"
     first = _fit_with_plan(tmp_path, data_cache, plan_path, "first")
     assert first["sparselift/plan_reused"] == 0
