@@ -318,3 +318,27 @@ def test_planning_waits_for_the_kernel_builds_only_when_a_saved_plan_or_no_calib
     assert wait(plan_path=str(plan_path)) is None  # the saved plan may need them
     assert wait(reuse_saved=False, plan_path=str(plan_path)) == 0.0  # planning again: not read
     assert wait(calibrate=False) is None  # applied at once
+
+
+def test_the_compilers_share_of_the_run_is_logged_every_fractions_every_steady_steps(tmp_path):
+    from lightning_sparselift.session.driver import FRACTIONS_EVERY
+
+    identity = load("table_and_column_wise_2ranks")
+    plan = unmeasured_plan(identity, ["aggregation", "latency_hiding"])
+    options = SessionOptions(verify_steps=0, drift_check_every=10, replan_on_drift=False)
+    session = SparseLiftSession(nn.Linear(1, 1), None, [], None, None, options)
+    session.capture = None
+    session.installed = _FakeExecutor()
+    session.identity, session.plan, session.phase = identity, plan, "done"
+    session._steady(plan, identity)
+    assert session.phase == "done" and session.watch is not None
+    assert "sparselift/cost_fraction" in session.metrics  # (once installed)
+    session.metrics.clear()
+    logged = []
+    for step in range(1, 3 * FRACTIONS_EVERY + 1):
+        session.begin_step()
+        session.end_step()
+        if "sparselift/cost_fraction" in session.metrics:
+            logged.append(step)
+        session.metrics.clear()  # (what the strategy's connector does once it logged them)
+    assert logged == [FRACTIONS_EVERY, 2 * FRACTIONS_EVERY, 3 * FRACTIONS_EVERY]
