@@ -171,7 +171,7 @@ class _Report(L.Callback):
         self.path.write_text(json.dumps(report))
 
 
-def fit(name: str, executor: str, steps: int, cache: Path, out: Path) -> dict:
+def fit(name: str, executor: str, steps: int, cache: Path, out: Path, callbacks: tuple = ()) -> dict:
     model_class, rows, pooling = MODELS[name]
     dm = CriteoDataModule(batch_size=512, num_train=512 * 2 * steps, num_val=512, num_test=512,
                           rows_per_feature=rows, pooling_factors=pooling, length_distribution="poisson",
@@ -180,7 +180,8 @@ def fit(name: str, executor: str, steps: int, cache: Path, out: Path) -> dict:
     model = model_class(dm.feature_names, dm.table_sizes)
     trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=steps, limit_val_batches=0, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        strategy=SparseLiftStrategy(executor=executor, start_method="fork"), callbacks=[_Report(out)])
+                        strategy=SparseLiftStrategy(executor=executor, start_method="fork"),
+                        callbacks=[_Report(out), *callbacks])
     trainer.fit(model, dm)
     return json.loads(out.read_text())
 
