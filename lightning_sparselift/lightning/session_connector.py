@@ -86,7 +86,7 @@ class SessionConnector:
             check_uneven_batch(module.trainer, self.session.steps)
         report_events(self.session)
         # (a LightningModule.log costs ~1 ms a call here, a tenth of a small model's step: the
-        # progress bar's count moves every PROGRESS_EVERY calibration steps)
+        # progress bar's count moves every PROGRESS_EVERY training steps)
         progress = self.session.calibration_progress if self.session.steps % PROGRESS_EVERY == 0 else None
         if progress is not None:
             log_metrics(module, {"sparselift/calibration_step": float(progress[0])}, prog_bar=True)

@@ -414,7 +414,7 @@ class SparseLiftSession:
         if watch is None or not watch.end_step():
             return False
         findings, _live = watch.check(self.check_group, self.device)
-        if watch.steps % FRACTIONS_EVERY < watch.every:
+        if watch.steps % FRACTIONS_EVERY < watch.every:  # (the check at, or first after, each multiple)
             self.metrics.update(self.time.metrics())
         if not findings:
             return False

@@ -320,7 +320,7 @@ def test_planning_waits_for_the_kernel_builds_only_when_a_saved_plan_or_no_calib
     assert wait(calibrate=False) is None  # applied at once
 
 
-def test_the_compilers_share_of_the_run_is_logged_every_fractions_every_steady_steps(tmp_path):
+def test_the_compilers_share_of_the_run_is_logged_every_fractions_every_steady_steps():
     from lightning_sparselift.session.driver import FRACTIONS_EVERY
 
     identity = load("table_and_column_wise_2ranks")
