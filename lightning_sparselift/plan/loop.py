@@ -128,6 +128,16 @@ class PlanningLoop:
         if self._design is None and not self.done:
             self._next_round()
 
+    def proceed(self, why: str) -> None:
+        """Stop waiting for the candidates :attr:`expecting` announced (``why``, for the events):
+        the queued ones are calibrated; :meth:`admit` still adds the others while the round lasts."""
+        if not self.expecting:
+            return
+        self.expecting = False
+        self.events.append(why)
+        if self._design is None and not self.done:
+            self._next_round()
+
     def feedback(self, step_ms: float, sparse_ms: float, lookup_ms: Optional[float] = None,
                  lookup_wall_ms: Optional[float] = None, step_cpu_ms: Optional[float] = None,
                  input_ms: Optional[float] = None) -> None:

@@ -235,7 +235,13 @@ class SparseLiftSession:
         """When every rank's kernel builds finished (waiting up to ``wait_s`` for this rank's; None:
         until they finish): record them in the lifted graph and let a planning round in progress
         propose their candidates. A collective: every rank calls it at the same step."""
-        if self._builds is None or not self._builds.ready(self.group, wait_s):
+        if self._builds is None:
+            return
+        if not self._builds.ready(self.group, wait_s):
+            if self._builds.overdue and self.loop is not None and self.loop.expecting:
+                self.loop.proceed(f"the generated kernels are still building after {kernel_builds.PATIENCE_S:.0f} s: "
+                                  f"calibrating the other candidates meanwhile (the kernel candidates join the round if "
+                                  f"they arrive before it ends)")
             return
         builds, self._builds = self._builds, None
         self.kernel_builds = builds.collect(self.group)

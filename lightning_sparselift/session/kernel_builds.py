@@ -17,6 +17,10 @@ from lightning_sparselift.session.ranks import gather
 
 # steps between two checks whether every rank's builds finished (one small all-reduce each)
 CHECK_EVERY = 4
+# seconds from the lift after which a planning round stops waiting for builds still running and
+# calibrates what it has (a cold cache's builds took 10-25 s here; a build that hangs, e.g. on a
+# compiler that never returns, would otherwise hold calibration to the end of training)
+PATIENCE_S = 120.0
 
 
 class KernelBuilds:
@@ -28,6 +32,7 @@ class KernelBuilds:
         self.started = time.perf_counter()
         self.waited_s = 0.0  # the training thread's time spent waiting for them
         self.seconds: Optional[float] = None  # from start to this rank's last build
+        self.overdue = False  # some rank still building after PATIENCE_S, at the last ready()
         self._local: Optional[list[dict[str, Any]]] = None
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._build, name="sparselift-kernel-builds", daemon=True)
@@ -42,16 +47,20 @@ class KernelBuilds:
 
     def ready(self, group: Any, wait_s: Optional[float] = 0.0) -> bool:
         """Whether every rank's builds finished, after waiting up to ``wait_s`` for this rank's
-        (None: until they finish). A collective over ``group``: every rank calls it at the same step."""
+        (None: until they finish); :attr:`overdue` says whether some rank's still run after
+        :data:`PATIENCE_S`. A collective over ``group``: every rank calls it at the same step."""
         start = time.perf_counter()
         self._thread.join(timeout=wait_s)
         self.waited_s += time.perf_counter() - start
-        done = torch.tensor([0 if self._thread.is_alive() else 1], dtype=torch.int32)
+        running = self._thread.is_alive()
+        # (any rank still building, any rank past the patience: one MAX reduction says both)
+        state = torch.tensor([int(running), int(running and start - self.started > PATIENCE_S)], dtype=torch.int32)
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             if dist.get_backend(group) == "nccl":
-                done = done.cuda()
-            dist.all_reduce(done, op=dist.ReduceOp.MIN, group=group)
-        return bool(done.item())
+                state = state.cuda()
+            dist.all_reduce(state, op=dist.ReduceOp.MAX, group=group)
+        self.overdue = bool(state[1].item())
+        return not state[0].item()
 
     def collect(self, group: Any) -> list[KernelBuild]:
         """Every rank's builds (a collective; after :meth:`ready` said True). A build that raised

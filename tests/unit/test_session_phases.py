@@ -280,6 +280,55 @@ def test_kernel_candidates_join_the_round_once_every_ranks_background_builds_are
         "latency_hiding:early_start", "codegen:lookup"}
 
 
+def test_a_round_stops_waiting_for_builds_past_the_patience_and_admits_them_when_they_come(monkeypatch):
+    import threading
+
+    from lightning_sparselift.plan import Planner
+    from lightning_sparselift.plan.loop import PlanningLoop
+    from lightning_sparselift.session import kernel_builds
+    from lightning_sparselift.session.kernel_builds import CHECK_EVERY, KernelBuilds
+
+    identity = load("table_and_column_wise_2ranks")
+    release = threading.Event()
+
+    class Hanging(_FakeExecutor):
+        def build_generated(self) -> list:  # a compile that does not return until the test says so
+            release.wait(30)
+            return [{"module": m.path, "group": g.index, "note": "", "seconds": 5.0, "cached": False}
+                    for m in identity.modules for g in m.lifted_groups]
+
+    monkeypatch.setattr(kernel_builds, "PATIENCE_S", 0.0)
+    options = SessionOptions(optimizations=("codegen:lookup", "latency_hiding:early_start"), verify_steps=0)
+    session = SparseLiftSession(nn.Linear(1, 1), None, [], None, torch.device("cpu"), options)
+    session.capture, session.identity = None, identity
+    session.installed = Hanging()
+    session._builds = KernelBuilds(session.installed)
+    session.loop = PlanningLoop(Planner(session.passes, None, True, options.decision_rule),
+                                unmeasured_plan(identity, []).fingerprint, identity, None, session.events)
+    session.loop.expecting = True
+    session.loop.propose()
+    session.phase = "plan"
+    assert session.loop.trials == []
+    for _ in range(CHECK_EVERY):
+        session.begin_step()
+        session.end_step()
+    # past the patience: the round calibrates what it has, the builds go on
+    assert [c.id.split("@")[0] for c in session.loop.trials] == ["latency_hiding:early_start"]
+    assert any("still building after 0 s: calibrating the other candidates" in e for e in session.events)
+    assert session._builds is not None and session.kernel_wait_steps == CHECK_EVERY
+    release.set()
+    session._builds._thread.join(5)
+    while session.phase == "plan" and session._builds is not None:
+        session.begin_step()
+        session.end_step()
+    assert any(e.startswith("admitted 1 candidate(s) now feasible: codegen:lookup@") for e in session.events)
+    while session.phase == "plan":
+        session.begin_step()
+        session.end_step()
+    assert {d.candidate.split("@")[0] for d in session.plan.decisions if d.feasible} == {
+        "latency_hiding:early_start", "codegen:lookup"}
+
+
 def test_a_session_calibrating_says_so():
     from lightning_sparselift.plan import Planner
     from lightning_sparselift.plan.loop import PlanningLoop
