@@ -311,6 +311,9 @@ class SparseLiftSession:
             sizes = probe_sizes([max(n.bytes_per_member) for n in self.identity.collectives()
                                  if n.op == "all_to_all_single"])
             model = StepModel.measure(measure_priors(self.group, self.device, sizes), self.timings, self.identity)
+        # (from a warm cache the kernels load while the priors are measured: admitted now, the
+        # first proposal has them and none is proposed again)
+        self._admit_builds(0.0)
         planner = Planner(self.passes, model, self.options.calibrate, self.options.decision_rule)
         self.loop = PlanningLoop(planner, fingerprint, self.identity, self.group, self.events)
         self.loop.plan.kernel_builds = self.kernel_builds
