@@ -86,8 +86,12 @@ class StepModel:
 
     def increment_ms(self, before: SparseGraph, after: SparseGraph) -> float:
         """The step change from ``before`` to ``after`` (the sparse path's: the rest is the same)."""
-        a, b = self._simulate(after), self._simulate(before)
-        return (a[0] + a[1]) - (b[0] + b[1])
+        return self.increments_ms(before, [after])[0]
+
+    def increments_ms(self, before: SparseGraph, afters: list[SparseGraph]) -> list[float]:
+        """:meth:`increment_ms` from ``before`` to each of ``afters``."""
+        b = self._simulate(before)
+        return [a[0] + a[1] - (b[0] + b[1]) for a in map(self._simulate, afters)]
 
     def record(self, plan: SparseGraph) -> StepModelRecord:
         return StepModelRecord(self.inputs, self.predict(self.identity), self.predict(plan))

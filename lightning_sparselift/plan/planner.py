@@ -50,11 +50,15 @@ class Planner:
                     rejected.append(Decision(candidate.id, p.name, candidate.module, candidate.role, False,
                                              candidate.reasons, None, None, None, False,
                                              "infeasible: " + "; ".join(candidate.reasons)))
+        applied = []
         for c in feasible:
             try:
-                self.predict(c, graph, self.apply(graph, c))
+                applied.append((c, self.apply(graph, c)))
             except InfeasibleCandidate:
                 pass  # (a sweep's later rung applies to its predecessor's graph only: predicted when measured)
+        if self.model is not None:  # (``graph`` simulated once for all of them)
+            for (c, _), increment in zip(applied, self.model.increments_ms(graph, [a for _, a in applied])):
+                self.predicted[c.id] = increment
         feasible.sort(key=lambda c: (self.stage(c.pass_name),
                                      self.predict_ms(c) if self.predict_ms(c) is not None else 0.0))
         for c in feasible:
