@@ -54,7 +54,7 @@ class SessionOptions:
 
     @classmethod
     def from_arguments(cls, optimizations: Optional[list[str]], calibration_confidence: float,
-                       calibration_max_pairs: int, calibration_max_steps: int, calibration_min_gain: float,
+                       calibration_max_pairs: int, calibration_max_steps: Optional[int], calibration_min_gain: float,
                        calibration_min_lookup_gain: float,
                        workspace_budget_mb: Optional[float], plan_path: Optional[str], **options: Any) -> "SessionOptions":
         """From the strategy's arguments of the same names (``options``: the fields named alike)."""
@@ -63,6 +63,8 @@ class SessionOptions:
         return cls(**({} if optimizations is None else {"optimizations": tuple(optimizations)}),
                    decision_rule=DecisionRule(float(calibration_confidence), int(calibration_max_pairs),
                                               float(calibration_min_gain), float(calibration_min_lookup_gain),
-                                              max_steps=int(calibration_max_steps)),
+                                              # (a budget the user set holds whatever the run's length)
+                                              **({} if calibration_max_steps is None else
+                                                 {"max_steps": int(calibration_max_steps), "run_share": None})),
                    workspace_budget_bytes=None if workspace_budget_mb is None else int(float(workspace_budget_mb) * 2**20),
                    plan_path=str(plan_path) if plan_path is not None else None, **options)

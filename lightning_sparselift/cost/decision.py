@@ -87,6 +87,11 @@ class DecisionRule:
     # candidates no design could fit are not calibrated): the demo's 300 steps leave room for the
     # steady-state check after it
     max_steps: int = 240
+    # and at most this share of the training steps left when the round starts, where the run's
+    # length is known (None: no such limit): a plan decided late has little of the run left to win
+    # back its calibration (two_tower, 300 steps: a 240-step budget went to a -0.5 ms candidate
+    # on a 30 ms step that 140 steps could not resolve)
+    run_share: Optional[float] = 1 / 3
 
     def __post_init__(self) -> None:
         if not 0.5 <= self.confidence < 1:
@@ -99,6 +104,15 @@ class DecisionRule:
             raise ValueError(f"accept_from_pairs must be >= 1, got {self.accept_from_pairs}")
         if self.max_steps < 0:
             raise ValueError(f"the calibration budget must be >= 0 steps, got {self.max_steps}")
+        if self.run_share is not None and not 0 < self.run_share <= 1:
+            raise ValueError(f"run_share is a share of the training steps left in (0, 1] or None, got {self.run_share}")
+
+    def for_run(self, steps_left: float) -> "DecisionRule":
+        """This rule with the budget of a round that starts ``steps_left`` training steps before
+        the run ends (``math.inf``: not known): at most :attr:`run_share` of them."""
+        if self.run_share is None or math.isinf(steps_left):
+            return self
+        return replace(self, max_steps=min(self.max_steps, int(self.run_share * max(steps_left, 0))))
 
     def min_gain_for(self, region: str) -> float:
         """The smallest gain accepted for a candidate measured on ``region`` (see

@@ -55,13 +55,15 @@ class SessionConnector:
     def open(self, module: pl.LightningModule, sharding_plan: Any, paths: list[str], device: torch.device,
              options: SessionOptions, check_group: Any, before_update: Callable[[], None]) -> None:
         """Training starts: an installed executor is kept across fits; a session that kept TorchRec's
-        path tries again."""
-        if self.session is not None and self.session.installed is not None:
-            return
-        from lightning_sparselift.session import SparseLiftSession
+        path tries again. Either way it learns how many training steps are left."""
+        if self.session is None or self.session.installed is None:
+            from lightning_sparselift.session import SparseLiftSession
 
-        self.session = SparseLiftSession(module, sharding_plan, paths, torch.distributed.group.WORLD, device, options,
-                                         check_group, before_update)
+            self.session = SparseLiftSession(module, sharding_plan, paths, torch.distributed.group.WORLD, device,
+                                             options, check_group, before_update)
+        trainer = module.trainer
+        # (no gradient accumulation under the strategy: a training step is an optimizer step)
+        self.session.expect(float(trainer.estimated_stepping_batches) - trainer.global_step)
 
     def begin_step(self, batch: Any, batch_idx: int) -> None:
         if self.session is None:

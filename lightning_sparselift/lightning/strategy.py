@@ -66,7 +66,9 @@ class SparseLiftStrategy(ProcessGroupStrategy):
         calibration_confidence: the confidence of the signed-rank bounds a candidate is accepted by.
         calibration_max_pairs: measured blocks (pairs) one design may use before its undecided
             candidates are rejected.
-        calibration_max_steps: the calibration steps one planning round may use in all.
+        calibration_max_steps: the calibration steps one planning round may use in all (default
+            None: 240, and at most a third of the training steps left when the round starts, as
+            Lightning estimates them; a number: that many, whatever the run's length).
         calibration_min_gain: the smallest improvement, as a fraction of the step, a candidate
             measured on whole steps or sparse regions must show.
         calibration_min_lookup_gain: the same for candidates measured on lookups or the input side.
@@ -108,7 +110,7 @@ class SparseLiftStrategy(ProcessGroupStrategy):
         calibrate: bool = True,
         calibration_confidence: float = DecisionRule.confidence,
         calibration_max_pairs: int = DecisionRule.max_pairs,
-        calibration_max_steps: int = DecisionRule.max_steps,
+        calibration_max_steps: Optional[int] = None,
         calibration_min_gain: float = DecisionRule.min_gain,
         calibration_min_lookup_gain: float = DecisionRule.min_lookup_gain,
         workspace_budget_mb: Optional[float] = None,

@@ -263,7 +263,7 @@ class PlanningLoop:
         rule = self.planner.rule
         blocks = self._blocks_left([head])
         if blocks < bounding_pairs(1 - rule.confidence):
-            why = f"the calibration budget ({rule.max_steps} steps, calibration_max_steps) is spent"
+            why = f"the round's calibration budget ({rule.max_steps} steps) is spent"
             self.plan.decisions.extend(self.planner.undecided(c, why) for c in self._queue)
             self._queue = []
             self._finish()

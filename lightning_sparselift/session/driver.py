@@ -13,6 +13,7 @@ are all-gathered, measurements reduced.
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ContextManager, Literal, Optional
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_sparselift.cost.decision import DecisionRule
 from lightning_sparselift.cost.step_model import StepModel
 from lightning_sparselift.cost.step_record import StepTimings
 from lightning_sparselift.frontend.capture import SparseCapture
@@ -84,6 +86,7 @@ class SparseLiftSession:
         self.kernel_wait_steps = 0  # training steps a planning round waited on for them (not calibration steps)
         self.time = CompilerTime()
         self.steps = 0  # training steps ended since the session began
+        self.run_end = math.inf  # self.steps when training is expected to end (:meth:`expect`)
         self.torchrec_path_steps = 0  # of those after the lift, the ones a lifted module ran on TorchRec's path
         self._torchrec_calls = 0  # the executor's count of such calls when the step began
         # reported to the caller, which takes them (metrics: for the logger)
@@ -100,6 +103,12 @@ class SparseLiftSession:
         self._drift_noted = False  # a deferred / ignored drift was reported this round
         self._capture_step: Optional[ContextManager[None]] = None  # the captured step in progress
         self._in_step, self._step_start = False, 0.0  # (_step_start: a verify step's wall time)
+
+    def expect(self, steps: float) -> None:
+        """Training is expected to run ``steps`` more steps (``math.inf``: not known, e.g. an
+        iterable loader without ``max_steps``): a planning round calibrates at most a share of what
+        is left (:meth:`~lightning_sparselift.cost.decision.DecisionRule.for_run`)."""
+        self.run_end = self.steps + steps
 
     @property
     def done(self) -> bool:
@@ -314,7 +323,7 @@ class SparseLiftSession:
         # (from a warm cache the kernels load while the priors are measured: admitted now, the
         # first proposal has them and none is proposed again)
         self._admit_builds(0.0)
-        planner = Planner(self.passes, model, self.options.calibrate, self.options.decision_rule)
+        planner = Planner(self.passes, model, self.options.calibrate, self._round_rule())
         self.loop = PlanningLoop(planner, fingerprint, self.identity, self.group, self.events)
         self.loop.plan.kernel_builds = self.kernel_builds
         self.loop.expecting = self._builds is not None
@@ -327,6 +336,15 @@ class SparseLiftSession:
             self._finish()
             return True
         return False
+
+    def _round_rule(self) -> DecisionRule:
+        """The decision rule of a round that starts now: its budget at most the rule's share of the
+        training steps left (said in the events when that is the smaller)."""
+        rule = self.options.decision_rule.for_run(self.run_end - self.steps)
+        if rule.max_steps < self.options.decision_rule.max_steps:
+            self.events.append(f"calibration budget: {rule.max_steps} steps ({rule.run_share:.0%} of the "
+                               f"{self.run_end - self.steps:.0f} training steps left)")
+        return rule
 
     def _builds_wait_s(self, reuse_saved: bool) -> Optional[float]:
         """How long planning waits for the kernel builds (None: until they finish). A saved plan is

@@ -145,3 +145,21 @@ def test_look_points_and_rule_limits():
         DecisionRule(max_steps=-1)
     with pytest.raises(ValueError, match="confidence"):
         DecisionRule(confidence=1.0)
+
+
+def test_a_rounds_budget_is_at_most_a_third_of_the_training_steps_left_unless_the_user_set_one():
+    from lightning_sparselift.options import SessionOptions
+
+    rule = DecisionRule()
+    assert rule.for_run(300).max_steps == 100 and rule.for_run(3000).max_steps == rule.max_steps == 240
+    assert rule.for_run(math.inf) is rule and rule.for_run(-5).max_steps == 0  # (past the expected end)
+    assert rule.for_run(300).confidence == rule.confidence and rule.for_run(300).max_pairs == rule.max_pairs
+    assert DecisionRule(run_share=None).for_run(300).max_steps == 240
+    with pytest.raises(ValueError, match="run_share"):
+        DecisionRule(run_share=0.0)
+
+    def options(max_steps: object) -> DecisionRule:
+        return SessionOptions.from_arguments(None, 0.95, 128, max_steps, 0.005, 0.001, None, None).decision_rule
+
+    assert options(None) == DecisionRule()  # the default: 240, and a third of what is left
+    assert options(500).for_run(300).max_steps == 500  # a budget the user set holds

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import torch
+from torch import nn
+
 from lightning_sparselift.lightning.session_connector import PROGRESS_EVERY, SessionConnector
+from lightning_sparselift.options import SessionOptions
 
 
 class _Session:
@@ -43,3 +47,18 @@ def test_the_calibration_progress_is_logged_every_progress_every_steps():
         connector.end_step(module)
     assert module.logged == [({"sparselift/calibration_step": float(k * PROGRESS_EVERY)}, True) for k in (1, 2, 3)]
     assert session.progress_reads == 3  # (computing it costs too: it is read only when logged)
+
+
+def test_a_session_opened_learns_the_training_steps_left_and_its_rounds_calibrate_a_third_of_them():
+    module = nn.Linear(1, 1)
+    module.trainer = SimpleNamespace(estimated_stepping_batches=300, global_step=120)  # (resumed at step 120)
+    connector = SessionConnector()
+    connector.open(module, None, [], torch.device("cpu"), SessionOptions(), None, lambda: None)
+    session = connector.session
+    assert session.run_end == 180 and session._round_rule().max_steps == 60
+    assert session.events == ["calibration budget: 60 steps (33% of the 180 training steps left)"]
+    session.steps = 90  # (a round that starts later, e.g. on drift, has less left)
+    assert session._round_rule().max_steps == 30
+    module.trainer = SimpleNamespace(estimated_stepping_batches=float("inf"), global_step=0)
+    connector.open(module, None, [], torch.device("cpu"), SessionOptions(), None, lambda: None)
+    assert connector.session._round_rule().max_steps == 240  # (the run's length not known: the rule's)
