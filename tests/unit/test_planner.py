@@ -73,6 +73,23 @@ def test_every_candidate_is_calibrated_on_top_of_the_incumbent_and_kept_when_fas
     assert loop.events[0].startswith("calibrating aggregation:input@")
 
 
+def test_a_budget_too_short_for_every_design_calibrates_the_queue_in_order_until_it_is_spent():
+    from dataclasses import replace
+
+    identity = _identity()
+    fingerprint = PlanFingerprint(identity.fingerprint(), "sharding", 2, "gloo", {}, sorted(ALL))
+    # 40 steps: less than the four designs' fewest (12 + 12 + 12 + 24); a candidate may be accepted at 5 pairs
+    rule = replace(RULE, max_steps=40, accept_from_pairs=5)
+    loop = PlanningLoop(Planner(select_passes(ALL), None, True, rule), fingerprint, identity, None)
+    loop.propose()
+    assert _run(loop, lambda graph, applied: 10.0 - 5.0 * applied) == 36 == loop.plan.calibration_steps
+    # each design in turn keeps its own fewest steps (1 warmup + 5 measured blocks); the settled
+    # next batch's (24) no longer fits
+    assert [(d.role, d.accepted, d.pairs) for d in loop.plan.decisions] == [
+        ("input", True, 5), ("output", True, 5), ("early_start", True, 5), ("next_batch", False, 0)]
+    assert loop.plan.decisions[-1].reason == "not calibrated: the round's calibration budget (40 steps) is spent"
+
+
 def test_candidates_measured_on_their_own_regions_share_a_design():
     from test_codegen import _with_generated
 
