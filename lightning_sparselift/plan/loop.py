@@ -298,10 +298,11 @@ class PlanningLoop:
         """The measured blocks a design of ``members`` may use: the round's budget left after the
         fewest steps of the designs still to come, at most the rule's ``max_pairs``. Where the
         budget cannot hold them all (a short run's), this design, the queue's most promising, keeps
-        its own fewest steps and the later ones get what remains when their turn comes."""
+        the steps in which it can accept a candidate (``accept_from_pairs`` blocks) and the later
+        ones get what remains when their turn comes."""
         protocol, rule = self.planner.protocol(members[0]), self.planner.rule
         left = rule.max_steps - self.plan.calibration_steps
-        own = fewest_steps(rule, protocol.warmup_pairs, protocol.settle_steps)
+        own = 2 * (protocol.warmup_pairs + rule.accept_from_pairs) * (1 + protocol.settle_steps)
         left -= min(sum(self._heads(members).values()), max(left - own, 0))
         return min(rule.max_pairs, left // (2 * (1 + protocol.settle_steps)) - protocol.warmup_pairs)
 

@@ -83,7 +83,7 @@ def test_a_budget_too_short_for_every_design_calibrates_the_queue_in_order_until
     loop = PlanningLoop(Planner(select_passes(ALL), None, True, rule), fingerprint, identity, None)
     loop.propose()
     assert _run(loop, lambda graph, applied: 10.0 - 5.0 * applied) == 36 == loop.plan.calibration_steps
-    # each design in turn keeps its own fewest steps (1 warmup + 5 measured blocks); the settled
+    # each design in turn keeps the steps in which it can accept (1 warmup + 5 measured blocks); the settled
     # next batch's (24) no longer fits
     assert [(d.role, d.accepted, d.pairs) for d in loop.plan.decisions] == [
         ("input", True, 5), ("output", True, 5), ("early_start", True, 5), ("next_batch", False, 0)]
