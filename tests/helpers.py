@@ -15,8 +15,9 @@ from lightning_sparselift import CriteoDataModule, DLRMModule, SparseLiftStrateg
 
 TINY_TABLES = [40, 40, 300, 300, 1000, 7]
 # a calibration budget of 5 measured pairs: one look at 95% (the fewest pairs its signed-rank bounds
-# exist for; the default 99% needs 7), so every candidate is decided within 12 steps
-ONE_LOOK = {"calibration_confidence": 0.95, "calibration_max_pairs": 5}
+# exist for; the default 99% needs 7), so every candidate is decided within 12 steps; and a round's
+# budget set, so these short runs calibrate every design (by default a round takes a third of the steps left)
+ONE_LOOK = {"calibration_confidence": 0.95, "calibration_max_pairs": 5, "calibration_max_steps": 240}
 # what executor_in_use says once the lifted executor runs: a plan, or a planning round's trial plans
 # (a short run can end while calibrating)
 LIFTED = ("sparselift", "calibrating")
