@@ -225,24 +225,21 @@ def test_the_strategy_says_calibrating_until_its_executor_runs_a_plan():
     assert strategy.executor_in_use == "sparselift"
 
 
-def test_kernel_candidates_join_the_round_once_every_ranks_background_builds_are_done():
-    import threading
-
+def _planning_while_building(optimizations: tuple[str, ...], release: Any) -> SparseLiftSession:
+    """A session in its planning round whose kernel builds take until ``release`` is set."""
     from lightning_sparselift.plan import Planner
     from lightning_sparselift.plan.loop import PlanningLoop
-    from lightning_sparselift.session.kernel_builds import CHECK_EVERY, KernelBuilds
+    from lightning_sparselift.session.kernel_builds import KernelBuilds
 
     identity = load("table_and_column_wise_2ranks")
-    release = threading.Event()
 
     class Building(_FakeExecutor):
-        def build_generated(self) -> list:  # a compile that takes until the test releases it
+        def build_generated(self) -> list:
             release.wait(30)
             return [{"module": m.path, "group": g.index, "note": "", "seconds": 5.0, "cached": False}
                     for m in identity.modules for g in m.lifted_groups]
 
-    options = SessionOptions(optimizations=("codegen:lookup", "latency_hiding:early_start",
-                                            "subgraph_parallelism:buckets2"), verify_steps=0)
+    options = SessionOptions(optimizations=optimizations, verify_steps=0)
     session = SparseLiftSession(nn.Linear(1, 1), None, [], None, torch.device("cpu"), options)
     session.capture, session.identity = None, identity
     session.installed = Building()
@@ -252,6 +249,17 @@ def test_kernel_candidates_join_the_round_once_every_ranks_background_builds_are
     session.loop.expecting = True
     session.loop.propose()
     session.phase = "plan"
+    return session
+
+
+def test_kernel_candidates_join_the_round_once_every_ranks_background_builds_are_done():
+    import threading
+
+    from lightning_sparselift.session.kernel_builds import CHECK_EVERY
+
+    release = threading.Event()
+    session = _planning_while_building(("codegen:lookup", "latency_hiding:early_start",
+                                        "subgraph_parallelism:buckets2"), release)
     assert session.loop.trials == []  # no design starts without the kernel candidates
     (buckets,) = [d for d in session.loop.plan.decisions if ":buckets2@" in d.candidate]
     assert all("none was built" in r for r in buckets.reasons)
@@ -283,31 +291,12 @@ def test_kernel_candidates_join_the_round_once_every_ranks_background_builds_are
 def test_a_round_stops_waiting_for_builds_past_the_patience_and_admits_them_when_they_come(monkeypatch):
     import threading
 
-    from lightning_sparselift.plan import Planner
-    from lightning_sparselift.plan.loop import PlanningLoop
     from lightning_sparselift.session import kernel_builds
-    from lightning_sparselift.session.kernel_builds import CHECK_EVERY, KernelBuilds
-
-    identity = load("table_and_column_wise_2ranks")
-    release = threading.Event()
-
-    class Hanging(_FakeExecutor):
-        def build_generated(self) -> list:  # a compile that does not return until the test says so
-            release.wait(30)
-            return [{"module": m.path, "group": g.index, "note": "", "seconds": 5.0, "cached": False}
-                    for m in identity.modules for g in m.lifted_groups]
+    from lightning_sparselift.session.kernel_builds import CHECK_EVERY
 
     monkeypatch.setattr(kernel_builds, "PATIENCE_S", 0.0)
-    options = SessionOptions(optimizations=("codegen:lookup", "latency_hiding:early_start"), verify_steps=0)
-    session = SparseLiftSession(nn.Linear(1, 1), None, [], None, torch.device("cpu"), options)
-    session.capture, session.identity = None, identity
-    session.installed = Hanging()
-    session._builds = KernelBuilds(session.installed)
-    session.loop = PlanningLoop(Planner(session.passes, None, True, options.decision_rule),
-                                unmeasured_plan(identity, []).fingerprint, identity, None, session.events)
-    session.loop.expecting = True
-    session.loop.propose()
-    session.phase = "plan"
+    release = threading.Event()  # (a compile that does not return until the test says so)
+    session = _planning_while_building(("codegen:lookup", "latency_hiding:early_start"), release)
     assert session.loop.trials == []
     for _ in range(CHECK_EVERY):
         session.begin_step()
