@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from lightning_sparselift.bench.measure import StageTimer
 from lightning_sparselift.bench.systems.base import BenchEnv, LoopSystem, build_sharded
+from lightning_sparselift.cost.decision import DecisionRule
 
 if TYPE_CHECKING:
     from lightning_sparselift.runtime.install import InstalledExecutor
@@ -165,5 +166,7 @@ def bench_strategy_kwargs(env: BenchEnv) -> dict[str, Any]:
         "embedding_optimizer": env.scenario.embedding_optimizer(),
         # capture inside the untimed warmup (the strategy's default is 3 steps)
         "capture_steps": max(1, min(3, env.warmup_steps)),
+        # the rule's budget in both, whatever length the bench's schedule gives sparselift-lightning's fit
+        "calibration_max_steps": DecisionRule.max_steps,
     }
 
