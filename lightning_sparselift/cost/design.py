@@ -146,7 +146,7 @@ class FactorialDesign(PairedRuns):
     @property
     def budget_steps(self) -> int:
         """Steps the design takes at most."""
-        return 2 * (self.warmup_blocks + self.looks[-1]) * (1 + self.settle_steps)
+        return design_steps(self.looks[-1], self.warmup_blocks, self.settle_steps)
 
     @property
     def can_extend(self) -> bool:
@@ -292,10 +292,16 @@ def out_of_reach(predicted_ms: float, resolvable: float) -> bool:
     return PREDICTION_SLACK * predicted_ms > resolvable
 
 
+def design_steps(blocks: int, warmup_blocks: int, settle_steps: int) -> int:
+    """The steps of a design that measures ``blocks`` blocks after its warmup (two arms a block,
+    each after its settle steps)."""
+    return 2 * (warmup_blocks + blocks) * (1 + settle_steps)
+
+
 def fewest_steps(rule: DecisionRule, warmup_blocks: int, settle_steps: int) -> int:
     """The steps of the smallest design that can decide anything: its warmup and one look at the
     fewest blocks whose bounds exist at the rule's confidence."""
-    return 2 * (warmup_blocks + bounding_pairs(1 - rule.confidence)) * (1 + settle_steps)
+    return design_steps(bounding_pairs(1 - rule.confidence), warmup_blocks, settle_steps)
 
 
 def most_factors(rule: DecisionRule, max_blocks: int) -> int:

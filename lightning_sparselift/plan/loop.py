@@ -25,7 +25,8 @@ import torch.distributed as dist
 from lightning_sparselift.cost.calibration import Measurement
 from lightning_sparselift.cost.decision import KERNEL_REGIONS, bounding_pairs
 from lightning_sparselift.cost.design import (
-    PREDICTION_SLACK, ClockNoise, Factor, FactorialDesign, fewest_steps, most_factors, out_of_reach, resolvable_ms,
+    PREDICTION_SLACK, ClockNoise, Factor, FactorialDesign, design_steps, fewest_steps, most_factors, out_of_reach,
+    resolvable_ms,
 )
 from lightning_sparselift.passes import Candidate, InfeasibleCandidate
 from lightning_sparselift.plan.planner import Planner
@@ -302,7 +303,7 @@ class PlanningLoop:
         ones get what remains when their turn comes."""
         protocol, rule = self.planner.protocol(members[0]), self.planner.rule
         left = rule.max_steps - self.plan.calibration_steps
-        own = 2 * (protocol.warmup_pairs + rule.accept_from_pairs) * (1 + protocol.settle_steps)
+        own = design_steps(rule.accept_from_pairs, protocol.warmup_pairs, protocol.settle_steps)
         left -= min(sum(self._heads(members).values()), max(left - own, 0))
         return min(rule.max_pairs, left // (2 * (1 + protocol.settle_steps)) - protocol.warmup_pairs)
 

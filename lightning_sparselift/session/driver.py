@@ -293,7 +293,8 @@ class SparseLiftSession:
         start = time.perf_counter()
         self.watch = None
         self._round_started = self.steps
-        self._admit_builds(self._builds_wait_s(reuse_saved))
+        if self._waits_for_builds(reuse_saved):  # (else they are checked once, after the priors)
+            self._admit_builds(None)
         fingerprint = plan_store.fingerprint(self.identity, self.sharding_plan, self.world, self.options.optimizations)
         saved = plan_store.reuse(self.options.plan_path, fingerprint, self.identity, self.passes,
                                  self.options.drift_ratio, self.group, self.steps) if reuse_saved else plan_store.Reuse()
@@ -346,13 +347,13 @@ class SparseLiftSession:
                                f"{self.run_end - self.steps:.0f} training steps left)")
         return rule
 
-    def _builds_wait_s(self, reuse_saved: bool) -> Optional[float]:
-        """How long planning waits for the kernel builds (None: until they finish). A saved plan is
-        rebuilt with its kernels and a round without calibration applies them at once: both wait; a
-        calibrating round admits them when they are there, so with no plan file to read (a first
-        run, a fresh clone's demo) the training thread does not wait."""
+    def _waits_for_builds(self, reuse_saved: bool) -> bool:
+        """Whether planning waits until the kernel builds finish. A saved plan is rebuilt with its
+        kernels and a round without calibration applies them at once: both wait; a calibrating
+        round admits them when they are there, so with no plan file to read (a first run, a fresh
+        clone's demo) the training thread does not wait."""
         saved = reuse_saved and self.options.plan_path is not None and Path(self.options.plan_path).exists()
-        return None if saved or not self.options.calibrate else 0.0
+        return saved or not self.options.calibrate
 
     def _finish(self) -> None:
         loop, self.loop = self.loop, None

@@ -346,16 +346,16 @@ def test_a_session_calibrating_says_so():
 def test_planning_waits_for_the_kernel_builds_only_when_a_saved_plan_or_no_calibration_needs_them(tmp_path):
     plan_path = tmp_path / "plan.json"
 
-    def wait(reuse_saved: bool = True, **options) -> object:
+    def wait(reuse_saved: bool = True, **options) -> bool:
         session = SparseLiftSession(nn.Linear(1, 1), None, [], None, torch.device("cpu"), SessionOptions(**options))
-        return session._builds_wait_s(reuse_saved)
+        return session._waits_for_builds(reuse_saved)
 
     # a first run (no plan file yet): calibration admits the kernels once built, training goes on
-    assert wait(plan_path=str(plan_path)) == 0.0 and wait() == 0.0
+    assert wait(plan_path=str(plan_path)) is False and wait() is False
     plan_path.write_text("{}")
-    assert wait(plan_path=str(plan_path)) is None  # the saved plan may need them
-    assert wait(reuse_saved=False, plan_path=str(plan_path)) == 0.0  # planning again: not read
-    assert wait(calibrate=False) is None  # applied at once
+    assert wait(plan_path=str(plan_path)) is True  # the saved plan may need them
+    assert wait(reuse_saved=False, plan_path=str(plan_path)) is False  # planning again: not read
+    assert wait(calibrate=False) is True  # applied at once
 
 
 def test_the_compilers_share_of_the_run_is_logged_every_fractions_every_steady_steps():
