@@ -300,10 +300,11 @@ class PlanningLoop:
         fewest steps of the designs still to come, at most the rule's ``max_pairs``. Where the
         budget cannot hold them all (a short run's), this design, the queue's most promising, keeps
         the steps in which it can accept a candidate (``accept_from_pairs`` blocks) and the later
-        ones get what remains when their turn comes."""
+        ones get what remains when their turn comes (and never fewer than a bound needs)."""
         protocol, rule = self.planner.protocol(members[0]), self.planner.rule
         left = rule.max_steps - self.plan.calibration_steps
-        own = design_steps(rule.accept_from_pairs, protocol.warmup_pairs, protocol.settle_steps)
+        own = design_steps(max(rule.accept_from_pairs, bounding_pairs(1 - rule.confidence)), protocol.warmup_pairs,
+                           protocol.settle_steps)
         left -= min(sum(self._heads(members).values()), max(left - own, 0))
         return min(rule.max_pairs, left // (2 * (1 + protocol.settle_steps)) - protocol.warmup_pairs)
 

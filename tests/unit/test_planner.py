@@ -73,13 +73,15 @@ def test_every_candidate_is_calibrated_on_top_of_the_incumbent_and_kept_when_fas
     assert loop.events[0].startswith("calibrating aggregation:input@")
 
 
-def test_a_budget_too_short_for_every_design_calibrates_the_queue_in_order_until_it_is_spent():
+@pytest.mark.parametrize("accept_from_pairs", [5, 2])
+def test_a_budget_too_short_for_every_design_calibrates_the_queue_in_order_until_it_is_spent(accept_from_pairs):
     from dataclasses import replace
 
     identity = _identity()
     fingerprint = PlanFingerprint(identity.fingerprint(), "sharding", 2, "gloo", {}, sorted(ALL))
-    # 40 steps: less than the four designs' fewest (12 + 12 + 12 + 24); a candidate may be accepted at 5 pairs
-    rule = replace(RULE, max_steps=40, accept_from_pairs=5)
+    # 40 steps: less than the four designs' fewest (12 + 12 + 12 + 24); a candidate may be accepted at 5 pairs,
+    # the fewest a bound needs (a rule that allows fewer still keeps as many: else 2 would get no bound at all)
+    rule = replace(RULE, max_steps=40, accept_from_pairs=accept_from_pairs)
     loop = PlanningLoop(Planner(select_passes(ALL), None, True, rule), fingerprint, identity, None)
     loop.propose()
     assert _run(loop, lambda graph, applied: 10.0 - 5.0 * applied) == 36 == loop.plan.calibration_steps
