@@ -22,8 +22,9 @@ from lightning_sparselift.runtime.codegen.cpu_source import cpu_source
 from lightning_sparselift.runtime.codegen.lookup import TableBatchKernel, bucketed
 from lightning_sparselift.runtime.codegen.spec import OPTIMIZERS
 
-# dims fbgemm allows (multiples of 4) but not of the 8-float vector; table 1 is read by two features
-DIMS, ROWS, FEATURE_TABLE = [8, 4, 12, 20], [50, 1000, 31, 7], [0, 1, 1, 2, 3]
+# dims fbgemm allows (multiples of 4) but not of the 8-float vector, and one of more than 8 vectors of
+# 8 or 16 floats (the forward sums 8 vectors of a row at a time); table 1 is read by two features
+DIMS, ROWS, FEATURE_TABLE = [8, 4, 12, 276], [50, 1000, 31, 7], [0, 1, 1, 2, 3]
 BATCH = 16
 ROWS_WIDTH = 12  # rows per id (no pooling) have one width
 FBGEMM_OPTIMIZERS = {v: k for k, v in OPTIMIZERS.items()}

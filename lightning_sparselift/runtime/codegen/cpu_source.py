@@ -105,36 +105,64 @@ inline Lanes fma_lanes(float w, Lanes row, Lanes acc) {
   return acc;
 }
 
+// the vectors of a bag's sum kept in registers at once: x86-64 has 16 vector registers below
+// AVX-512, so a dim-128 row (16 AVX2 vectors) summed whole spilled its sums to the stack at every id
+constexpr int MOST_VECTORS = 8;
+
+// one bag's sum over vectors [V0, V1) of its rows (and, LAST, the lanes after the vectors) into
+// ``o``; returns the position of an out-of-range id, or -1
+template <int D, int V0, int V1, bool LAST, bool WEIGHTED, bool MEAN, bool CHECK, typename I>
+inline int64_t pool_columns(const I* ids, int64_t begin, int64_t end, int64_t last, const float* psw,
+                            const float* table, int64_t rows, float* o) {
+  constexpr int V = D / LANES, TAIL = LAST ? D % LANES : 0;
+  Lanes acc[V1 > V0 ? V1 - V0 : 1] = {};
+  float tail[TAIL > 0 ? TAIL : 1] = {};
+  for (int64_t p = begin; p < end; ++p) {
+    if (V0 == 0) prefetch_ahead<D>(ids, p, last, table, rows);
+    const int64_t id = ids[p];
+    if (CHECK && (id < 0 || id >= rows)) return p;
+    const float* row = table + id * D;
+    for (int v = V0; v < V1; ++v) {
+      acc[v - V0] = WEIGHTED ? fma_lanes(psw[p], load_lanes(row + v * LANES), acc[v - V0])
+                             : acc[v - V0] + load_lanes(row + v * LANES);
+    }
+    for (int t = 0; t < TAIL; ++t) {
+      tail[t] = WEIGHTED ? std::fma(psw[p], row[V * LANES + t], tail[t]) : tail[t] + row[V * LANES + t];
+    }
+  }
+  if (MEAN && end > begin) {
+    const float scale = 1.0f / static_cast<float>(end - begin);
+    for (int v = V0; v < V1; ++v) acc[v - V0] = acc[v - V0] * scale;
+    for (int t = 0; t < TAIL; ++t) tail[t] = tail[t] * scale;
+  }
+  for (int v = V0; v < V1; ++v) store_lanes(o + v * LANES, acc[v - V0]);
+  for (int t = 0; t < TAIL; ++t) o[V * LANES + t] = tail[t];
+  return -1;
+}
+
+// one bag's sum, MOST_VECTORS vectors of its columns at a time from vector V0 (each lane still sums
+// the bag's ids in order: the same bits)
+template <int D, int V0, bool WEIGHTED, bool MEAN, bool CHECK, typename I>
+inline int64_t pool_bag(const I* ids, int64_t begin, int64_t end, int64_t last, const float* psw,
+                        const float* table, int64_t rows, float* o) {
+  constexpr int V = D / LANES, V1 = V0 + MOST_VECTORS < V ? V0 + MOST_VECTORS : V;
+  const int64_t bad = pool_columns<D, V0, V1, V1 == V, WEIGHTED, MEAN, CHECK, I>(ids, begin, end, last, psw, table,
+                                                                                 rows, o);
+  if constexpr (V1 < V) {
+    if (bad < 0) return pool_bag<D, V1, WEIGHTED, MEAN, CHECK, I>(ids, begin, end, last, psw, table, rows, o);
+  }
+  return bad;
+}
+
 // forward: one feature's bags; returns the position of an out-of-range id, or -1
 template <int D, bool WEIGHTED, bool MEAN, bool CHECK, typename I, typename O>
 int64_t pool(const I* ids, const O* offsets, const float* psw, const float* table, int64_t rows,
              float* out, int64_t B, int64_t f, int64_t column) {
-  constexpr int V = D / LANES, TAIL = D % LANES;
   const int64_t last = offsets[(f + 1) * B];
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t begin = offsets[f * B + b], end = offsets[f * B + b + 1];
-    Lanes acc[V > 0 ? V : 1] = {};
-    float tail[TAIL > 0 ? TAIL : 1] = {};
-    for (int64_t p = begin; p < end; ++p) {
-      prefetch_ahead<D>(ids, p, last, table, rows);
-      const int64_t id = ids[p];
-      if (CHECK && (id < 0 || id >= rows)) return p;
-      const float* row = table + id * D;
-      for (int v = 0; v < V; ++v) {
-        acc[v] = WEIGHTED ? fma_lanes(psw[p], load_lanes(row + v * LANES), acc[v]) : acc[v] + load_lanes(row + v * LANES);
-      }
-      for (int t = 0; t < TAIL; ++t) {
-        tail[t] = WEIGHTED ? std::fma(psw[p], row[V * LANES + t], tail[t]) : tail[t] + row[V * LANES + t];
-      }
-    }
-    float* o = out + b * TOTAL_D + column;
-    if (MEAN && end > begin) {
-      const float scale = 1.0f / static_cast<float>(end - begin);
-      for (int v = 0; v < V; ++v) acc[v] = acc[v] * scale;
-      for (int t = 0; t < TAIL; ++t) tail[t] = tail[t] * scale;
-    }
-    for (int v = 0; v < V; ++v) store_lanes(o + v * LANES, acc[v]);
-    for (int t = 0; t < TAIL; ++t) o[V * LANES + t] = tail[t];
+    const int64_t bad = pool_bag<D, 0, WEIGHTED, MEAN, CHECK, I>(ids, offsets[f * B + b], offsets[f * B + b + 1],
+                                                                 last, psw, table, rows, out + b * TOTAL_D + column);
+    if (bad >= 0) return bad;
   }
   return -1;
 }
