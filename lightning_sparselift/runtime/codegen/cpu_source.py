@@ -19,7 +19,8 @@ The forward keeps each bag's sum in registers, as vectors of the widest lanes th
 (GCC's vector extensions: each lane adds in the scalar order, so the bits are the same; the
 loop left to GCC's vectoriser kept the sum in memory and ran 1.3-1.7x slower than fbgemm's JIT
 kernel on this project's AVX-512 machine; with the vectors ``benchmarks/generated_kernels.py``
-measures 0.89-0.90x, the kernel call alone 0.70-0.76x).
+measures 0.89-0.90x, the kernel call alone 0.70-0.76x), at most 8 vectors of a row's columns at a
+time (more would not stay in registers).
 Rows are prefetched 16 ahead, as fbgemm's kernels do (table rows are random reads).
 Each bucket of tables (:attr:`KernelSpec.buckets`) is its own forward and backward; a kernel of
 several buckets runs them on the OpenMP threads torch uses (built with ``openmp``), or one bucket
