@@ -14,7 +14,9 @@ Inputs (:class:`~.step_record.StepModelInputs`, recorded in the plan file):
   world group's), priced at the member that puts in the most bytes;
 - compute: bytes over the measured copy bandwidth, per region and kernel (:data:`PASSES`); the
   lookups' terms scaled per rank so that TorchRec's (the reference kernels) add up to what the
-  capture steps measured of its lookup modules, and spread over ``min(buckets, threads, cores)``.
+  capture steps measured of its lookup modules, and spread over ``min(buckets, threads, cores)``;
+  TorchRec's input regions, where a generated kernel can replace them, as :mod:`.input_probe`
+  timed them on the module's shape.
 
 The step is simulated per module and rank, forward then backward: compute advances the rank's
 clock; a collective waited where it is issued ends at the slowest rank's arrival plus its
@@ -68,10 +70,12 @@ class StepModel:
         self.backend_ms_per_byte = self._backend_rate(identity)
 
     @classmethod
-    def measure(cls, priors: Priors, timings: StepTimings, identity: SparseGraph) -> "StepModel":
-        """From this run's machine constants (:func:`~.priors.measure_priors`) and capture steps."""
+    def measure(cls, priors: Priors, timings: StepTimings, identity: SparseGraph,
+                reference_input_ms: dict[str, list[float]]) -> "StepModel":
+        """From this run's machine constants (:func:`~.priors.measure_priors`), capture steps and
+        TorchRec's input kernels on the graph's shapes (:func:`~.input_probe.measure_reference_inputs`)."""
         return cls(StepModelInputs(timings, [priors.all_to_all], priors.lookup.bandwidth_bytes_per_ms,
-                                   priors.cores_per_rank), identity)
+                                   priors.cores_per_rank, reference_input_ms=reference_input_ms), identity)
 
     @cached_property
     def _base(self) -> tuple[float, float, float, float, float]:
@@ -176,6 +180,9 @@ class _ModuleSimulation:
         m, model = self.m, self.model
         if node.op in INPUT_REGIONS:
             kernel = GENERATED_KERNEL if node.kernel == GENERATED_KERNEL else "reference"
+            timed = model.inputs.reference_input_ms.get(node.id)
+            if kernel == "reference" and timed:
+                return timed[rank] + model.inputs.launch_ms
             # (a recat's workload counts keys: it moves what arrived, about the rank's own ids)
             ids = node.workload.get("ids", self.most_ids)
             return model.copy_ms(ids * _id_bytes(m), PASSES[("input", kernel)]) + model.inputs.launch_ms

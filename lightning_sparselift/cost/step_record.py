@@ -57,6 +57,9 @@ class StepModelInputs:
     # the training thread's cost of issuing one kernel or collective call (a CUDA launch; 0 on CPU,
     # where the byte passes hold it)
     launch_ms: float = 0.0
+    # per input-region node id, per rank: TorchRec's kernel of a region a generated kernel can replace,
+    # timed on the node's shape (:mod:`.input_probe`); the regions missing are priced by bytes
+    reference_input_ms: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass

@@ -289,6 +289,7 @@ class SparseLiftSession:
     def _plan(self, reuse_saved: bool) -> bool:
         """Start a planning round (or install the saved plan); True when a plan was installed."""
         from lightning_sparselift.cost.priors import measure_priors, probe_sizes
+        from lightning_sparselift.cost.input_probe import measure_reference_inputs
 
         start = time.perf_counter()
         self.watch = None
@@ -320,7 +321,8 @@ class SparseLiftSession:
         if self.passes and self.options.calibrate:
             sizes = probe_sizes([max(n.bytes_per_member) for n in self.identity.collectives()
                                  if n.op == "all_to_all_single"])
-            model = StepModel.measure(measure_priors(self.group, self.device, sizes), self.timings, self.identity)
+            model = StepModel.measure(measure_priors(self.group, self.device, sizes), self.timings, self.identity,
+                                      measure_reference_inputs(self.identity, self.rank, self.device, self.group))
         # (from a warm cache the kernels load while the priors are measured: admitted now, the
         # first proposal has them and none is proposed again)
         self._admit_builds(0.0)

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from graph_fixtures import EBC, USER, four_tables_two_ranks, load, step_model
+from graph_fixtures import EBC, ITEM, USER, four_tables_two_ranks, load, step_model
 from lightning_sparselift.ir import SparseGraph
 from lightning_sparselift.ir.graph import TableShard
-from lightning_sparselift.ir.schedule import GENERATED_KERNEL
+from lightning_sparselift.ir.schedule import GENERATED_KERNEL, INPUT_REGIONS
 from lightning_sparselift.passes import select_passes
 from lightning_sparselift.plan import ExecutionPlan, PlanFingerprint, Planner
 
@@ -148,3 +148,22 @@ def test_a_plan_records_the_model_and_its_file_keeps_it(tmp_path):
     assert "step-time model: all_to_all_single on world[2]: alpha 0.050 ms + 10.000 ms/MB" in text
     assert f"change {plan.predicted_change_ms:+.3f} ms" in text
     assert json.loads(path.read_text())["step_model"]["inputs"]["timings"]["window_ms"][USER] == [1.0, 1.0]
+
+
+def test_torchrecs_input_regions_cost_what_the_probe_timed_and_the_generated_kernel_its_bytes():
+    graph = load("two_modules_2ranks")
+    graph.module(ITEM).input_kernels = [GENERATED_KERNEL]
+    generated = _applied(graph, f"codegen:input@{ITEM}", ["codegen"])
+    regions = [n.id for n in graph.nodes if n.module == ITEM and n.op in INPUT_REGIONS]
+    assert len(regions) == 4  # permute, a bucketize, two recats
+
+    def model(timed_ms):
+        m = step_model(graph)
+        m.inputs.reference_input_ms = {} if timed_ms is None else {r: [timed_ms] * 2 for r in regions}
+        return m
+
+    # each region's timed ms on the reference side only (were the generated kernel priced by it
+    # too, the gain would not move with it): the generated kernel's stays its bytes
+    assert model(3.0).increment_ms(graph, generated) - model(1.0).increment_ms(graph, generated) == \
+        pytest.approx(-2.0 * len(regions))
+    assert model(1.0).increment_ms(graph, generated) != pytest.approx(model(None).increment_ms(graph, generated))
