@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_sparselift.ir.schedule import GENERATED_KERNEL, INPUT_REGIONS
+from lightning_sparselift.ir.schedule import INPUT_REGIONS
 from lightning_sparselift.ir.steps import ComputeNode
 from lightning_sparselift.ir.vocab import ROW_SHARDED
 
@@ -29,8 +29,8 @@ _REPS = 5  # timed calls per region, after one that warms up: the median
 
 def measure_reference_inputs(graph: SparseGraph, rank: int, device: torch.device,
                              group: Any = None) -> dict[str, list[float]]:
-    """Per input-region node id of ``graph`` with a generated kernel to choose, per rank: the
-    thread CPU ms of TorchRec's kernel for it on that rank's shape (without a process group:
+    """Per input-region node id of ``graph`` (its generated kernel may still be building), per
+    rank: the thread CPU ms of TorchRec's kernel for it on that rank's shape (without a process group:
     every rank's shape, timed here). Nothing on an accelerator, where the training thread only
     launches these regions (the model's ``launch_ms``)."""
     if device.type != "cpu":
@@ -65,10 +65,10 @@ def _time(call: Callable[[], Any]) -> float:
 
 def _reference_call(m: LiftedModule, node: ComputeNode, rank: int, world: int) -> Optional[Callable[[], Any]]:
     """TorchRec's kernel of ``node``'s region on synthetic data of ``rank``'s shape (None: not an
-    input region with a generated kernel to choose, nothing to price)."""
+    input region)."""
     from lightning_sparselift.runtime.kernels import bucketize_fbgemm, permute_torchrec, recat_fbgemm
 
-    if node.op not in INPUT_REGIONS or GENERATED_KERNEL not in m.input_kernels:
+    if node.op not in INPUT_REGIONS:
         return None
     batch = m.batch_size_per_rank[rank]
     stats = m.ids_per_step[rank]
