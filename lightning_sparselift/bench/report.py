@@ -74,8 +74,8 @@ def markdown(summary: dict[str, Any]) -> str:
              f"{summary['config']['warmup_steps']} warmup steps per system (excluded), precision "
              f"{summary['config'].get('precision', '32-true')}", "",
              "| system | step ms, median [p25, p75] | samples/s, median [p25, p75] | CPU ms/step | sparse-path CPU "
-             "ms/step beyond dense-only (training thread) | collectives/step (MB) | " + " | ".join(x.replace("_", " ") for x in STAGES)
-             + " |", "|---|---|---|---|---|---|" + "---|" * len(STAGES)]
+             "ms/step beyond dense-only (training thread) | page faults/step (training thread) | collectives/step (MB) | "
+             + " | ".join(x.replace("_", " ") for x in STAGES) + " |", "|---|---|---|---|---|---|---|" + "---|" * len(STAGES)]
     for name, r in summary["systems"].items():
         if r["status"] != "ok":
             error = (r.get("error") or "").strip().splitlines()
@@ -84,10 +84,11 @@ def markdown(summary: dict[str, Any]) -> str:
         c = r.get("collectives_per_step") or {}
         coll = f"{c['count']} ({c['bytes'] / 1e6:.2f})" if c else "-"
         stages = r.get("stages_ms") or {}
+        faults = f"{r['page_faults']['median']:.0f}" if "page_faults" in r else "-"  # (summaries of before it)
         lines.append(f"| {name} | {_fmt(r['step_ms'])} | {_fmt(r['samples_per_s'], 0)} | "
                      f"{r['cpu_ms']['median']:.1f} | "
                      + (f"{r['sparse_cpu_ms']:.1f} ({r['sparse_thread_cpu_ms']:.1f})" if "sparse_cpu_ms" in r else "-")
-                     + f" | {coll} | " + " | ".join(
+                     + f" | {faults} | {coll} | " + " | ".join(
                          f"{stages[k]:.1f}" if k in stages else "-" for k in STAGES) + " |")
     refs = [x for x in REFERENCES if summary["systems"].get(x, {}).get("status") == "ok"]
     if refs:

@@ -201,7 +201,8 @@ class _Worker:
 
     def gathered(self) -> dict[str, Any]:
         """Per-step times, max over ranks (a step is as slow as its slowest rank)."""
-        local = {name: {"wall": c.wall_ms, "cpu": c.cpu_ms, "thread_cpu": c.thread_cpu_ms, "rounds": [len(r) for r in self.rounds.get(name, [])],
+        local = {name: {"wall": c.wall_ms, "cpu": c.cpu_ms, "thread_cpu": c.thread_cpu_ms, "page_faults": c.page_faults,
+                        "rounds": [len(r) for r in self.rounds.get(name, [])],
                         "warmup": self.warmup[name].wall_ms if name in self.warmup else []}
                  for name, c in self.clocks.items()}
         everyone: list[Any] = [None] * self.config.world_size
@@ -214,6 +215,7 @@ class _Worker:
                 "wall": np.max([e[name]["wall"] for e in everyone], axis=0).tolist(),
                 "cpu": np.mean([e[name]["cpu"] for e in everyone], axis=0).tolist(),
                 "thread_cpu": np.mean([e[name]["thread_cpu"] for e in everyone], axis=0).tolist(),
+                "page_faults": np.mean([e[name]["page_faults"] for e in everyone], axis=0).tolist(),
                 "warmup": np.max([e[name]["warmup"] for e in everyone], axis=0).tolist() if local[name]["warmup"] else [],
                 "rounds": local[name]["rounds"],
             }
@@ -267,7 +269,8 @@ def summarize(config: BenchConfig, raw: dict[str, Any], scenario: scenarios.Scen
             wall = steps["wall"]
             res.update(
                 step_ms=quantiles(wall), samples_per_s=quantiles([global_batch / (w / 1e3) for w in wall]),
-                cpu_ms=quantiles(steps["cpu"]), thread_cpu_ms=quantiles(steps["thread_cpu"]), step_times_ms=wall, warmup_ms=steps["warmup"],
+                cpu_ms=quantiles(steps["cpu"]), thread_cpu_ms=quantiles(steps["thread_cpu"]),
+                page_faults=quantiles(steps["page_faults"]), step_times_ms=wall, warmup_ms=steps["warmup"],
                 round_median_ms=[float(np.median(r)) for r in _split(wall, steps["rounds"])],
             )
         elif res["status"] == "ok":

@@ -30,7 +30,7 @@ def test_all_systems_side_by_side(tmp_path, data_cache):
     assert list(summary["systems"]) == DEFAULT_SYSTEMS + ABLATION_SYSTEMS
     for name, r in summary["systems"].items():
         assert r["status"] == "ok", f"{name}: {r['error']}"
-        for key in ("step_ms", "samples_per_s", "cpu_ms"):
+        for key in ("step_ms", "samples_per_s", "cpu_ms", "page_faults"):
             assert set(r[key]) == {"median", "p25", "p75"}
             assert r[key]["p25"] <= r[key]["median"] <= r[key]["p75"]
         assert len(r["step_times_ms"]) == 2 * 2
