@@ -72,9 +72,11 @@ def markdown(summary: dict[str, Any]) -> str:
              f"world size {summary['world_size']}, global batch {summary['global_batch']}, "
              f"{summary['config']['rounds']} rounds x {summary['config']['steps_per_round']} steps, "
              f"{summary['config']['warmup_steps']} warmup steps per system (excluded), precision "
-             f"{summary['config'].get('precision', '32-true')}", "",
+             f"{summary['config'].get('precision', '32-true')}"
+             + (", freed memory retained (--retain-freed-memory)" if summary["config"].get("retain_freed_memory") else ""),
+             "",
              "| system | step ms, median [p25, p75] | samples/s, median [p25, p75] | CPU ms/step | sparse-path CPU "
-             "ms/step beyond dense-only (training thread) | page faults/step (training thread) | collectives/step (MB) | "
+             "ms/step beyond dense-only (training thread) | page faults/step, mean (training thread) | collectives/step (MB) | "
              + " | ".join(x.replace("_", " ") for x in STAGES) + " |", "|---|---|---|---|---|---|---|" + "---|" * len(STAGES)]
     for name, r in summary["systems"].items():
         if r["status"] != "ok":
@@ -84,7 +86,7 @@ def markdown(summary: dict[str, Any]) -> str:
         c = r.get("collectives_per_step") or {}
         coll = f"{c['count']} ({c['bytes'] / 1e6:.2f})" if c else "-"
         stages = r.get("stages_ms") or {}
-        faults = f"{r['page_faults']['median']:.0f}" if "page_faults" in r else "-"  # (summaries of before it)
+        faults = f"{r['page_faults_mean']:.0f}" if "page_faults_mean" in r else "-"  # (summaries of before it)
         lines.append(f"| {name} | {_fmt(r['step_ms'])} | {_fmt(r['samples_per_s'], 0)} | "
                      f"{r['cpu_ms']['median']:.1f} | "
                      + (f"{r['sparse_cpu_ms']:.1f} ({r['sparse_thread_cpu_ms']:.1f})" if "sparse_cpu_ms" in r else "-")

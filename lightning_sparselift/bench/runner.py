@@ -50,6 +50,10 @@ class BenchConfig:
     breakdown_steps: int = 4
     threads_per_rank: int = 1
     pin_cores: bool = False  # pin rank r to core r (os.sched_setaffinity)
+    # glibc keeps freed memory for reuse in every rank's process (retain_freed_memory()): by default it
+    # returns large blocks to the OS, and whichever system allocates afresh each step then pays a page
+    # fault per 4 kB touched, as much as the allocator's history (which system ran before) decides
+    retain_freed_memory: bool = False
     seed: int = 0
     precision: str = "32-true"  # the Trainer's precision every system's step runs under (PRECISIONS)
     num_samples: Optional[int] = None  # default: 64 batches per rank
@@ -222,10 +226,30 @@ class _Worker:
         return merged
 
 
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MOST_MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's largest on 64-bit hosts
+
+
+def retain_freed_memory() -> None:
+    """This process's glibc malloc serves blocks up to 32 MB from its heap and never trims it, so
+    memory a step frees is reused by the next without faulting its pages in again (the dynamic
+    thresholds it replaces start at 128 kB and move with what was freed last)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallopt"):
+        raise RuntimeError("--retain-freed-memory needs glibc's mallopt (this process's C library has none)")
+    if not (libc.mallopt(_M_MMAP_THRESHOLD, _MOST_MMAP_THRESHOLD) and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)):
+        raise RuntimeError("glibc refused the malloc thresholds of --retain-freed-memory")
+
+
 def _worker_main(rank: int, config: BenchConfig, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if config.pin_cores:
         os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
+    if config.retain_freed_memory:
+        retain_freed_memory()
     torch.set_num_threads(config.threads_per_rank)
     dist.init_process_group("gloo", rank=rank, world_size=config.world_size,
                             timeout=timedelta(seconds=config.timeout_s))
@@ -270,7 +294,9 @@ def summarize(config: BenchConfig, raw: dict[str, Any], scenario: scenarios.Scen
             res.update(
                 step_ms=quantiles(wall), samples_per_s=quantiles([global_batch / (w / 1e3) for w in wall]),
                 cpu_ms=quantiles(steps["cpu"]), thread_cpu_ms=quantiles(steps["thread_cpu"]),
-                page_faults=quantiles(steps["page_faults"]), step_times_ms=wall, warmup_ms=steps["warmup"],
+                # (a step either finds its fresh memory mapped or maps it all: the mean is what a step pays)
+                page_faults=quantiles(steps["page_faults"]), page_faults_mean=float(np.mean(steps["page_faults"])),
+                step_times_ms=wall, warmup_ms=steps["warmup"],
                 round_median_ms=[float(np.median(r)) for r in _split(wall, steps["rounds"])],
             )
         elif res["status"] == "ok":

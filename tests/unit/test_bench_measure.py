@@ -1,5 +1,8 @@
-"""The bench's step clock (process-free)."""
+"""The bench's step clock and its workers' allocator setting (process-free but for a subprocess
+that sets glibc's thresholds)."""
 
+import json
+import subprocess
 import sys
 
 import pytest
@@ -22,3 +25,32 @@ def test_the_step_clock_counts_the_fresh_memory_a_step_touches_as_page_faults():
     quiet, touched = clock.page_faults
     assert touched >= 64 * 1024 * 1024 // 4096 * 0.9 and quiet < 100
     assert len(clock.wall_ms) == len(clock.thread_cpu_ms) == 2 and clock.thread_cpu_ms[1] > 0
+
+
+_ALLOCATE_THREE_TIMES = """
+import resource, sys, torch
+from lightning_sparselift.bench.runner import retain_freed_memory
+if sys.argv[1] == "retain":
+    retain_freed_memory()
+torch.set_num_threads(1)
+faults = []
+for _ in range(3):
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    del_me = torch.ones(7 * 1024 * 1024)  # 28 MB
+    del del_me
+    faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+print(faults)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt, page faults counted per thread")
+@pytest.mark.parametrize("how", ["default", "retain"])
+def test_retained_freed_memory_is_reused_without_page_faults(how):
+    out = subprocess.run([sys.executable, "-c", _ALLOCATE_THREE_TIMES, how], capture_output=True, text=True, check=True)
+    first, *again = json.loads(out.stdout.strip().splitlines()[-1])
+    pages = 7 * 1024 * 1024 * 4 // 4096
+    assert first > pages // 2  # fresh memory either way
+    if how == "retain":
+        assert max(again) < 100  # what the first freed, reused
+    else:  # glibc hands a block this large back to the OS at free: mapped afresh each time
+        assert min(again) > pages // 2
