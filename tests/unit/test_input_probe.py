@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import warnings
+from pathlib import Path
+
 import pytest
 import torch
 
 from graph_fixtures import ITEM, load
 from lightning_sparselift.cost.input_probe import _features, measure_reference_inputs
 from lightning_sparselift.ir.schedule import INPUT_REGIONS
+
+GRAPHS = Path(__file__).parents[1] / "fixtures" / "graphs"
 
 
 def test_it_times_every_input_region_on_every_ranks_shape():
@@ -20,6 +25,26 @@ def test_it_times_every_input_region_on_every_ranks_shape():
     assert {n.split("/")[-1] for n in regions if n.startswith(ITEM)} == set(INPUT_REGIONS)
     assert sorted(timed) == regions and len(regions) == 5
     assert all(len(ms) == graph.world_size and min(ms) > 0 for ms in timed.values())
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in GRAPHS.glob("*.json")))
+def test_every_fixture_graphs_input_regions_are_timed(name):
+    graph = load(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a region the probe cannot make up warns: none here)
+        timed = measure_reference_inputs(graph, 0, torch.device("cpu"))
+    assert sorted(timed) == sorted(n.id for n in graph.nodes if n.op in INPUT_REGIONS)
+
+
+def test_a_region_the_probe_cannot_time_is_left_to_the_bytes_with_a_warning(monkeypatch):
+    def refuse(*_):
+        raise RuntimeError("a shape the probe cannot make up")
+
+    monkeypatch.setattr("lightning_sparselift.runtime.kernels.bucketize_fbgemm", refuse)
+    graph = load("two_modules_2ranks")
+    with pytest.warns(UserWarning, match="could not be timed on rank 0's shape .RuntimeError: a shape"):
+        timed = measure_reference_inputs(graph, 0, torch.device("cpu"))
+    assert f"{ITEM}/g1/bucketize" not in timed and f"{ITEM}/g1/recat" in timed
 
 
 def test_nothing_is_timed_on_an_accelerator():
