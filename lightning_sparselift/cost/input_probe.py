@@ -86,10 +86,11 @@ def _reference_call(m: LiftedModule, node: ComputeNode, rank: int, world: int) -
         return lambda: bucketize_fbgemm(features, blocks, world, not m.pooled)
     if node.op == "recat":
         # what arrived from every rank, [src][key][sample]: the rank's keys (row-wise: every key's
-        # block of ids), the ids its lookups read
+        # block of ids), the ids its lookups read; every rank's batch this rank's (ranks that pass
+        # different batch sizes never reach the recat)
         keys = g.features if g.sharding_type in ROW_SHARDED else g.keys_on_rank(rank)
         sent = [m.ids_to_each_rank(src, g, world)[rank] for src in range(world)]
-        arrived = [_features(m, keys, m.batch_size_per_rank[src], _spread(keys, sent[src])) for src in range(world)]
+        arrived = [_features(m, keys, batch, _spread(keys, sent[src])) for src in range(world)]
         lengths = torch.cat([f.lengths() for f in arrived])
         values = torch.cat([f.values() for f in arrived])
         weights = torch.cat([f.weights() for f in arrived]) if m.weighted else None

@@ -36,6 +36,16 @@ def test_every_fixture_graphs_input_regions_are_timed(name):
     assert sorted(timed) == sorted(n.id for n in graph.nodes if n.op in INPUT_REGIONS)
 
 
+def test_ranks_with_different_batch_sizes_are_timed_on_their_own():
+    graph = load("two_modules_2ranks")
+    for m in graph.modules:
+        m.batch_size_per_rank = [m.batch_size_per_rank[0], m.batch_size_per_rank[0] + 8]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        timed = measure_reference_inputs(graph, 0, torch.device("cpu"))
+    assert sorted(timed) == sorted(n.id for n in graph.nodes if n.op in INPUT_REGIONS)
+
+
 def test_a_region_the_probe_cannot_time_is_left_to_the_bytes_with_a_warning(monkeypatch):
     def refuse(*_):
         raise RuntimeError("a shape the probe cannot make up")
