@@ -107,6 +107,7 @@ class StepModelRecord:
         return [f"step-time model: {links}; copy bandwidth {self.inputs.bandwidth_bytes_per_ms / 1e6:.2f} GB/s; "
                 f"{self.inputs.cores_per_rank:g} core(s) per rank; captured step "
                 f"{'/'.join(f'{t:.2f}' for t in timings.step_ms)} ms per rank, dense window before the module "
-                f"(ms per rank) {per_module(timings.window_ms)}, TorchRec's lookups {per_module(timings.lookup_ms)}",
+                f"(ms per rank) {per_module(timings.window_ms)}, TorchRec's lookups {per_module(timings.lookup_ms)}, "
+                f"TorchRec's input kernels {per_module(self.inputs.reference_input_ms)}",
                 f"  identity plan: {self.identity.describe()}",
                 f"  this plan:     {self.plan.describe()}; change {self.change_ms:+.3f} ms"]

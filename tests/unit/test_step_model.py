@@ -137,6 +137,7 @@ def test_a_plan_records_the_model_and_its_file_keeps_it(tmp_path):
     two = load("two_modules_2ranks")
     early = _applied(two, f"latency_hiding:early_start@{USER}", ["latency_hiding"])
     model = step_model(two)
+    model.inputs.reference_input_ms = {f"{USER}/g0/recat": [0.25, 0.5]}
     plan = ExecutionPlan(PlanFingerprint(two.fingerprint(), "sharding", 2, "gloo", {}, ["latency_hiding"]), early,
                          step_model=model.record(early))
     assert plan.predicted_change_ms == pytest.approx(model.increment_ms(two, early))
@@ -147,6 +148,7 @@ def test_a_plan_records_the_model_and_its_file_keeps_it(tmp_path):
     text = loaded.explain()
     assert "step-time model: all_to_all_single on world[2]: alpha 0.050 ms + 10.000 ms/MB" in text
     assert f"change {plan.predicted_change_ms:+.3f} ms" in text
+    assert f"TorchRec's input kernels {USER}/g0/recat 0.25/0.50" in text
     assert json.loads(path.read_text())["step_model"]["inputs"]["timings"]["window_ms"][USER] == [1.0, 1.0]
 
 
