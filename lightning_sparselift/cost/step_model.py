@@ -15,7 +15,7 @@ Inputs (:class:`~.step_record.StepModelInputs`, recorded in the plan file):
 - compute: bytes over the measured copy bandwidth, per region and kernel (:data:`PASSES`); the
   lookups' terms scaled per rank so that TorchRec's (the reference kernels) add up to what the
   capture steps measured of its lookup modules, and spread over ``min(buckets, threads, cores)``;
-  TorchRec's input regions, where a generated kernel can replace them, as :mod:`.input_probe`
+  TorchRec's input regions, where a generated kernel can replace them, as :mod:`~lightning_sparselift.session.input_probe`
   timed them on the module's shape.
 
 The step is simulated per module and rank, forward then backward: compute advances the rank's
@@ -73,7 +73,7 @@ class StepModel:
     def measure(cls, priors: Priors, timings: StepTimings, identity: SparseGraph,
                 reference_input_ms: dict[str, list[float]]) -> "StepModel":
         """From this run's machine constants (:func:`~.priors.measure_priors`), capture steps and
-        TorchRec's input kernels on the graph's shapes (:func:`~.input_probe.measure_reference_inputs`)."""
+        TorchRec's input kernels on the graph's shapes (:func:`~lightning_sparselift.session.input_probe.measure_reference_inputs`)."""
         return cls(StepModelInputs(timings, [priors.all_to_all], priors.lookup.bandwidth_bytes_per_ms,
                                    priors.cores_per_rank, reference_input_ms=reference_input_ms), identity)
 

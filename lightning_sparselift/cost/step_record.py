@@ -58,7 +58,7 @@ class StepModelInputs:
     # where the byte passes hold it)
     launch_ms: float = 0.0
     # per input-region node id, per rank: TorchRec's kernel of a region a generated kernel can replace,
-    # timed on the node's shape (:mod:`.input_probe`); the regions missing are priced by bytes
+    # timed on the node's shape (:mod:`~lightning_sparselift.session.input_probe`); the regions missing are priced by bytes
     reference_input_ms: dict[str, list[float]] = field(default_factory=dict)
 
 

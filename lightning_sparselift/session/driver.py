@@ -289,7 +289,7 @@ class SparseLiftSession:
     def _plan(self, reuse_saved: bool) -> bool:
         """Start a planning round (or install the saved plan); True when a plan was installed."""
         from lightning_sparselift.cost.priors import measure_priors, probe_sizes
-        from lightning_sparselift.cost.input_probe import measure_reference_inputs
+        from lightning_sparselift.session.input_probe import measure_reference_inputs
 
         start = time.perf_counter()
         self.watch = None

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from graph_fixtures import ITEM, load
-from lightning_sparselift.cost.input_probe import _features, measure_reference_inputs
+from lightning_sparselift.session.input_probe import _features, measure_reference_inputs
 from lightning_sparselift.ir.schedule import INPUT_REGIONS
 
 GRAPHS = Path(__file__).parents[1] / "fixtures" / "graphs"

@@ -1,8 +1,10 @@
 """TorchRec's kernels of the input regions a generated kernel can replace (permute, bucketize,
-recat), timed on each module's own shape at the start of a planning round. The step-time model
-(:mod:`.step_model`) prices those regions with these times: bytes over the copy bandwidth miss
-what they cost, mostly fixed costs per call and per key (a KJT permute of 26 one-hot keys, 107 kB:
-0.29 ms here, the bytes 0.01 ms), so it predicted the generated input kernel's gain 5-15x too small.
+recat), timed on each module's own shape at the start of a planning round (here, in the session,
+which may run the runtime's kernels for the cost model). The step-time model
+(:mod:`~lightning_sparselift.cost.step_model`) prices those regions with these times: bytes over
+the copy bandwidth miss what they cost, mostly fixed costs per call and per key (a KJT permute of
+26 one-hot keys, 107 kB: 0.29 ms here, the bytes 0.01 ms), so it predicted the generated input
+kernel's gain 5-15x too small.
 
 Each rank times its own shapes (its batch, the ids its members feed), on synthetic data of the
 captured sizes, on its training thread's CPU clock; the times are gathered so that every rank
