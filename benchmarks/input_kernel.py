@@ -27,7 +27,7 @@ def main() -> None:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     from lightning_sparselift.runtime.input_layout import InputKernel
-    from lightning_sparselift.runtime.kernels import bucketize_fbgemm, permute_torchrec, recat_fbgemm
+    from lightning_sparselift.runtime.kernels import bucketize_fbgemm, permute_torchrec, recat_fbgemm, recat_order
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
@@ -41,7 +41,7 @@ def main() -> None:
     order_tensor = torch.tensor(order, dtype=torch.int32)
     blocks = [-(-args.rows // world)] * keys
     block_tensor = torch.tensor(blocks)
-    recat = torch.tensor([i + j * keys for i in range(keys) for j in range(world)], dtype=torch.int32)
+    recat = recat_order(keys, world)
     arrived = (lengths.repeat(world), values.repeat(world), weights.repeat(world))  # every rank sent the same
     kernel = InputKernel(order, keys, [keys], world, torch.device("cpu"), [blocks])
 

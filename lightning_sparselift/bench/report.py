@@ -86,7 +86,7 @@ def markdown(summary: dict[str, Any]) -> str:
         c = r.get("collectives_per_step") or {}
         coll = f"{c['count']} ({c['bytes'] / 1e6:.2f})" if c else "-"
         stages = r.get("stages_ms") or {}
-        faults = f"{r['page_faults_mean']:.0f}" if "page_faults_mean" in r else "-"  # (summaries of before it)
+        faults = f"{r['page_faults_mean']:.0f}" if "page_faults_mean" in r else "-"  # (summaries written before the column)
         lines.append(f"| {name} | {_fmt(r['step_ms'])} | {_fmt(r['samples_per_s'], 0)} | "
                      f"{r['cpu_ms']['median']:.1f} | "
                      + (f"{r['sparse_cpu_ms']:.1f} ({r['sparse_thread_cpu_ms']:.1f})" if "sparse_cpu_ms" in r else "-")

@@ -21,7 +21,7 @@ from lightning_sparselift.ir.schedule import GENERATED_KERNEL
 from lightning_sparselift.ir.vocab import ROW_SHARDED
 from lightning_sparselift.runtime.buffers import Buffers
 from lightning_sparselift.runtime.input_layout import InputKernel
-from lightning_sparselift.runtime.kernels import kernel
+from lightning_sparselift.runtime.kernels import kernel, recat_order
 from lightning_sparselift.runtime.packing import pack_by_destination, packed_sizes, unpack_by_source
 from lightning_sparselift.runtime.torchrec_group import TorchRecGroup
 
@@ -53,7 +53,7 @@ class GroupRuntime:
         recat = row_recat = row_back = None
         n = len(keys)
         if world > 1 and spec.sharding_type != "data_parallel" and keys:
-            recat = torch.tensor([i + j * n for i in range(n) for j in range(world)], dtype=torch.int32, device=device)
+            recat = recat_order(n, world, device)
             if not pooled:
                 row_recat = torch.tensor([j + i * world for j in range(world) for i in range(n)], dtype=torch.int32,
                                          device=device)

@@ -29,6 +29,12 @@ def bucketize_fbgemm(kjt: Any, block_sizes: Tensor, world: int, sequence: bool) 
                              stride=kjt.stride()), unbucketize
 
 
+def recat_order(keys: int, world: int, device: Optional[torch.device] = None) -> Tensor:
+    """The permutation :func:`recat_fbgemm` takes: what arrived, [src][key], into [key][src]."""
+    return torch.tensor([k + src * keys for k in range(keys) for src in range(world)], dtype=torch.int32,
+                        device=device)
+
+
 def recat_fbgemm(keys: list[str], recat: Optional[Tensor], lengths: Tensor, values: Tensor,
                  weights: Optional[Tensor], batch: int, world: int) -> Any:
     """What arrived ([src][key][sample]) as the KJT the lookup reads ([key][src][sample])."""

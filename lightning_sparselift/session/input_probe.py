@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from lightning_sparselift.ir.schedule import INPUT_REGIONS
 from lightning_sparselift.ir.steps import ComputeNode
-from lightning_sparselift.ir.vocab import ROW_SHARDED
 
 if TYPE_CHECKING:
     from lightning_sparselift.ir import LiftedModule, SparseGraph
@@ -72,7 +71,7 @@ def _time(call: Callable[[], Any]) -> float:
 
 def _reference_call(m: LiftedModule, node: ComputeNode, rank: int, world: int) -> Callable[[], Any]:
     """TorchRec's kernel of the input region ``node`` on synthetic data of ``rank``'s shape."""
-    from lightning_sparselift.runtime.kernels import bucketize_fbgemm, permute_torchrec, recat_fbgemm
+    from lightning_sparselift.runtime.kernels import bucketize_fbgemm, permute_torchrec, recat_fbgemm, recat_order
 
     batch = m.batch_size_per_rank[rank]
     stats = m.ids_per_step[rank]
@@ -90,14 +89,13 @@ def _reference_call(m: LiftedModule, node: ComputeNode, rank: int, world: int) -
         # what arrived from every rank, [src][key][sample]: the rank's keys (row-wise: every key's
         # block of ids), the ids its lookups read; every rank's batch this rank's (ranks that pass
         # different batch sizes never reach the recat)
-        keys = g.features if g.sharding_type in ROW_SHARDED else g.keys_on_rank(rank)
+        keys = g.keys_on_rank(rank)
         sent = [m.ids_to_each_rank(src, g, world)[rank] for src in range(world)]
         arrived = [_features(m, keys, batch, _spread(keys, sent[src])) for src in range(world)]
         lengths = torch.cat([f.lengths() for f in arrived])
         values = torch.cat([f.values() for f in arrived])
         weights = torch.cat([f.weights() for f in arrived]) if m.weighted else None
-        n = len(keys)
-        recat = torch.tensor([k + j * n for k in range(n) for j in range(world)], dtype=torch.int32)
+        recat = recat_order(len(keys), world)
         return lambda: recat_fbgemm(keys, recat, lengths, values, weights, batch, world).offsets()
     raise ValueError(f"no reference call for the input region {node.op!r}")
 
