@@ -1,6 +1,6 @@
-"""Communication precision: a module's output all-to-alls send their float32 values as BF16, in
-one direction (role ``forward``: the pooled blocks or rows) or the other (role ``backward``: their
-gradients), only under ``numerics="fast"``.
+"""Communication precision: a module's output all-to-alls send their float32 values as BF16 both
+ways (the pooled blocks or rows, and their gradients: role ``output``), only under
+``numerics="fast"``.
 
 The cast is fused into the copies the layouts already make (``runtime/layout.py``): where a
 layout packs several blocks into the send buffer, it writes them as BF16 in that copy, and where
@@ -9,6 +9,14 @@ group's contiguous block, the consumer layout's raw buffer) the cast is the one 
 data. Nothing else changes: the same values, rounded to BF16 (8 significant bits, float32's
 exponent range) on the wire only, then exchanged, decoded to float32 and, for gradients, divided
 by world size as before.
+
+Why both directions in one candidate: the consumer layout converts what arrived as it writes it
+(``consumer_layout.fused_wire``) only when both directions travel as BF16 (autograd gives a
+gradient the dtype of the tensor it flows back to), so one direction alone pays a conversion pass
+of its own; and what one direction saves is ~1% of a dlrm step on a CPU host, which no budget
+of paired steps resolves there (2026-12-05: -0.87 and -0.67 ms per direction, undecided after 83
+pairs), while both together are 2-3% (forced: 1.022-1.029x). The quality bound
+(``benchmarks/quality_bound.py``) was fixed for both directions cast.
 
 Why BF16 and not FP16 or INT8 (the other formats TorchRec's codecs offer):
 
@@ -33,21 +41,19 @@ from __future__ import annotations
 
 from lightning_sparselift.cost.calibration import CalibrationProtocol
 from lightning_sparselift.ir import LiftedModule, SparseGraph
-from lightning_sparselift.ir.vocab import CAST_OPS, WIRE_ROLES
+from lightning_sparselift.ir.vocab import CAST_ROLES
 from lightning_sparselift.passes.base import Candidate, OptimizationPass
 
 WIRE = "bf16"  # the format this pass sends (see the module docstring)
-# the collective roles each candidate narrows (ir/steps), pooled and sequence
-_ROLES = {direction: tuple(WIRE_ROLES[op][i] for op in CAST_OPS) for i, direction in enumerate(("forward", "backward"))}
 
 
 class CommunicationPrecision(OptimizationPass):
     name = "communication_precision"
-    roles = ("forward", "backward")
+    roles = ("output",)
     protocol = CalibrationProtocol(warmup_pairs=1, region="step", settle_steps=0)
 
     def check(self, graph: SparseGraph, module: LiftedModule, role: str) -> tuple[list[str], dict[str, float]]:
-        nodes = [n for n in graph.collectives() if n.module == module.path and n.role in _ROLES[role]]
+        nodes = [n for n in graph.collectives() if n.module == module.path and n.role in CAST_ROLES]
         reasons = []
         if self.numerics != "fast":
             reasons.append(f"numerics={self.numerics!r} keeps every value bit-identical to TorchRec's path; "
@@ -60,7 +66,7 @@ class CommunicationPrecision(OptimizationPass):
         if module.wire:
             reasons.append(f"TorchRec's quantized communication already encodes {sorted(module.wire)} "
                            f"(the strategy's qcomms_config)")
-        if any(module.schedule.wire.get(r) for r in _ROLES[role]):
+        if any(module.schedule.wire.get(r) for r in CAST_ROLES):
             reasons.append(f"already {WIRE.upper()}")
         split = [e.label for e in module.schedule.outputs if e.split]
         if split:
@@ -70,6 +76,6 @@ class CommunicationPrecision(OptimizationPass):
         return reasons, {"bytes_saved": max(sent) / 2}
 
     def rewrite(self, graph: SparseGraph, module: LiftedModule, candidate: Candidate) -> str:
-        roles = sorted({n.role for n in graph.collectives() if n.module == module.path and n.role in _ROLES[candidate.role]})
+        roles = sorted({n.role for n in graph.collectives() if n.module == module.path and n.role in CAST_ROLES})
         module.schedule.wire.update({r: WIRE for r in roles})
-        return f"{candidate.role} all-to-alls of {module.path} send {WIRE.upper()}"
+        return f"the output all-to-alls of {module.path} and their gradients send {WIRE.upper()}"

@@ -29,7 +29,7 @@ def test_fast_numerics_send_bf16_and_train_close_to_exact(model, sharding_types,
     report = _fit(dm, tmp_path / "fast", sharding_types, calibrate=False, numerics="fast", **models)
     assert report["executor"] in LIFTED, report["fallback"]
     accepted = {c for c, ok, _ in report["decisions"] if ok}
-    assert {f"communication_precision:{d}@{module}" for d in ("forward", "backward")} <= accepted, accepted
+    assert f"communication_precision:output@{module}" in accepted, accepted
     for direction in ("output", "grad"):
         assert re.search(rf"{direction}_{role} .* bfloat16", report["explain"]), report["explain"]
     _fit(dm, tmp_path / "exact", sharding_types, calibrate=False, **models)

@@ -60,7 +60,7 @@ def test_all_systems_side_by_side(tmp_path, data_cache):
         "subgraph_parallelism:buckets2",
         "subgraph_parallelism:buckets4", "subgraph_parallelism:buckets8",
         "subgraph_parallelism:pipelined2", "subgraph_parallelism:pipelined4", "subgraph_parallelism:pipelined8",
-        "communication_precision:forward", "communication_precision:backward"}
+        "communication_precision:output"}
     # (under the default numerics="exact" the cast is infeasible, listed with its reason)
     assert not any(d["accepted"] or d["feasible"] for d in sl["plan_decisions"]
                    if d["candidate"].startswith("communication_precision:"))
