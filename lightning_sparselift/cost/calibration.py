@@ -30,8 +30,11 @@ class RegionClock:
     kernels' forward calls and their backward nodes, fused update included) since the last
     :meth:`take_lookup`: on CPU both the training thread's CPU time, which the other rank's work
     and the collectives' waits do not add noise to, and the wall time, which is what counts once a
-    lookup runs buckets on threads of their own; and the input side's work (permute, splits,
-    issuing the payload, recat) on the same clock since the last :meth:`take_input`."""
+    lookup runs buckets on threads of their own; the input side's work (permute, splits,
+    issuing the payload, recat) on the same clock since the last :meth:`take_input`; and the
+    output layouts' packing and unpacking copies on that clock (:meth:`exchange`), which with the
+    CPU time of every other thread of the process (on CPU: the collectives' threads, gloo's) make
+    a step's ``exchange_cpu``."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -39,8 +42,9 @@ class RegionClock:
         self.lookup_ms = 0.0
         self.lookup_wall_ms = 0.0
         self.input_ms = 0.0
+        self.exchange_ms = 0.0
         self._node_start: dict[int, tuple[float, float]] = {}
-        self._step_start = (0.0, 0.0)  # (wall, thread CPU) at start_step
+        self._step_start = (0.0, 0.0, 0.0)  # (wall, thread CPU, process CPU) at start_step
 
     @contextmanager
     def region(self) -> Iterator[None]:
@@ -119,21 +123,42 @@ class RegionClock:
         taken, self.input_ms = self.input_ms, 0.0
         return taken
 
+    @contextmanager
+    def exchange(self) -> Iterator[None]:
+        """An output layout's packing or unpacking copy (on CUDA not timed: ``exchange_cpu`` is the
+        step's wall time there)."""
+        if self.device.type == "cuda":
+            yield
+            return
+        start = time.thread_time()
+        try:
+            yield
+        finally:
+            self.exchange_ms += (time.thread_time() - start) * 1e3
+
     def start_step(self) -> None:
         """A training step begins: every region counts from here."""
         self.take(), self.take_lookup(), self.take_input()
-        self._step_start = (time.perf_counter(), time.thread_time())
+        self.exchange_ms = 0.0
+        self._step_start = (time.perf_counter(), time.thread_time(), time.process_time())
 
     def end_step(self) -> dict[str, float]:
         """The step begun last ended: its whole wall time (``step``), on the training thread's
-        clock (``step_cpu``; on CUDA that clock misses the device's work: the wall time), and its
-        regions since :meth:`start_step` (``sparse``, ``lookup``, ``lookup_wall``, ``input``): what
-        a calibration protocol's ``region`` may name."""
+        clock (``step_cpu``; on CUDA that clock misses the device's work: the wall time), its
+        regions since :meth:`start_step` (``sparse``, ``lookup``, ``lookup_wall``, ``input``) and
+        its exchanges' CPU time (``exchange_cpu``: the layouts' copies on the training thread and
+        every other thread's CPU time over the step; on CUDA the wall time): what a calibration
+        protocol's ``region`` may name."""
         step_ms = (time.perf_counter() - self._step_start[0]) * 1e3
-        step_cpu_ms = (time.thread_time() - self._step_start[1]) * 1e3 if self.device.type == "cpu" else step_ms
+        if self.device.type == "cpu":
+            thread_ms = (time.thread_time() - self._step_start[1]) * 1e3
+            others_ms = (time.process_time() - self._step_start[2]) * 1e3 - thread_ms
+            step_cpu_ms, exchange_cpu_ms = thread_ms, self.exchange_ms + others_ms
+        else:
+            step_cpu_ms = exchange_cpu_ms = step_ms
         lookup_ms, lookup_wall_ms = self.take_lookup()
         return {"step_ms": step_ms, "sparse_ms": self.take(), "lookup_ms": lookup_ms, "lookup_wall_ms": lookup_wall_ms,
-                "step_cpu_ms": step_cpu_ms, "input_ms": self.take_input()}
+                "step_cpu_ms": step_cpu_ms, "input_ms": self.take_input(), "exchange_cpu_ms": exchange_cpu_ms}
 
 
 @dataclass
@@ -150,8 +175,11 @@ class CalibrationProtocol:
     # CPU step's noise), "lookup" (the lookup regions' forward and backward on the training
     # thread's clock, see RegionClock: for candidates that change only the lookups' compute),
     # "lookup_wall" (the same regions' wall time: for candidates that spread that compute over
-    # threads) or "input" (the input distribution's work on the lookup clock: for candidates that
-    # change only its compute)
+    # threads), "input" (the input distribution's work on the lookup clock: for candidates that
+    # change only its compute) or "exchange_cpu" (the output layouts' copies on the training
+    # thread and the collectives' threads' CPU time, on CPU; the step's wall time on CUDA: for
+    # candidates that change what the exchanges move, on a host whose cores the collectives'
+    # threads share with the training)
     region: str = "sparse"
     settle_steps: int = 0  # unmeasured steps on the same plan before each observed one
 

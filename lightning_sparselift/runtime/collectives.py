@@ -31,15 +31,21 @@ class OutputAllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, layout: Layout, clock: RegionClock, *locals_: Tensor) -> tuple[Tensor, ...]:
-        received, _ = exchange(layout.buffers.received, *layout.send_outputs(locals_), layout.group)
+        with clock.exchange():
+            sent = layout.send_outputs(locals_)
+        received, _ = exchange(layout.buffers.received, *sent, layout.group)
         ctx.layout, ctx.clock = layout, clock
-        return layout.unpack_outputs(received)
+        with clock.exchange():
+            return layout.unpack_outputs(received)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Optional[Tensor], ...]:
         with ctx.clock.region():
-            received, _ = exchange(ctx.layout.buffers.grad_received, *ctx.layout.send_grads(grads), ctx.layout.group)
-            return (None, None, *ctx.layout.unpack_grads(received))
+            with ctx.clock.exchange():
+                sent = ctx.layout.send_grads(grads)
+            received, _ = exchange(ctx.layout.buffers.grad_received, *sent, ctx.layout.group)
+            with ctx.clock.exchange():
+                return (None, None, *ctx.layout.unpack_grads(received))
 
 
 class IssueOutputAllToAll(torch.autograd.Function):
@@ -52,8 +58,9 @@ class IssueOutputAllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, layout: Layout, box: dict, clock: RegionClock, *locals_: Tensor) -> Tensor:
-        box["received"], box["work"] = exchange(layout.buffers.received, *layout.send_outputs(locals_),
-                                                layout.group, async_op=True)
+        with clock.exchange():
+            sent = layout.send_outputs(locals_)
+        box["received"], box["work"] = exchange(layout.buffers.received, *sent, layout.group, async_op=True)
         ctx.layout, ctx.box, ctx.clock = layout, box, clock
         return locals_[0].new_empty(0)
 
@@ -61,7 +68,8 @@ class IssueOutputAllToAll(torch.autograd.Function):
     def backward(ctx: Any, _unused: Tensor) -> tuple[Optional[Tensor], ...]:
         with ctx.clock.region():
             ctx.box.pop("grad_work").wait()
-            return (None, None, None, *ctx.layout.unpack_grads(ctx.box.pop("grad_received")))
+            with ctx.clock.exchange():
+                return (None, None, None, *ctx.layout.unpack_grads(ctx.box.pop("grad_received")))
 
 
 class WaitOutputAllToAll(torch.autograd.Function):
@@ -69,14 +77,16 @@ class WaitOutputAllToAll(torch.autograd.Function):
     def forward(ctx: Any, token: Tensor, layout: Layout, box: dict, clock: RegionClock) -> tuple[Tensor, ...]:
         with clock.region():
             box.pop("work").wait()
-        ctx.layout, ctx.box = layout, box
-        return layout.unpack_outputs(box.pop("received"))
+        ctx.layout, ctx.box, ctx.clock = layout, box, clock
+        with clock.exchange():
+            return layout.unpack_outputs(box.pop("received"))
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Optional[Tensor], ...]:
-        ctx.box["grad_received"], ctx.box["grad_work"] = exchange(ctx.layout.buffers.grad_received,
-                                                                   *ctx.layout.send_grads(grads), ctx.layout.group,
-                                                                   async_op=True)
+        with ctx.clock.exchange():
+            sent = ctx.layout.send_grads(grads)
+        ctx.box["grad_received"], ctx.box["grad_work"] = exchange(ctx.layout.buffers.grad_received, *sent,
+                                                                   ctx.layout.group, async_op=True)
         # the issue's backward reads the gradient from the box; this one only orders autograd
         return grads[0].new_empty(0), None, None, None
 

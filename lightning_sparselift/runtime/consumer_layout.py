@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from lightning_sparselift.cost.calibration import RegionClock
 from lightning_sparselift.frontend.consumer import CATS, NARROWS, SPLITS, dim_argument, key_views
 from lightning_sparselift.ir import LiftedModule, ModuleSchedule
 from lightning_sparselift.ir.vocab import CAST_FORMATS
@@ -61,10 +62,12 @@ class ConsumerOutput:
     from where the schedule's buckets leave the blocks. Built once per installed schedule."""
 
     def __init__(self, spec: LiftedModule, schedule: ModuleSchedule, kernel: LayoutKernel, buffers: Buffers,
-                 on_concatenated: Callable[[], None] = lambda: None) -> None:
+                 clock: RegionClock, on_concatenated: Callable[[], None] = lambda: None) -> None:
         """``buffers``: the module's (the layout's tensor and its gradients are kept there);
-        ``on_concatenated``: called each time the model's concatenation is the layout's tensor."""
-        self.kernel, self.on_concatenated = kernel, on_concatenated
+        ``clock``: times the kernel's copies as the exchanges' (what arrived unpacked, the
+        gradient packed); ``on_concatenated``: called each time the model's concatenation is the
+        layout's tensor."""
+        self.kernel, self.clock, self.on_concatenated = kernel, clock, on_concatenated
         self.full = buffers.at(("layout",))
         self.wire = fused_wire(schedule)
         consumer = spec.consumer
@@ -111,6 +114,11 @@ class _WriteLayout(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, layout: ConsumerOutput, *tensors: Tensor) -> Tensor:
+        with layout.clock.exchange():
+            return _WriteLayout._write(ctx, layout, tensors)
+
+    @staticmethod
+    def _write(ctx: Any, layout: ConsumerOutput, tensors: tuple[Tensor, ...]) -> Tensor:
         tensors = tuple(t.contiguous() for t in tensors)
         batch = tensors[0].numel() // layout.sources[0].units
         library, blocks = layout.kernel.built.library, layout.pointers(list(tensors), batch)
@@ -130,6 +138,11 @@ class _WriteLayout(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+        with ctx.layout.clock.exchange():
+            return _WriteLayout._write_grads(ctx, grad)
+
+    @staticmethod
+    def _write_grads(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
         layout = ctx.layout
         if grad.stride(1) != 1:
             grad = grad.contiguous()

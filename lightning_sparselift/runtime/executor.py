@@ -153,7 +153,7 @@ class ModuleExecutor:
         name = schedule.region("output").kernel
         if name != CONSUMER_KERNEL:
             return kernel("output", name)
-        return ConsumerOutput(self.spec, schedule, self.layout_kernel(), self.buffers,
+        return ConsumerOutput(self.spec, schedule, self.layout_kernel(), self.buffers, self.clock,
                               lambda: setattr(self, "concatenated_steps", self.concatenated_steps + 1))
 
     def layout_kernel(self) -> LayoutKernel:

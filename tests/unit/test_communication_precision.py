@@ -6,10 +6,14 @@ TorchRec's BF16 codec in its own calls, the gradient divided by world size after
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
 from graph_fixtures import EBC, four_tables_two_ranks, load, step_model, unmeasured_plan
+from lightning_sparselift.cost.calibration import RegionClock
 from lightning_sparselift.ir import check_schedule
 from lightning_sparselift.passes import InfeasibleCandidate, select_passes
 from lightning_sparselift.passes.communication_precision import CommunicationPrecision
@@ -58,6 +62,43 @@ def test_the_output_all_to_alls_send_bf16_both_ways_and_the_graph_and_model_foll
     assert model.increment_ms(identity, after) == pytest.approx(cast - wire)
     assert not _candidates(after)[f"output@{EBC}"].feasible
     assert _candidates(after)[f"output@{EBC}"].reasons == ["already BF16"]
+
+
+@pytest.mark.parametrize("cores", [1.0, 2.0])
+def test_the_backends_cpu_for_the_bytes_saved_counts_where_it_shares_the_core(cores):
+    identity = load("table_and_column_wise_2ranks")
+    after = CommunicationPrecision(numerics="fast").apply(identity, _candidates(identity)[f"output@{EBC}"])
+    plain = step_model(identity, alpha_ms=0.0, beta_ms_per_byte=0.0, cores=cores)
+    busy = step_model(identity, alpha_ms=0.0, beta_ms_per_byte=0.0, cores=cores)
+    busy.inputs.timings.backend_cpu_ms = [2.0, 1.0]  # measured beyond the training thread per step
+    busy = type(busy)(busy.inputs, identity)
+    per_rank = [sum(n.bytes_per_member[r] for n in identity.collectives()) for r in range(2)]
+    rate = max(2.0 / per_rank[0], 1.0 / per_rank[1]) if cores < 2 else 0.0
+    assert busy.backend_ms_per_byte == pytest.approx(rate)
+    saved = sum(max(n.bytes_per_member) / 2 for n in identity.collectives() if n.role in ("output_pooled", "grad_pooled"))
+    assert busy.increment_ms(identity, after) == pytest.approx(plain.increment_ms(identity, after) - saved * rate)
+
+
+def test_reduce_scatters_torchrec_codecs_and_pipelined_buckets_are_left_alone():
+    rw = load("row_wise_and_data_parallel_3ranks")
+    for c in CommunicationPrecision(numerics="fast").candidates(rw):
+        if not any(n.module == c.module and n.op == "all_to_all_single" for n in rw.collectives()):
+            assert not c.feasible and c.reasons[0].startswith("no output all-to-all")
+    quantized = load("table_and_column_wise_2ranks")
+    quantized.module(EBC).wire = {"output_pooled": "fp16", "grad_pooled": "fp16"}
+    assert "TorchRec's quantized communication already encodes" in _candidates(quantized)[f"output@{EBC}"].reasons[0]
+    # pipelined buckets and the cast exclude each other, whichever comes first
+    graph = four_tables_two_ranks()
+    pipelined = SubgraphParallelism(numerics="fast")
+    split = pipelined.apply(graph, next(c for c in pipelined.candidates(graph) if c.name.startswith("pipelined2")))
+    assert "pipelined per bucket" in _candidates(split)[f"output@{EBC}"].reasons[0]
+    cast = CommunicationPrecision(numerics="fast").apply(graph, _candidates(graph)[f"output@{EBC}"])
+    again = next(c for c in pipelined.candidates(cast) if c.name.startswith("pipelined2"))
+    assert not again.feasible and "communication precision" in " ".join(again.reasons)
+    schedule = split.module(EBC).schedule
+    schedule.wire = {"output_pooled": "bf16", "output_partial_sums": "bf16"}
+    problems = check_schedule(schedule, split.module(EBC).kinds, 2)
+    assert any("output_partial_sums=bf16" in p for p in problems) and any("pipelined" in p for p in problems)
 
 
 def test_a_plan_that_casts_is_not_reused_under_exact_numerics():
@@ -114,3 +155,29 @@ def test_only_float32_values_are_cast():
     half = torch.randn(8).half()
     assert wire.for_step().encode(half, True).dtype == torch.float16
     assert wire.for_step().encode(half.float(), False).dtype == torch.float32  # (that direction is not cast)
+
+
+def _burn(ms: float) -> None:
+    """Spend ``ms`` of this thread's CPU time."""
+    start = time.thread_time()
+    while time.thread_time() - start < ms / 1e3:
+        pass
+
+
+def test_the_cast_is_measured_on_the_exchanges_cpu_time():
+    """The layouts' copies on the training thread and every other thread's CPU time (the
+    collectives' threads) make ``exchange_cpu``; the rest of the training thread's step does not."""
+    assert CommunicationPrecision.protocol.region == "exchange_cpu"
+    clock = RegionClock(torch.device("cpu"))
+    clock.start_step()
+    with clock.exchange():
+        _burn(20)  # a layout's copy
+    other = threading.Thread(target=_burn, args=(30,))  # a collective's thread
+    other.start()
+    other.join()
+    _burn(25)  # the rest of the step
+    regions = clock.end_step()
+    assert 49 < regions["exchange_cpu_ms"] < 70
+    assert 44 < regions["step_cpu_ms"] < 65  # (the training thread's only)
+    clock.start_step()
+    assert clock.end_step()["exchange_cpu_ms"] < 5  # every step counts from its start

@@ -9,6 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graph_fixtures import EBC, load
+from lightning_sparselift.cost.calibration import RegionClock
 from lightning_sparselift.frontend.consumer import OutputTrace
 from lightning_sparselift.ir import OutputConsumer
 from lightning_sparselift.ir.schedule import CONSUMER_KERNEL
@@ -132,7 +133,7 @@ def _layout_and_reference(order, before):
     graph, m = _with_consumer(OutputConsumer(order, before, 0))
     m.schedule.region("output").kernel = CONSUMER_KERNEL
     out = torch.randn(6, 8, requires_grad=True)  # the group's output: keys a, b (4 columns each)
-    return ConsumerOutput(m, m.schedule, LayoutKernel(m, 1, torch.device("cpu")), Buffers()), m, out
+    return ConsumerOutput(m, m.schedule, LayoutKernel(m, 1, torch.device("cpu")), Buffers(), RegionClock(torch.device("cpu"))), m, out
 
 
 @pytest.mark.parametrize("before", [0, 3])

@@ -121,7 +121,7 @@ class _FakeExecutor:
     def clock(self) -> Any:  # a calibration step's regions, all 10 ms
         return types.SimpleNamespace(start_step=lambda: None, end_step=lambda: {
             "step_ms": 10.0, "sparse_ms": 10.0, "lookup_ms": 10.0, "lookup_wall_ms": 10.0, "step_cpu_ms": 10.0,
-            "input_ms": 10.0})
+            "input_ms": 10.0, "exchange_cpu_ms": 10.0})
 
     def use(self, graph: Any) -> None:
         self.used.append(graph)
