@@ -1,5 +1,6 @@
-# Two commands on a fresh machine: `make demo` and `make test` (what a contributor runs: every
-# tier but the full-length `slow` runs, a few minutes); `make test-all` runs everything (CI).
+# Two commands on a fresh machine: `make demo` and `make test` (what a contributor runs: the unit
+# and ranks tiers but their full-length `slow` runs, ~10 minutes here); `make test-all` runs
+# everything, the system tier too (CI).
 # Each creates/refreshes the local virtual environment .venv as needed.
 # GPU=1 selects the CUDA stack (fbgemm-gpu, CUDA torch) instead of the CPU one.
 PYTHON ?= python3

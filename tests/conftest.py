@@ -1,8 +1,9 @@
 """Shared by the three tiers (tests/README.md): ``unit/`` (one process, seconds), ``ranks/``
 (multi-process CPU/gloo runs: the parity harness, the strategy's features), ``system/`` (the
 examples, torchrun, SIGTERM, notebooks and the CLI as a user runs them). Every test is marked
-with its tier; ``slow`` ones (full-length runs) are left out of ``make test``, and ``make
-test-all`` (CI) runs everything."""
+with its tier; ``slow`` ones (full-length runs, and the whole ``system/`` tier: each of its tests
+starts the processes a user's command would) are left out of ``make test``, and ``make test-all``
+(CI) runs everything."""
 
 import os
 from pathlib import Path
@@ -32,6 +33,8 @@ def pytest_collection_modifyitems(config, items):
         if tier not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: a test lives in one of tests/{{{','.join(TIERS)}}}/")
         item.add_marker(getattr(pytest.mark, tier))
+        if tier == "system":
+            item.add_marker(pytest.mark.slow)
         if "gpu" in item.keywords and gpus < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "multigpu" in item.keywords and gpus < 2:
