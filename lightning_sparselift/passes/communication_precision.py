@@ -38,7 +38,9 @@ threads, which move the bytes saved): on CPU the backend's threads share the cor
 the step, so what they save is what the step gains, and early start hides the exchange's wait
 itself. Measured on whole steps' wall time the cast's 2-3% of a dlrm step (-2.5 ms forced; 1.027x)
 stayed undecided after 82 pairs in 3 of 3 calibrations, its noise 3.7-5.7 ms; the exchanges' CPU is
-~8 ms of that step. On CUDA that clock is the step's wall time.
+~8 ms of that step (accepted in 4 of 5). What the clock misses: where no early start hides the
+exchange, the step also waits less for it (sparse-heavy: -8 to -11 ms on whole steps, -2 ms on this
+clock; accepted either way, in more pairs here). On CUDA that clock is the step's wall time.
 """
 
 from __future__ import annotations
