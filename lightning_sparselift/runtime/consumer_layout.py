@@ -93,7 +93,8 @@ class ConsumerOutput:
     def __call__(self, _module: LiftedModule, outs: list[Optional[Tensor]], _features: list[Any]) -> Any:
         from torchrec.sparse.jagged_tensor import KeyedTensor
 
-        full = _WriteLayout.apply(self, *(outs[s.group] for s in self.sources))
+        with self.clock.exchange():
+            full = _WriteLayout.apply(self, *(outs[s.group] for s in self.sources))
         values = full.narrow(1, self.before, self.width - self.before - self.after).as_subclass(ConsumerValues)
         values._layout, values._full, values._concatenated = self, full, False
         return KeyedTensor(keys=self.keys, length_per_key=self.dims, values=values, key_dim=1)
@@ -114,11 +115,6 @@ class _WriteLayout(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, layout: ConsumerOutput, *tensors: Tensor) -> Tensor:
-        with layout.clock.exchange():
-            return _WriteLayout._write(ctx, layout, tensors)
-
-    @staticmethod
-    def _write(ctx: Any, layout: ConsumerOutput, tensors: tuple[Tensor, ...]) -> Tensor:
         tensors = tuple(t.contiguous() for t in tensors)
         batch = tensors[0].numel() // layout.sources[0].units
         library, blocks = layout.kernel.built.library, layout.pointers(list(tensors), batch)
@@ -138,21 +134,18 @@ class _WriteLayout(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
-        with ctx.layout.clock.exchange():
-            return _WriteLayout._write_grads(ctx, grad)
-
-    @staticmethod
-    def _write_grads(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
         layout = ctx.layout
-        if grad.stride(1) != 1:
-            grad = grad.contiguous()
-        grads = [source.grad.empty(tuple(shape), layout.wire if layout.wire is not None and source.exchanged
-                                   else grad.dtype, grad.device) for source, shape in zip(layout.sources, ctx.shapes)]
-        library, blocks = layout.kernel.built.library, layout.pointers(grads, ctx.batch)
-        if layout.wire is not None:
-            library.sl_layout_backward_bf16(ctx.batch, grad.stride(0), grad.data_ptr(), blocks)
-        else:
-            library.sl_layout_backward(ctx.batch, grad.element_size(), grad.stride(0), grad.data_ptr(), blocks)
+        with layout.clock.exchange():
+            if grad.stride(1) != 1:
+                grad = grad.contiguous()
+            grads = [source.grad.empty(tuple(shape), layout.wire if layout.wire is not None and source.exchanged
+                                       else grad.dtype, grad.device)
+                     for source, shape in zip(layout.sources, ctx.shapes)]
+            library, blocks = layout.kernel.built.library, layout.pointers(grads, ctx.batch)
+            if layout.wire is not None:
+                library.sl_layout_backward_bf16(ctx.batch, grad.stride(0), grad.data_ptr(), blocks)
+            else:
+                library.sl_layout_backward(ctx.batch, grad.element_size(), grad.stride(0), grad.data_ptr(), blocks)
         return (None, *grads)
 
 

@@ -133,7 +133,8 @@ def _layout_and_reference(order, before):
     graph, m = _with_consumer(OutputConsumer(order, before, 0))
     m.schedule.region("output").kernel = CONSUMER_KERNEL
     out = torch.randn(6, 8, requires_grad=True)  # the group's output: keys a, b (4 columns each)
-    return ConsumerOutput(m, m.schedule, LayoutKernel(m, 1, torch.device("cpu")), Buffers(), RegionClock(torch.device("cpu"))), m, out
+    cpu = torch.device("cpu")
+    return ConsumerOutput(m, m.schedule, LayoutKernel(m, 1, cpu), Buffers(), RegionClock(cpu)), m, out
 
 
 @pytest.mark.parametrize("before", [0, 3])
