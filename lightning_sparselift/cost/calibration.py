@@ -16,12 +16,15 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from lightning_sparselift.cost.decision import DecisionRule, PairedEstimate, paired_estimate
+
+# the autograd nodes of a concatenation and the views it reads (split, narrow, getitem, as_subclass)
+_VIEW_NODES = ("Cat", "Split", "Slice", "Narrow", "Select", "Alias", "View", "Unbind")
 
 
 class RegionClock:
@@ -34,7 +37,8 @@ class RegionClock:
     issuing the payload, recat) on the same clock since the last :meth:`take_input`; and the
     output layouts' packing and unpacking copies on that clock (:meth:`exchange`), which with the
     CPU time of every other thread of the process (on CPU: the collectives' threads, gloo's) make
-    a step's ``exchange_cpu``."""
+    a step's ``exchange_cpu``, and with the model's concatenations of a module's values
+    (:meth:`concatenation`, while :attr:`times_concatenations`) its ``layout_cpu``."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -43,6 +47,10 @@ class RegionClock:
         self.lookup_wall_ms = 0.0
         self.input_ms = 0.0
         self.exchange_ms = 0.0
+        self.concatenation_ms = 0.0
+        # whether the reference output's concatenations are timed (runtime/consumer_layout.py):
+        # while a design measures on ``layout_cpu`` (on other steps the model's code runs untouched)
+        self.times_concatenations = False
         self._node_start: dict[int, tuple[float, float]] = {}
         self._step_start = (0.0, 0.0, 0.0)  # (wall, thread CPU, process CPU) at start_step
 
@@ -95,14 +103,18 @@ class RegionClock:
             nodes.append(node)
             if "Cat" in node.name() or "View" in node.name():
                 todo += [n for n, _ in node.next_functions]
+        self._time_nodes(nodes, self._add_lookup)
+
+    def _time_nodes(self, nodes: list[Any], add: Callable[[tuple[float, float]], None]) -> None:
+        """Each autograd node's run (from its pre-hook to its hook) added by ``add`` from its start."""
         for n in nodes:
             n.register_prehook(lambda *_, key=id(n): self._node_start.__setitem__(key, self._now()))
-            n.register_hook(lambda *_, key=id(n): self._node_done(key))
+            n.register_hook(lambda *_, key=id(n): self._node_done(key, add))
 
-    def _node_done(self, key: int) -> None:
+    def _node_done(self, key: int, add: Callable[[tuple[float, float]], None]) -> None:
         start = self._node_start.pop(key, None)
         if start is not None:
-            self._add_lookup(start)
+            add(start)
 
     def take_lookup(self) -> tuple[float, float]:
         """(lookup clock ms, lookup wall ms) since the last call."""
@@ -136,10 +148,43 @@ class RegionClock:
         finally:
             self.exchange_ms += (time.thread_time() - start) * 1e3
 
+    @contextmanager
+    def concatenation(self) -> Iterator[None]:
+        """The model's concatenation of a module's values: the reference output's (its groups'
+        outputs into the KeyedTensor's values, and the model's ``torch.cat`` of the keys' views), or
+        the consumer layout's writing of the concatenation's other operands (on CUDA not timed:
+        ``layout_cpu`` is the step's wall time there)."""
+        if self.device.type == "cuda":
+            yield
+            return
+        start = time.thread_time()
+        try:
+            yield
+        finally:
+            self.concatenation_ms += (time.thread_time() - start) * 1e3
+
+    def concatenation_backward(self, out: torch.Tensor) -> None:
+        """Count the backward of the concatenation that made ``out``: its autograd node and the
+        view nodes below it (the per-key split of the values: its backward concatenates the keys'
+        gradients), down to the output distribution's."""
+        if self.device.type == "cuda" or out.grad_fn is None:
+            return
+        nodes, todo = [], [out.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is None or node in nodes or not any(part in node.name() for part in _VIEW_NODES):
+                continue
+            nodes.append(node)
+            todo += [n for n, _ in node.next_functions]
+        self._time_nodes(nodes, self._add_concatenation)
+
+    def _add_concatenation(self, start: tuple[float, float]) -> None:
+        self.concatenation_ms += self._now()[0] - start[0]
+
     def start_step(self) -> None:
         """A training step begins: every region counts from here."""
         self.take(), self.take_lookup(), self.take_input()
-        self.exchange_ms = 0.0
+        self.exchange_ms = self.concatenation_ms = 0.0
         self._step_start = (time.perf_counter(), time.thread_time(), time.process_time())
 
     def end_step(self) -> dict[str, float]:
@@ -147,18 +192,21 @@ class RegionClock:
         clock (``step_cpu``; on CUDA that clock misses the device's work: the wall time), its
         regions since :meth:`start_step` (``sparse``, ``lookup``, ``lookup_wall``, ``input``) and
         its exchanges' CPU time (``exchange_cpu``: the layouts' copies on the training thread and
-        every other thread's CPU time over the step; on CUDA the wall time): what a calibration
-        protocol's ``region`` may name."""
+        every other thread's CPU time over the step; on CUDA the wall time) and its output layouts'
+        (``layout_cpu``: those copies and the concatenations timed, all on the training thread; on
+        CUDA the wall time): what a calibration protocol's ``region`` may name."""
         step_ms = (time.perf_counter() - self._step_start[0]) * 1e3
         if self.device.type == "cpu":
             thread_ms = (time.thread_time() - self._step_start[1]) * 1e3
             others_ms = (time.process_time() - self._step_start[2]) * 1e3 - thread_ms
             step_cpu_ms, exchange_cpu_ms = thread_ms, self.exchange_ms + others_ms
+            layout_cpu_ms = self.exchange_ms + self.concatenation_ms
         else:
-            step_cpu_ms = exchange_cpu_ms = step_ms
+            step_cpu_ms = exchange_cpu_ms = layout_cpu_ms = step_ms
         lookup_ms, lookup_wall_ms = self.take_lookup()
         return {"step_ms": step_ms, "sparse_ms": self.take(), "lookup_ms": lookup_ms, "lookup_wall_ms": lookup_wall_ms,
-                "step_cpu_ms": step_cpu_ms, "input_ms": self.take_input(), "exchange_cpu_ms": exchange_cpu_ms}
+                "step_cpu_ms": step_cpu_ms, "input_ms": self.take_input(), "exchange_cpu_ms": exchange_cpu_ms,
+                "layout_cpu_ms": layout_cpu_ms}
 
 
 @dataclass
@@ -179,7 +227,9 @@ class CalibrationProtocol:
     # change only its compute) or "exchange_cpu" (the output layouts' copies on the training
     # thread and the collectives' threads' CPU time, on CPU; the step's wall time on CUDA: for
     # candidates that change what the exchanges move, on a host whose cores the collectives'
-    # threads share with the training)
+    # threads share with the training) or "layout_cpu" (those copies on the training thread and
+    # the model's concatenations of the modules' values, see RegionClock.concatenation: for
+    # candidates that change how a module's output reaches the model's concatenation)
     region: str = "sparse"
     settle_steps: int = 0  # unmeasured steps on the same plan before each observed one
 

@@ -52,7 +52,7 @@ MIN_RELATIVE_SPREAD = 0.05
 NEGLIGIBLE_FROM_PAIRS = 48
 
 # the regions that time only one part's own compute (see CalibrationProtocol.region)
-KERNEL_REGIONS = ("lookup", "lookup_wall", "input")
+KERNEL_REGIONS = ("lookup", "lookup_wall", "input", "layout_cpu")
 
 Verdict = Literal["faster", "slower", "undecided", "negligible", "futile"]
 

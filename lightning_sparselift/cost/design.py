@@ -37,7 +37,7 @@ from lightning_sparselift.cost.decision import (
 )
 
 # what a step reports (RegionClock.end_step's names, without "_ms"); a factor's region is one of them
-REGIONS = ("step", "sparse", "lookup", "lookup_wall", "step_cpu", "input", "exchange_cpu")
+REGIONS = ("step", "sparse", "lookup", "lookup_wall", "step_cpu", "input", "exchange_cpu", "layout_cpu")
 # the most factors one design varies: every subset of them is a graph the runtime may install
 MAX_FACTORS = 6
 # Sylvester's Hadamard matrix of order 8: its columns 1-7 are balanced and pairwise orthogonal

@@ -103,6 +103,10 @@ class PlanningLoop:
         """The candidates the design in progress varies."""
         return list(self._round)
 
+    def measures(self, region: str) -> bool:
+        """Whether the design in progress still varies a factor measured on ``region``."""
+        return self._design is not None and any(f.region == region and f.fixed is None for f in self._design.factors)
+
     def next_graph(self) -> SparseGraph:
         """The graph the next training step runs: the incumbent with the factors the design applies
         in that step (the incumbent while the loop waits for candidates)."""
@@ -141,18 +145,20 @@ class PlanningLoop:
 
     def feedback(self, step_ms: float, sparse_ms: float, lookup_ms: Optional[float] = None,
                  lookup_wall_ms: Optional[float] = None, step_cpu_ms: Optional[float] = None,
-                 input_ms: Optional[float] = None, exchange_cpu_ms: Optional[float] = None) -> None:
+                 input_ms: Optional[float] = None, exchange_cpu_ms: Optional[float] = None,
+                 layout_cpu_ms: Optional[float] = None) -> None:
         """The measurement of the step that ran :meth:`next_graph`: its whole wall time, the
         executor's measured regions, its lookup regions (on the lookup clock, and in wall time),
-        the whole step on the training thread's clock, the input side on the lookup clock and the
-        exchanges' CPU time (each factor's protocol says which one counts). At each of the design's
+        the whole step on the training thread's clock, the input side on the lookup clock, the
+        exchanges' CPU time and the output layouts' (each factor's protocol says which one counts). At each of the design's
         looks (a collective over ``group``) decides the factors whose verdict is in."""
         design = self._design
         if design is None:
             return  # (waiting for candidates on the incumbent: not a calibration step)
         self._ran.append((self.next_graph(), step_ms))
         design.record({"step": step_ms, "sparse": sparse_ms, "lookup": lookup_ms, "lookup_wall": lookup_wall_ms,
-                       "step_cpu": step_cpu_ms, "input": input_ms, "exchange_cpu": exchange_cpu_ms})
+                       "step_cpu": step_cpu_ms, "input": input_ms, "exchange_cpu": exchange_cpu_ms,
+                       "layout_cpu": layout_cpu_ms})
         self.plan.calibration_steps += 1
         if not design.done:
             return

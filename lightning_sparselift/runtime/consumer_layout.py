@@ -17,6 +17,12 @@ it would anyway). Only bytes move, so results stay bit-identical.
 
 The one difference a model could see: the concatenation's result shares memory with the
 KeyedTensor's values, so changing it in place changes them (TorchRec's ``torch.cat`` copies).
+
+Calibrated on ``layout_cpu`` (:class:`~lightning_sparselift.cost.calibration.RegionClock`): both
+arms' copies on the training thread. The layout's are its kernel's (as the exchanges') and its
+writing of the other operands; the reference's are the output distribution's unpacking and packing
+and the model's concatenation, which :func:`timed_reference` times where the model makes it (its
+forward, and its backward nodes with the split's that concatenates the keys' gradients).
 """
 
 from __future__ import annotations
@@ -250,5 +256,45 @@ def _concatenate(args: tuple, kwargs: dict) -> Optional[Tensor]:
     layout.on_concatenated()
     if not others:
         return values._full
-    with torch._C.DisableTorchFunctionSubclass():
+    with torch._C.DisableTorchFunctionSubclass(), layout.clock.concatenation():
         return _FillSlots.apply(values._full, len(before), *others)
+
+
+def timed_reference(kt: Any, clock: RegionClock) -> Any:
+    """The reference output ``kt`` (a KeyedTensor) whose values time the model's concatenation of
+    their per-key views on ``clock`` (forward and backward); everything computes as it would."""
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
+    values = kt.values().as_subclass(_Timed)
+    values._clock = clock
+    return KeyedTensor(keys=list(kt.keys()), length_per_key=list(kt.length_per_key()), values=values,
+                       key_dim=kt.key_dim())
+
+
+class _Timed(Tensor):
+    """A reference output's values, and the per-key views split or narrowed from them: a
+    concatenation that reads one is timed; every operation returns plain tensors but those views."""
+
+    _clock: RegionClock
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if any(not issubclass(t, _Timed) for t in types):
+            return NotImplemented  # another type's protocol first (e.g. TorchRec's LazyAwaitable: it waits)
+        kwargs = kwargs or {}
+        if func in CATS:
+            operands = kwargs.get("tensors", args[0] if args else [])
+            clock = next(t._clock for t in operands if isinstance(t, _Timed))
+            with clock.concatenation(), torch._C.DisableTorchFunctionSubclass():
+                result = func(*args, **kwargs)
+            clock.concatenation_backward(result)
+            return result
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **kwargs)
+        if func in SPLITS + NARROWS and isinstance(args[0], _Timed):
+            pieces = [result] if func in NARROWS else list(result)
+            for i, piece in enumerate(pieces):
+                pieces[i] = piece.as_subclass(_Timed)
+                pieces[i]._clock = args[0]._clock
+            return pieces[0] if func in NARROWS else type(result)(pieces)
+        return result

@@ -134,6 +134,8 @@ class SparseLiftSession:
         if self.installed is not None:
             self.installed.announce(next_batch)
             self._torchrec_calls = self.installed.torchrec_calls()
+            # (the model's concatenations are timed only while a design measures them)
+            self.installed.clock.times_concatenations = self.phase == "plan" and self.loop.measures("layout_cpu")
         if self.phase == "plan":
             self.installed.use(self.loop.next_graph())
             self.installed.clock.start_step()

@@ -103,7 +103,7 @@ def test_the_pass_proposes_the_layout_only_where_capture_found_the_concatenation
     assert m.output_kernels == ["torchrec", CONSUMER_KERNEL]
     (candidate,) = [c for c in CodeGeneration().candidates(graph) if c.role == "output"]
     assert candidate.feasible and candidate.cost_inputs["pooled_bytes"] == 8 * 8 * 4
-    assert CodeGeneration().protocol_for("output").region == "step_cpu"
+    assert CodeGeneration().protocol_for("output").region == "layout_cpu"
     applied = CodeGeneration().apply(graph, candidate)
     assert applied.module(EBC).schedule.region("output").kernel == CONSUMER_KERNEL
     assert "written straight into the model's concatenation (2 keys after 3" in applied.provenance[-1]
@@ -162,6 +162,42 @@ def test_the_models_concatenation_is_the_layouts_tensor_and_bitwise_torchrecs(be
     assert torch.equal(grads[0][0], grads[1][0]) and (not before or torch.equal(grads[0][1], grads[1][1]))
 
 
+def test_both_arms_copies_are_timed_where_they_are_made_and_compute_as_before():
+    """``layout_cpu``: the layout's kernel (an exchange's copy) and its writing of the other
+    operands; the reference's output built from the groups' outputs, the model's concatenation and
+    its backward (the split's, which concatenates the keys' gradients). Timing changes no value."""
+    from lightning_sparselift.runtime.consumer_layout import timed_reference
+    from lightning_sparselift.runtime.kernels import output_torchrec
+
+    graph, m = _with_consumer(OutputConsumer(["b", "a"], 3, 0))
+    m.schedule.region("output").kernel = CONSUMER_KERNEL
+    cpu = torch.device("cpu")
+    out = torch.randn(200_000, 8, requires_grad=True)  # (large enough for each copy to take thread CPU time)
+    dense = torch.randn(200_000, 3, requires_grad=True)
+    weights = torch.randn(200_000, 11)
+    results, taken = [], []
+    for arm in ("plain", "timed", "layout"):
+        clock = RegionClock(cpu)
+        clock.start_step()
+        if arm == "layout":
+            kt = ConsumerOutput(m, m.schedule, LayoutKernel(m, 1, cpu), Buffers(), clock)(m, [out * 1.0], [])
+        else:
+            kt = output_torchrec(m, [out * 1.0], [])
+            kt = timed_reference(kt, clock) if arm == "timed" else kt
+        d = kt.to_dict()
+        cat = torch.cat([dense, d["b"], d["a"]], dim=1)
+        forward = clock.concatenation_ms + clock.exchange_ms
+        assert type(cat) is torch.Tensor
+        (cat * weights).sum().backward()
+        results.append((cat.detach().clone(), out.grad.clone(), dense.grad.clone()))
+        out.grad = dense.grad = None
+        taken.append((forward, clock.end_step()["layout_cpu_ms"]))
+    assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r))
+    assert taken[0] == (0.0, 0.0)  # the plain reference: nothing timed
+    for forward, step in taken[1:]:  # each arm's forward copies, then its backward's too
+        assert 0 < forward < step
+
+
 def test_any_other_concatenation_copies_as_usual():
     layout, m, out = _layout_and_reference(["b", "a"], 0)
     kt = layout(m, [out], [])
@@ -182,9 +218,10 @@ def test_device_tensors_get_no_layout_kernel():
         LayoutKernel(m, 1, torch.device("cuda"))
 
 
-def test_the_layout_is_decided_on_the_training_threads_cpu_clock_of_whole_steps():
-    """What the layout saves is the training thread's compute (the model's copies): its candidate
-    is judged on that clock, whatever the steps' wall time says."""
+def test_the_layout_is_decided_on_its_copies_cpu_clock():
+    """What the layout saves is the training thread's copies: its candidate is judged on that clock
+    (``layout_cpu``), whatever the steps' wall time or the rest of the thread's step say; the
+    model's concatenations are timed only while the design varies it."""
     from lightning_sparselift.passes import select_passes
     from lightning_sparselift.plan import PlanFingerprint, Planner, PlanningLoop
 
@@ -193,13 +230,15 @@ def test_the_layout_is_decided_on_the_training_threads_cpu_clock_of_whole_steps(
     fingerprint = PlanFingerprint(graph.fingerprint(), "sharding", 1, "gloo", {}, ["codegen:output"])
     loop = PlanningLoop(Planner(select_passes(["codegen:output"]), None, calibrate=True), fingerprint, graph, None)
     loop.propose()
+    assert loop.measures("layout_cpu") and not loop.measures("step_cpu")
     while not loop.done:
         layout = loop.next_graph().module(EBC).schedule.region("output").kernel == CONSUMER_KERNEL
-        # the wall time is 1 ms slower with the layout, its training thread 2 ms faster
-        loop.feedback(81.0 if layout else 80.0, 10.0, step_cpu_ms=58.0 if layout else 60.0)
+        # the wall time is 1 ms slower with the layout, the training thread's step as fast, its copies 2 ms faster
+        loop.feedback(81.0 if layout else 80.0, 10.0, step_cpu_ms=60.0, layout_cpu_ms=3.0 if layout else 5.0)
     (decision,) = loop.plan.decisions
     assert decision.accepted and decision.measured_ms == pytest.approx(-2.0)
+    assert not loop.measures("layout_cpu")
     loop = PlanningLoop(Planner(select_passes(["codegen:output"]), None, calibrate=True), fingerprint, graph, None)
     loop.propose()
-    with pytest.raises(ValueError, match=r"calibration on \['step_cpu'\] needs"):
+    with pytest.raises(ValueError, match=r"calibration on \['layout_cpu'\] needs"):
         loop.feedback(80.0, 10.0)
