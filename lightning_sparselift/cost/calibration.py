@@ -23,8 +23,10 @@ import torch.distributed as dist
 
 from lightning_sparselift.cost.decision import DecisionRule, PairedEstimate, paired_estimate
 
-# the autograd nodes of a concatenation and the views it reads (split, narrow, getitem, as_subclass)
-_VIEW_NODES = ("Cat", "Split", "Slice", "Narrow", "Select", "Alias", "View", "Unbind")
+# the autograd nodes of a concatenation and the views it reads (split, narrow, as_subclass), and of
+# those the ones whose backward copies (the others' hooks would only add their own cost)
+_VIEW_NODES = ("Cat", "Split", "Slice", "Narrow", "Alias", "View")
+_COPYING_NODES = ("Cat", "Split", "Slice", "Narrow")
 
 
 class RegionClock:
@@ -165,8 +167,8 @@ class RegionClock:
 
     def concatenation_backward(self, out: torch.Tensor) -> None:
         """Count the backward of the concatenation that made ``out``: its autograd node and the
-        view nodes below it (the per-key split of the values: its backward concatenates the keys'
-        gradients), down to the output distribution's."""
+        view nodes below it that copy (the per-key split of the values: its backward concatenates
+        the keys' gradients), down to the output distribution's."""
         if self.device.type == "cuda" or out.grad_fn is None:
             return
         nodes, todo = [], [out.grad_fn]
@@ -176,7 +178,8 @@ class RegionClock:
                 continue
             nodes.append(node)
             todo += [n for n, _ in node.next_functions]
-        self._time_nodes(nodes, self._add_concatenation)
+        self._time_nodes([n for n in nodes if any(part in n.name() for part in _COPYING_NODES)],
+                         self._add_concatenation)
 
     def _add_concatenation(self, start: tuple[float, float]) -> None:
         self.concatenation_ms += self._now()[0] - start[0]
