@@ -346,7 +346,7 @@ class ModuleExecutor:
                 features: Any) -> Any:
         received = guarded(self.before_update, self.outputs.wait(out, pending))
         if (self.clock.times_concatenations and self.spec.consumer is not None and self.mean is None
-                and not isinstance(self.output, ConsumerOutput)):
+                and not isinstance(self.output, ConsumerOutput) and self._training()):
             # the reference's copies that the consumer layout replaces, timed for its calibration
             with self.clock.concatenation():
                 result = self.output(self.spec, received, [d.features for d in inputs])
