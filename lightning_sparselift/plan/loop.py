@@ -150,8 +150,9 @@ class PlanningLoop:
         """The measurement of the step that ran :meth:`next_graph`: its whole wall time, the
         executor's measured regions, its lookup regions (on the lookup clock, and in wall time),
         the whole step on the training thread's clock, the input side on the lookup clock, the
-        exchanges' CPU time and the output layouts' (each factor's protocol says which one counts). At each of the design's
-        looks (a collective over ``group``) decides the factors whose verdict is in."""
+        exchanges' CPU time and the output layouts' (each factor's protocol says which one
+        counts). At each of the design's looks (a collective over ``group``) decides the factors
+        whose verdict is in."""
         design = self._design
         if design is None:
             return  # (waiting for candidates on the incumbent: not a calibration step)

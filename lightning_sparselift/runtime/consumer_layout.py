@@ -282,9 +282,9 @@ class _Timed(Tensor):
         if any(not issubclass(t, _Timed) for t in types):
             return NotImplemented  # another type's protocol first (e.g. TorchRec's LazyAwaitable: it waits)
         kwargs = kwargs or {}
-        if func in CATS:
-            operands = kwargs.get("tensors", args[0] if args else [])
-            clock = next(t._clock for t in operands if isinstance(t, _Timed))
+        operands = kwargs.get("tensors", args[0] if args else []) if func in CATS else []
+        clock = next((t._clock for t in operands if isinstance(t, _Timed)), None)
+        if clock is not None:
             with clock.concatenation(), torch._C.DisableTorchFunctionSubclass():
                 result = func(*args, **kwargs)
             clock.concatenation_backward(result)
