@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -137,25 +137,21 @@ class RegionClock:
         taken, self.input_ms = self.input_ms, 0.0
         return taken
 
-    @contextmanager
-    def exchange(self) -> Iterator[None]:
+    def exchange(self) -> ContextManager[None]:
         """An output layout's packing or unpacking copy (on CUDA not timed: ``exchange_cpu`` is the
         step's wall time there)."""
-        if self.device.type == "cuda":
-            yield
-            return
-        start = time.thread_time()
-        try:
-            yield
-        finally:
-            self.exchange_ms += (time.thread_time() - start) * 1e3
+        return self._thread_cpu("exchange_ms")
 
-    @contextmanager
-    def concatenation(self) -> Iterator[None]:
+    def concatenation(self) -> ContextManager[None]:
         """The model's concatenation of a module's values: the reference output's (its groups'
         outputs into the KeyedTensor's values, and the model's ``torch.cat`` of the keys' views), or
         the consumer layout's writing of the concatenation's other operands (on CUDA not timed:
         ``layout_cpu`` is the step's wall time there)."""
+        return self._thread_cpu("concatenation_ms")
+
+    @contextmanager
+    def _thread_cpu(self, total: str) -> Iterator[None]:
+        """The training thread's CPU time inside, added to the attribute ``total`` (on CUDA nothing)."""
         if self.device.type == "cuda":
             yield
             return
@@ -163,7 +159,7 @@ class RegionClock:
         try:
             yield
         finally:
-            self.concatenation_ms += (time.thread_time() - start) * 1e3
+            setattr(self, total, getattr(self, total) + (time.thread_time() - start) * 1e3)
 
     def concatenation_backward(self, out: torch.Tensor) -> None:
         """Count the backward of the concatenation that made ``out``: its autograd node and the
