@@ -97,15 +97,7 @@ class RegionClock:
         """Count the backward of the lookup that made ``out``: its autograd node, through the
         views and concatenation on its way (an EmbeddingCollection's rows are a view of the flat
         outputs of its table-batched modules, concatenated) to the lookups' own nodes."""
-        nodes, todo = [], [out.grad_fn]
-        while todo:
-            node = todo.pop()
-            if node is None:
-                continue
-            nodes.append(node)
-            if "Cat" in node.name() or "View" in node.name():
-                todo += [n for n, _ in node.next_functions]
-        self._time_nodes(nodes, self._add_lookup)
+        self._time_nodes(_nodes_below(out, ("Cat", "View")), self._add_lookup)
 
     def _time_nodes(self, nodes: list[Any], add: Callable[[tuple[float, float]], None]) -> None:
         """Each autograd node's run (from its pre-hook to its hook) added by ``add`` from its start."""
@@ -165,17 +157,10 @@ class RegionClock:
         """Count the backward of the concatenation that made ``out``: its autograd node and the
         view nodes below it that copy (the per-key split of the values: its backward concatenates
         the keys' gradients), down to the output distribution's."""
-        if self.device.type == "cuda" or out.grad_fn is None:
+        if self.device.type == "cuda":
             return
-        nodes, todo = [], [out.grad_fn]
-        while todo:
-            node = todo.pop()
-            if node is None or node in nodes or not any(part in node.name() for part in _VIEW_NODES):
-                continue
-            nodes.append(node)
-            todo += [n for n, _ in node.next_functions]
-        self._time_nodes([n for n in nodes if any(part in n.name() for part in _COPYING_NODES)],
-                         self._add_concatenation)
+        copying = [n for n in _nodes_below(out, _VIEW_NODES) if any(part in n.name() for part in _COPYING_NODES)]
+        self._time_nodes(copying, self._add_concatenation)
 
     def _add_concatenation(self, start: tuple[float, float]) -> None:
         self.concatenation_ms += self._now()[0] - start[0]
@@ -206,6 +191,20 @@ class RegionClock:
         return {"step_ms": step_ms, "sparse_ms": self.take(), "lookup_ms": lookup_ms, "lookup_wall_ms": lookup_wall_ms,
                 "step_cpu_ms": step_cpu_ms, "input_ms": self.take_input(), "exchange_cpu_ms": exchange_cpu_ms,
                 "layout_cpu_ms": layout_cpu_ms}
+
+
+def _nodes_below(out: torch.Tensor, through: tuple[str, ...]) -> list[Any]:
+    """The autograd node that made ``out`` and those below it, each once, descending only through
+    nodes whose name holds one of ``through``."""
+    nodes, todo = [], [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in nodes:
+            continue
+        nodes.append(node)
+        if any(part in node.name() for part in through):
+            todo += [n for n, _ in node.next_functions]
+    return nodes
 
 
 @dataclass

@@ -31,12 +31,9 @@ class OutputTrace:
 
     def wrap(self, kt: Any) -> Any:
         """``kt`` with its values traced."""
-        from torchrec.sparse.jagged_tensor import KeyedTensor
-
         values = kt.values().as_subclass(_TracedValues)
         values._trace = self
-        return KeyedTensor(keys=list(kt.keys()), length_per_key=list(kt.length_per_key()), values=values,
-                           key_dim=kt.key_dim())
+        return with_values(kt, values)
 
     def result(self) -> tuple[Optional[list[Any]], str]:
         """([key order, before, after], "") for one concatenation of every key and no other use,
@@ -55,6 +52,15 @@ class OutputTrace:
                           f"(in one run: {before is not None and after is not None}) and operands that are not "
                           f"two-dimensional")
         return [[self.keys[i] for i in order], before, after], ""
+
+
+def with_values(kt: Any, values: Tensor) -> Any:
+    """The KeyedTensor ``kt`` (its keys, widths and key dim) holding ``values`` instead (e.g. its
+    own as a tensor subclass)."""
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
+    return KeyedTensor(keys=list(kt.keys()), length_per_key=list(kt.length_per_key()), values=values,
+                       key_dim=kt.key_dim())
 
 
 def _traces(args: tuple) -> list[OutputTrace]:

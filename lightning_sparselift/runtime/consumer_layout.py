@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparselift.cost.calibration import RegionClock
-from lightning_sparselift.frontend.consumer import CATS, NARROWS, SPLITS, dim_argument, key_views
+from lightning_sparselift.frontend.consumer import CATS, NARROWS, SPLITS, dim_argument, key_views, with_values
 from lightning_sparselift.ir import LiftedModule, ModuleSchedule
 from lightning_sparselift.ir.vocab import CAST_FORMATS
 from lightning_sparselift.runtime.buffers import Buffer, Buffers
@@ -263,12 +263,9 @@ def _concatenate(args: tuple, kwargs: dict) -> Optional[Tensor]:
 def timed_reference(kt: Any, clock: RegionClock) -> Any:
     """The reference output ``kt`` (a KeyedTensor) whose values time the model's concatenation of
     their per-key views on ``clock`` (forward and backward); everything computes as it would."""
-    from torchrec.sparse.jagged_tensor import KeyedTensor
-
     values = kt.values().as_subclass(_Timed)
     values._clock = clock
-    return KeyedTensor(keys=list(kt.keys()), length_per_key=list(kt.length_per_key()), values=values,
-                       key_dim=kt.key_dim())
+    return with_values(kt, values)
 
 
 class _Timed(Tensor):

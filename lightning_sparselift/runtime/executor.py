@@ -345,13 +345,13 @@ class ModuleExecutor:
     def _finish(self, out: list[Tensor], pending: list[Pending | KeptPending], inputs: list[Distributed],
                 features: Any) -> Any:
         received = guarded(self.before_update, self.outputs.wait(out, pending))
-        if (self.clock.times_concatenations and self.spec.consumer is not None and self.mean is None
-                and not isinstance(self.output, ConsumerOutput) and self._training()):
-            # the reference's copies that the consumer layout replaces, timed for its calibration
-            with self.clock.concatenation():
-                result = self.output(self.spec, received, [d.features for d in inputs])
+        # the reference's copies that the consumer layout replaces, timed for its calibration
+        timed = (self.clock.times_concatenations and self.spec.consumer is not None and self.mean is None
+                 and not isinstance(self.output, ConsumerOutput) and self._training())
+        with self.clock.concatenation() if timed else nullcontext():
+            result = self.output(self.spec, received, [d.features for d in inputs])
+        if timed:
             return timed_reference(result, self.clock)
-        result = self.output(self.spec, received, [d.features for d in inputs])
         return result if self.mean is None else self.mean.apply(result, features)
 
     # ------------------------------------------------------------------ started work not used
