@@ -157,6 +157,29 @@ class FactorialDesign(PairedRuns):
         self._look += 1
         self._add_blocks(self.looks[self._look] - self.looks[self._look - 1])
 
+    def widen(self, max_blocks: int) -> bool:
+        """Let the design go on to ``max_blocks`` measured blocks (a look just taken; False, with
+        nothing changed, when that is no more than planned, the look was the last planned (it
+        spent the last of the error rate) or a later look could not be bounded): the looks after
+        this one are planned again, from the next one planned doubling to the new budget, and
+        share the error rate the untaken looks had, in proportion to their pairs. Each look's share
+        is fixed before its blocks run and the shares still sum to the rule's, so the error rate
+        over the whole calibration stays within it."""
+        if max_blocks <= self.looks[-1] or not self.can_extend:
+            return False
+        taken = self.looks[:self._look + 1]
+        later, point = [], self.looks[self._look + 1]
+        while point < max_blocks:
+            later.append(point)
+            point *= 2
+        later.append(max_blocks)
+        left = (1 - self.rule.confidence) - sum(self.alphas[:len(taken)])
+        alphas = [left * n / sum(later) for n in later]
+        if any(bounding_pairs(a) > n for a, n in zip(alphas, later)):
+            return False
+        self.looks, self.alphas = taken + later, self.alphas[:len(taken)] + alphas
+        return True
+
     def fix(self, index: int, on: bool) -> None:
         """Factor ``index`` is decided: every block scheduled from now on applies it (``on``) or not."""
         self.factors[index].fixed = on

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch.distributed as dist
 
-from lightning_sparselift.cost.calibration import Measurement
+from lightning_sparselift.cost.calibration import CalibrationProtocol, Measurement
 from lightning_sparselift.cost.decision import KERNEL_REGIONS, bounding_pairs
 from lightning_sparselift.cost.design import (
     PREDICTION_SLACK, ClockNoise, Factor, FactorialDesign, design_steps, fewest_steps, most_factors, out_of_reach,
@@ -67,6 +67,7 @@ class PlanningLoop:
         self._ran: list[tuple[SparseGraph, float]] = []  # per calibration step: the graph it ran, its wall ms
         self._accepted: dict[str, bool] = {}  # per candidate decided or passed over: whether it was accepted
         self._clocks: dict[str, ClockNoise] = {}  # per region: its noise at the round's latest look
+        self._beyond: set[str] = set()  # queued candidates no later design could resolve (_judge_later)
 
     def propose(self, since: Optional[float] = None) -> None:
         """Propose the candidates (without calibration: apply every feasible one but a sweep's turn,
@@ -165,6 +166,8 @@ class PlanningLoop:
             return
         measurements = design.look(self.group)
         self._clocks.update(design.clocks)
+        if any(m is not None and m.estimate.verdict in ("undecided", "futile") for m in measurements) and self._widen():
+            measurements = design.look(self.group)  # (futility judged against the wider budget)
         for j, measurement in enumerate(measurements):
             if measurement is None:
                 continue
@@ -215,12 +218,13 @@ class PlanningLoop:
         return [by_id[i] for i in payload[1]]
 
     def _heads(self, members: list[Candidate]) -> dict[str, int]:
-        """The queued candidates (but ``members``) that will start a design of their own, with that
-        design's fewest steps (:func:`~lightning_sparselift.cost.design.fewest_steps`)."""
+        """The queued candidates (but ``members``, and those :attr:`_beyond` reach) that will start
+        a design of their own, with that design's fewest steps
+        (:func:`~lightning_sparselift.cost.design.fewest_steps`)."""
         heads: dict[str, int] = {}
         starters: list[Candidate] = []
         for c in self._queue:
-            if c not in members and not any(self._joins(h, c) for h in starters):
+            if c not in members and c.id not in self._beyond and not any(self._joins(h, c) for h in starters):
                 starters.append(c)
                 protocol = self.planner.protocol(c)
                 heads[c.id] = fewest_steps(self.planner.rule, protocol.warmup_pairs, protocol.settle_steps)
@@ -269,6 +273,8 @@ class PlanningLoop:
         head = self._queue[0]
         protocol = self.planner.protocol(head)
         rule = self.planner.rule
+        self._judge_later([head], design_steps(self._own_blocks(), protocol.warmup_pairs,
+                                               protocol.settle_steps))
         blocks = self._blocks_left([head])
         if blocks < bounding_pairs(1 - rule.confidence):
             why = f"the round's calibration budget ({rule.max_steps} steps) is spent"
@@ -302,18 +308,81 @@ class PlanningLoop:
             self.events.append(f"calibrating {c.id} ({steps}"
                                + (f"; predicted {predicted:+.3f} ms" if predicted is not None else "") + together + ")")
 
+    def _own_blocks(self) -> int:
+        """The measured blocks a design keeps however short the round's budget: those in which it
+        can accept a candidate (and never fewer than a bound needs)."""
+        rule = self.planner.rule
+        return max(rule.accept_from_pairs, bounding_pairs(1 - rule.confidence))
+
     def _blocks_left(self, members: list[Candidate]) -> int:
         """The measured blocks a design of ``members`` may use: the round's budget left after the
-        fewest steps of the designs still to come, at most the rule's ``max_pairs``. Where the
-        budget cannot hold them all (a short run's), this design, the queue's most promising, keeps
-        the steps in which it can accept a candidate (``accept_from_pairs`` blocks) and the later
-        ones get what remains when their turn comes (and never fewer than a bound needs)."""
+        fewest steps of the designs still to come (:meth:`_heads`), at most the rule's
+        ``max_pairs``. Where the budget cannot hold them all (a short run's), this design, the
+        queue's most promising, keeps :meth:`_own_blocks` and the later ones get what remains when
+        their turn comes."""
         protocol, rule = self.planner.protocol(members[0]), self.planner.rule
         left = rule.max_steps - self.plan.calibration_steps
-        own = design_steps(max(rule.accept_from_pairs, bounding_pairs(1 - rule.confidence)), protocol.warmup_pairs,
-                           protocol.settle_steps)
+        own = design_steps(self._own_blocks(), protocol.warmup_pairs, protocol.settle_steps)
         left -= min(sum(self._heads(members).values()), max(left - own, 0))
-        return min(rule.max_pairs, left // (2 * (1 + protocol.settle_steps)) - protocol.warmup_pairs)
+        return self._blocks_in(protocol, left)
+
+    def _blocks_in(self, protocol: CalibrationProtocol, steps: int) -> int:
+        """The measured blocks a design of ``protocol`` fits in ``steps`` (after its warmup; at most
+        the rule's ``max_pairs``)."""
+        return min(self.planner.rule.max_pairs, steps // (2 * (1 + protocol.settle_steps)) - protocol.warmup_pairs)
+
+    def _widen(self) -> bool:
+        """At a look that left a factor undecided or futile: the later designs that no step of this
+        round could help (:meth:`_judge_later`, at the clocks this look measured) keep no steps from
+        it, so the design may go on with theirs (whether it may) (a short run's budget gave it only :meth:`_own_blocks`
+        while they were reserved: the demo's 99 steps, 26 for early start with the kernels, 73 for
+        next batch, merged input and two pipelined buckets, all three then futile before measuring)."""
+        design, rule = self._design, self.planner.rule
+        protocol = self.planner.protocol(self._round[0])
+        self._judge_later(self._round, design.budget_steps - design.recorded)
+        left = rule.max_steps - self.plan.calibration_steps - sum(self._heads(self._round).values())
+        blocks = self._blocks_in(protocol, left + design.recorded)
+        if not design.widen(blocks):
+            return False
+        self.events.append(f"{', '.join(c.id for c in self._round)}: the design may go on to {blocks} measured "
+                           f"blocks (up to {design.budget_steps} steps), the later candidates being out of reach")
+        return True
+
+    def _judge_later(self, members: list[Candidate], committed: int) -> None:
+        """Which queued candidates but ``members`` would be out of reach (:meth:`_reach`) even with
+        every step of the round's budget left after ``committed`` more, at the clocks measured so
+        far: no steps are reserved for them (:attr:`_beyond`). Each is still judged, and recorded,
+        when its turn comes, on the incumbent of then."""
+        left = self.planner.rule.max_steps - self.plan.calibration_steps - committed
+        reaches: list[tuple[Candidate, float]] = []
+        for c in self._queue:
+            if c in members:
+                continue
+            reach = self._reach(c, self._blocks_in(self.planner.protocol(c), left))
+            if reach is None:
+                continue
+            try:
+                self.planner.predict(c, self.incumbent, self.planner.apply(self.incumbent, c))
+            except InfeasibleCandidate:
+                continue  # (recorded as such at its turn)
+            reaches.append((c, reach))
+        if reaches:
+            self._agreed([])  # (every rank judges rank 0's predictions)
+        self._beyond = {c.id for c, reach in reaches if self.planner.predict_ms(c) is not None
+                        and out_of_reach(self.planner.predict_ms(c), reach)}
+
+    def _reach(self, candidate: Candidate, blocks: int) -> Optional[float]:
+        """The smallest effect ``blocks`` blocks resolve for ``candidate`` at its region's noise
+        this round; None where the model's prediction cannot be judged against it: the region not
+        measured yet, a kernel clock (:data:`~lightning_sparselift.cost.decision.KERNEL_REGIONS`:
+        the model's kernel terms are 2-10x small there, and those quiet clocks decide at a first
+        look), no model, or too few blocks for a bound."""
+        protocol, rule = self.planner.protocol(candidate), self.planner.rule
+        clock = self._clocks.get(protocol.region)
+        if (clock is None or protocol.region in KERNEL_REGIONS or self.planner.model is None
+                or blocks < bounding_pairs(1 - rule.confidence)):
+            return None
+        return resolvable_ms(rule, blocks, -rule.min_gain_for(protocol.region) * clock.step_ms, clock.spread_ms)
 
     def _combine(self, graphs: dict[tuple[bool, ...], SparseGraph],
                  candidate: Candidate) -> Optional[dict[tuple[bool, ...], SparseGraph]]:
@@ -347,31 +416,28 @@ class PlanningLoop:
         """Whether ``candidate`` is infeasible on the incumbent, or futile before any step is spent
         on it (recorded either way): the round's earlier designs measured its region's noise, and
         at that noise the budget left would not resolve even :data:`PREDICTION_SLACK` times the
-        model's prediction on the incumbent. That is the design's own futility rule judged on the
-        prediction alone, so only where the model's terms hold within the slack: whole steps and
-        the sparse regions (collectives, overlap, copies), where a futile first look costs 20-50
-        steps (dlrm: next batch, merged input, two buckets, predicted -0.9 to 0 ms on a 77 ms
-        step). Not the kernel clocks (:data:`~lightning_sparselift.cost.decision.KERNEL_REGIONS`):
-        the model's kernel terms are 2-10x small there, and those quiet clocks decide at a first look."""
+        model's prediction on the incumbent (:meth:`_reach`). That is the design's own futility
+        rule judged on the prediction alone, so only where the model's terms hold within the
+        slack: whole steps and the sparse regions (collectives, overlap, copies), where a futile
+        first look costs 20-50 steps (dlrm: next batch, merged input, two buckets, predicted -0.9
+        to 0 ms on a 77 ms step)."""
         applied = self._apply(candidate)
         if applied is None:
             return True
-        protocol, rule = self.planner.protocol(candidate), self.planner.rule
-        clock = self._clocks.get(protocol.region)
         blocks = self._blocks_left([candidate])
-        if (clock is None or protocol.region in KERNEL_REGIONS or self.planner.model is None
-                or blocks < bounding_pairs(1 - rule.confidence)):
+        reach = self._reach(candidate, blocks)
+        if reach is None:
             return False
         self.planner.predict(candidate, self.incumbent, applied)
         self._agreed([])  # (every rank judges rank 0's prediction)
         predicted = self.planner.predict_ms(candidate)
-        reach = resolvable_ms(rule, blocks, -rule.min_gain_for(protocol.region) * clock.step_ms, clock.spread_ms)
         if predicted is None or not out_of_reach(predicted, reach):
             return False
+        protocol = self.planner.protocol(candidate)
         self._accepted[candidate.id] = False
         reason = (f"{FUTILE_BEFORE_MEASURING}: the model predicts {predicted:+.3f} ms; {PREDICTION_SLACK:g}x that does "
                   f"not reach the {reach:+.3f} ms that {blocks} pairs resolve at the {protocol.region} clock's noise "
-                  f"this round ({clock.spread_ms:.3f} ms per pair)")
+                  f"this round ({self._clocks[protocol.region].spread_ms:.3f} ms per pair)")
         self.plan.decisions.append(Decision(candidate.id, candidate.pass_name, candidate.module, candidate.role, True,
                                             [], predicted, None, None, False, reason))
         self.events.append(f"{candidate.id}: rejected, {reason}")

@@ -158,3 +158,30 @@ def test_what_a_budget_resolves_shrinks_with_its_blocks_and_grows_with_the_noise
     assert many == pytest.approx(-0.4 + (noisy + 0.4) / 2)  # linear in the spread
     # the model's prediction is given PREDICTION_SLACK (3x): -1 ms reaches -2.9 ms, -0.9 ms does not
     assert not out_of_reach(-1.0, -2.9) and out_of_reach(-0.9, -2.9) and out_of_reach(0.0, -0.4)
+
+
+def test_a_widened_design_plans_its_later_looks_again_within_the_error_rate_left():
+    rule = DecisionRule(confidence=0.95, max_pairs=128)
+    design = FactorialDesign([Factor("step", 0.005)], rule, seed=3, max_blocks=12)
+    assert design.looks == [9, 12]
+    first = design.alphas[0]
+    while not design.done:
+        design.record(_values(80.0))
+    design.look(None)
+    assert not design.widen(12) and design.looks == [9, 12]  # (no more than planned: nothing changes)
+    # from the next look planned, doubling, then the new budget; the first look's share kept, the
+    # second's split over the three in proportion to their pairs
+    assert design.widen(48) and design.looks == [9, 12, 24, 48] and design.budget_steps == 2 * (1 + 48)
+    assert design.alphas[0] == first and sum(design.alphas) == pytest.approx(1 - rule.confidence)
+    assert design.alphas[1:] == pytest.approx([(0.05 - first) * n / 84 for n in (12, 24, 48)])
+    design.extend()
+    while not design.done:
+        design.record(_values(80.0))
+    assert design.planned == 2 * (1 + 12)
+    # the last look planned spent the last of the error rate: no later look can have a share
+    at_last = FactorialDesign([Factor("step", 0.005)], rule, seed=3, max_blocks=12)
+    at_last.extend()
+    assert not at_last.widen(40) and at_last.looks == [9, 12]
+    # a share too small to bound its look's blocks: not widened
+    tiny = FactorialDesign([Factor("step", 0.005)], rule, seed=3, max_blocks=12)
+    assert not tiny.widen(100_000) and tiny.looks == [9, 12]
