@@ -157,18 +157,25 @@ class FactorialDesign(PairedRuns):
         self._look += 1
         self._add_blocks(self.looks[self._look] - self.looks[self._look - 1])
 
+    @property
+    def can_widen(self) -> bool:
+        """Whether :meth:`widen` may change the looks: the next look is the last planned."""
+        return self._look + 2 == len(self.looks)
+
     def widen(self, max_blocks: int) -> bool:
-        """Let the design go on to ``max_blocks`` measured blocks (a look just taken; False, with
-        nothing changed, when that is no more than planned, the look was the last planned (it
-        spent the last of the error rate) or a later look could not be bounded): the looks after
-        this one are planned again, from the next one planned doubling to the new budget, and
-        share the error rate the untaken looks had, in proportion to their pairs. Each look's share
-        is fixed before its blocks run and the shares still sum to the rule's, so the error rate
-        over the whole calibration stays within it."""
-        if max_blocks <= self.looks[-1] or not self.can_extend:
+        """Let the design go on to ``max_blocks`` measured blocks (at a look after which only the
+        last planned one is left, :attr:`can_widen`; False, with nothing changed, elsewhere, when
+        that is no more than planned, or when a later look could not be bounded): the last look is
+        planned again as looks from its blocks doubling to the new budget, which share its error
+        rate in proportion to their pairs. The looks before keep their shares, so a design that
+        decides before its last planned look decides as it would have; the shares still sum to the
+        rule's, so the error rate over the whole calibration stays within it. (Widened at its first
+        look, a design's later looks split ~0.045 of 0.05 over twice as many pairs: on dlrm early
+        start then waited for 48 pairs where 12-24 had decided it.)"""
+        if max_blocks <= self.looks[-1] or not self.can_widen:
             return False
-        taken = self.looks[:self._look + 1]
-        later, point = [], self.looks[self._look + 1]
+        taken = self.looks[:-1]
+        later, point = [], self.looks[-1]
         while point < max_blocks:
             later.append(point)
             point *= 2
@@ -197,11 +204,12 @@ class FactorialDesign(PairedRuns):
         start, end = 2 * self.warmup_blocks, 2 * (self.warmup_blocks + blocks)
         return observed[start:end:2], observed[start + 1:end:2]
 
-    def look(self, group: Any) -> list[Optional[Measurement]]:
+    def look(self, group: Any, room: Optional[int] = None) -> list[Optional[Measurement]]:
         """Every rank's observations (a collective over ``group``; each step's slowest rank per
         region), then per factor still varied its measurement at this look (None for the fixed
         ones): the other factors' effects taken out of each block's difference, the remainder
-        judged as paired increments."""
+        judged as paired increments. ``room``: the measured blocks the design may still be
+        widened to (:meth:`widen`), if more than planned: futility is judged against them."""
         local = torch.tensor(self._observed, dtype=torch.float64).reshape(-1, len(REGIONS))
         ranks = [g.numpy() for g in gather_ranks(local, group)]
         slowest = self._slowest = np.stack(ranks).max(axis=0)
@@ -236,24 +244,26 @@ class FactorialDesign(PairedRuns):
                 estimate = replace(estimate, interval_ms=(-math.inf, math.inf), verdict="undecided")
             estimate = judged(estimate, self.looks[self._look], self.rule)
             if estimate.verdict == "undecided" and self.can_extend:
-                estimate = self._futile(estimate, factor.predicted_ms, robust_sigma(partial.tolist()))
+                estimate = self._futile(estimate, factor.predicted_ms, robust_sigma(partial.tolist()),
+                                        max(self.looks[-1], room or 0))
             off_on = [[[float(arm[b, r]) for arm in ((ran_first, ran_second) if signs[b, j] > 0 else
                                                      (ran_second, ran_first))] for b in np.flatnonzero(varied)]
                       for ran_first, ran_second in (self._runs(obs, blocks) for obs in ranks)]
             out.append(Measurement(off_on, estimate))
         return out
 
-    def _futile(self, e: PairedEstimate, predicted_ms: Optional[float], spread_ms: float) -> PairedEstimate:
+    def _futile(self, e: PairedEstimate, predicted_ms: Optional[float], spread_ms: float,
+                budget_blocks: int) -> PairedEstimate:
         """``futile`` when neither the estimate nor the model's prediction (even
-        :data:`PREDICTION_SLACK` times larger) reaches the smallest effect the design's whole budget
-        would accept nine times in ten (the standard error at the budget from the spread of this
+        :data:`PREDICTION_SLACK` times larger) reaches the smallest effect a budget of
+        ``budget_blocks`` would accept nine times in ten (the standard error at the budget from the spread of this
         factor's paired increments, ``spread_ms``): a candidate the model expects little of,
         measured as little, gets no more steps. Without a prediction the
         measurement alone never stops a candidate here (an early estimate of a real effect is
         often small)."""
         if predicted_ms is None or not e.pairs:
             return e
-        resolvable = resolvable_ms(self.rule, self.looks[-1], e.threshold_ms, spread_ms)
+        resolvable = resolvable_ms(self.rule, budget_blocks, e.threshold_ms, spread_ms)
         if out_of_reach(predicted_ms, resolvable) and e.increment_ms > resolvable:
             return replace(e, verdict="futile", resolvable_ms=resolvable)
         return e

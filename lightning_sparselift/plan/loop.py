@@ -166,8 +166,14 @@ class PlanningLoop:
             return
         measurements = design.look(self.group)
         self._clocks.update(design.clocks)
-        if any(m is not None and m.estimate.verdict in ("undecided", "futile") for m in measurements) and self._widen():
-            measurements = design.look(self.group)  # (futility judged against the wider budget)
+        if any(m is not None and m.estimate.verdict in ("undecided", "futile") for m in measurements):
+            room = self._room()
+            if room > design.looks[-1]:
+                if design.widen(room):
+                    self.events.append(f"{', '.join(c.id for c in self._round)}: the design may go on to {room} "
+                                       f"measured blocks (up to {design.budget_steps} steps), the later candidates "
+                                       f"being out of reach")
+                measurements = design.look(self.group, room)  # (futility judged against the room it has)
         for j, measurement in enumerate(measurements):
             if measurement is None:
                 continue
@@ -331,22 +337,19 @@ class PlanningLoop:
         the rule's ``max_pairs``)."""
         return min(self.planner.rule.max_pairs, steps // (2 * (1 + protocol.settle_steps)) - protocol.warmup_pairs)
 
-    def _widen(self) -> bool:
-        """At a look that left a factor undecided or futile: the later designs that no step of this
-        round could help (:meth:`_judge_later`, at the clocks this look measured) keep no steps from
-        it, so the design may go on with theirs (whether it may) (a short run's budget gave it only :meth:`_own_blocks`
-        while they were reserved: the demo's 99 steps, 26 for early start with the kernels, 73 for
-        next batch, merged input and two pipelined buckets, all three then futile before measuring)."""
+    def _room(self) -> int:
+        """At a look that left a factor undecided or futile: the measured blocks the design may
+        use when the later designs that no step of this round could help (:meth:`_judge_later`, at
+        the clocks this look measured) keep no steps from it. The design is widened to them before
+        its last planned look (:meth:`~lightning_sparselift.cost.design.FactorialDesign.widen`; a
+        short run's budget gave it only :meth:`_own_blocks` while they were reserved: the demo's
+        99 steps, 26 for early start with the kernels, 73 for next batch, merged input and two
+        pipelined buckets, all three then futile before measuring), and its futility is judged
+        against them at every look."""
         design, rule = self._design, self.planner.rule
-        protocol = self.planner.protocol(self._round[0])
         self._judge_later(self._round, design.budget_steps - design.recorded)
         left = rule.max_steps - self.plan.calibration_steps - sum(self._heads(self._round).values())
-        blocks = self._blocks_in(protocol, left + design.recorded)
-        if not design.widen(blocks):
-            return False
-        self.events.append(f"{', '.join(c.id for c in self._round)}: the design may go on to {blocks} measured "
-                           f"blocks (up to {design.budget_steps} steps), the later candidates being out of reach")
-        return True
+        return self._blocks_in(self.planner.protocol(self._round[0]), left + design.recorded)
 
     def _judge_later(self, members: list[Candidate], committed: int) -> None:
         """Which queued candidates but ``members`` would be out of reach (:meth:`_reach`) even with

@@ -178,6 +178,15 @@ def test_a_widened_design_plans_its_later_looks_again_within_the_error_rate_left
     while not design.done:
         design.record(_values(80.0))
     assert design.planned == 2 * (1 + 12)
+    # only before the last look planned: the looks before it keep their shares; the last one's is split
+    longer = FactorialDesign([Factor("step", 0.005)], rule, seed=3, max_blocks=48)
+    assert longer.looks == [11, 22, 44, 48] and not longer.can_widen and not longer.widen(100)
+    shares = list(longer.alphas)
+    longer.extend()
+    longer.extend()
+    assert longer.can_widen and longer.widen(100) and longer.looks == [11, 22, 44, 48, 96, 100]
+    assert longer.alphas[:3] == shares[:3] and longer.alphas[3:] == pytest.approx([shares[3] * n / 244
+                                                                                   for n in (48, 96, 100)])
     # the last look planned spent the last of the error rate: no later look can have a share
     at_last = FactorialDesign([Factor("step", 0.005)], rule, seed=3, max_blocks=12)
     at_last.extend()
