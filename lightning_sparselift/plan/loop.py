@@ -166,7 +166,8 @@ class PlanningLoop:
             return
         measurements = design.look(self.group)
         self._clocks.update(design.clocks)
-        if any(m is not None and m.estimate.verdict in ("undecided", "futile") for m in measurements):
+        if not self.expecting and any(m is not None and m.estimate.verdict in ("undecided", "futile")
+                                      for m in measurements):
             room = self._room()
             if room > design.looks[-1]:
                 if design.widen(room):
@@ -223,17 +224,19 @@ class PlanningLoop:
         by_id = {c.id: c for c in candidates}
         return [by_id[i] for i in payload[1]]
 
-    def _heads(self, members: list[Candidate]) -> dict[str, int]:
+    def _heads(self, members: list[Candidate], own: bool = False) -> dict[str, int]:
         """The queued candidates (but ``members``, and those :attr:`_beyond` reach) that will start
         a design of their own, with that design's fewest steps
-        (:func:`~lightning_sparselift.cost.design.fewest_steps`)."""
+        (:func:`~lightning_sparselift.cost.design.fewest_steps`; with ``own``, the steps of its
+        :meth:`_own_blocks`, which it keeps when its turn comes)."""
         heads: dict[str, int] = {}
         starters: list[Candidate] = []
         for c in self._queue:
             if c not in members and c.id not in self._beyond and not any(self._joins(h, c) for h in starters):
                 starters.append(c)
                 protocol = self.planner.protocol(c)
-                heads[c.id] = fewest_steps(self.planner.rule, protocol.warmup_pairs, protocol.settle_steps)
+                heads[c.id] = (design_steps(self._own_blocks(), protocol.warmup_pairs, protocol.settle_steps) if own
+                               else fewest_steps(self.planner.rule, protocol.warmup_pairs, protocol.settle_steps))
         return heads
 
     def abandon(self, why: str) -> None:
@@ -338,9 +341,12 @@ class PlanningLoop:
         return min(self.planner.rule.max_pairs, steps // (2 * (1 + protocol.settle_steps)) - protocol.warmup_pairs)
 
     def _room(self) -> int:
-        """At a look that left a factor undecided or futile: the measured blocks the design may
-        use when the later designs that no step of this round could help (:meth:`_judge_later`, at
-        the clocks this look measured) keep no steps from it. The design is widened to them before
+        """At a look that left a factor undecided or futile (and no candidate is still expected:
+        a kernel whose build arrives later would find no steps): the measured blocks the design
+        may use when the later designs keep the steps they will take (:meth:`_own_blocks`; on the
+        held-out two-tower, reserving their fewest let the first one take the steps the others
+        then lacked) and those that no step of this round could help (:meth:`_judge_later`, at the
+        clocks this look measured) keep none. The design is widened to them before
         its last planned look (:meth:`~lightning_sparselift.cost.design.FactorialDesign.widen`; a
         short run's budget gave it only :meth:`_own_blocks` while they were reserved: the demo's
         99 steps, 26 for early start with the kernels, 73 for next batch, merged input and two
@@ -348,7 +354,7 @@ class PlanningLoop:
         against them at every look."""
         design, rule = self._design, self.planner.rule
         self._judge_later(self._round, design.budget_steps - design.recorded)
-        left = rule.max_steps - self.plan.calibration_steps - sum(self._heads(self._round).values())
+        left = rule.max_steps - self.plan.calibration_steps - sum(self._heads(self._round, own=True).values())
         return self._blocks_in(self.planner.protocol(self._round[0]), left + design.recorded)
 
     def _judge_later(self, members: list[Candidate], committed: int) -> None:
