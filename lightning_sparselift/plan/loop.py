@@ -227,15 +227,16 @@ class PlanningLoop:
     def _heads(self, members: list[Candidate], own: bool = False) -> dict[str, int]:
         """The queued candidates (but ``members``, and those :attr:`_beyond` reach) that will start
         a design of their own, with that design's fewest steps
-        (:func:`~lightning_sparselift.cost.design.fewest_steps`; with ``own``, the steps of its
-        :meth:`_own_blocks`, which it keeps when its turn comes)."""
+        (:func:`~lightning_sparselift.cost.design.fewest_steps`; with ``own``, a design on a
+        kernel clock the steps of its :meth:`_own_blocks`, which it keeps when its turn comes)."""
         heads: dict[str, int] = {}
         starters: list[Candidate] = []
         for c in self._queue:
             if c not in members and c.id not in self._beyond and not any(self._joins(h, c) for h in starters):
                 starters.append(c)
                 protocol = self.planner.protocol(c)
-                heads[c.id] = (design_steps(self._own_blocks(), protocol.warmup_pairs, protocol.settle_steps) if own
+                heads[c.id] = (design_steps(self._own_blocks(), protocol.warmup_pairs, protocol.settle_steps)
+                               if own and protocol.region in KERNEL_REGIONS
                                else fewest_steps(self.planner.rule, protocol.warmup_pairs, protocol.settle_steps))
         return heads
 
@@ -343,10 +344,13 @@ class PlanningLoop:
     def _room(self) -> int:
         """At a look that left a factor undecided or futile (and no candidate is still expected:
         a kernel whose build arrives later would find no steps): the measured blocks the design
-        may use when the later designs keep the steps they will take (:meth:`_own_blocks`; on the
-        held-out two-tower, reserving their fewest let the first one take the steps the others
-        then lacked) and those that no step of this round could help (:meth:`_judge_later`, at the
-        clocks this look measured) keep none. The design is widened to them before
+        may use when the later designs keep their fewest steps, a kernel clock's design the steps
+        it will take (:meth:`_own_blocks`: on the held-out two-tower, the output layouts, last in
+        the queue, found too few once a design before them took its own; kernel candidates are
+        never out of reach before measuring, and those quiet clocks decide at a first look), and
+        those that no step of this round could help (:meth:`_judge_later`, at the clocks this look
+        measured) keep none (reserving every design's own blocks left dlrm's demo no room: next
+        batch's alone is 52 of its 99 steps). The design is widened to them before
         its last planned look (:meth:`~lightning_sparselift.cost.design.FactorialDesign.widen`; a
         short run's budget gave it only :meth:`_own_blocks` while they were reserved: the demo's
         99 steps, 26 for early start with the kernels, 73 for next batch, merged input and two
