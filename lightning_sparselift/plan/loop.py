@@ -342,20 +342,18 @@ class PlanningLoop:
         return min(self.planner.rule.max_pairs, steps // (2 * (1 + protocol.settle_steps)) - protocol.warmup_pairs)
 
     def _room(self) -> int:
-        """At a look that left a factor undecided or futile (and no candidate is still expected:
-        a kernel whose build arrives later would find no steps): the measured blocks the design
-        may use when the later designs keep their fewest steps, a kernel clock's design the steps
-        it will take (:meth:`_own_blocks`: on the held-out two-tower, the output layouts, last in
-        the queue, found too few once a design before them took its own; kernel candidates are
-        never out of reach before measuring, and those quiet clocks decide at a first look), and
-        those that no step of this round could help (:meth:`_judge_later`, at the clocks this look
-        measured) keep none (reserving every design's own blocks left dlrm's demo no room: next
-        batch's alone is 52 of its 99 steps). The design is widened to them before
-        its last planned look (:meth:`~lightning_sparselift.cost.design.FactorialDesign.widen`; a
-        short run's budget gave it only :meth:`_own_blocks` while they were reserved: the demo's
-        99 steps, 26 for early start with the kernels, 73 for next batch, merged input and two
-        pipelined buckets, all three then futile before measuring), and its futility is judged
-        against them at every look."""
+        """The measured blocks the design in progress may use, at a look that left a factor
+        undecided or futile: the round's budget less what the later designs keep, judged at the
+        clocks this look measured. Those out of reach (:meth:`_judge_later`) keep nothing; a
+        kernel clock's design keeps :meth:`_own_blocks` (kernel candidates are never judged out of
+        reach, and on the held-out two-tower the output layouts, last in the queue, found too few
+        steps once a design before them took its own); the others their fewest (reserving their
+        own left dlrm's demo no room: next batch's alone is 52 of its 99 steps). The design is
+        widened to them before its last planned look
+        (:meth:`~lightning_sparselift.cost.design.FactorialDesign.widen`: the demo's first design,
+        early start with the kernels, had 26 of 99 steps while 73 stayed reserved for next batch,
+        merged input and two pipelined buckets, all then futile before measuring), and its
+        futility is judged against them at every look."""
         design, rule = self._design, self.planner.rule
         self._judge_later(self._round, design.budget_steps - design.recorded)
         left = rule.max_steps - self.plan.calibration_steps - sum(self._heads(self._round, own=True).values())

@@ -493,7 +493,8 @@ def test_a_short_rounds_design_goes_on_with_the_steps_the_later_designs_out_of_r
     # of the error rate is split over looks at 24 and 48 blocks
     assert loop.events[:2] == [
         f"calibrating {early} (22 steps, up to 50; predicted -0.208 ms)",
-        f"{early}: the design may go on to 48 measured blocks (up to 98 steps), the later candidates being out of reach"]
+        f"{early}: the design may go on to 48 measured blocks (up to 98 steps), the later candidates being out of "
+        f"reach"]
     assert [(d.role, d.accepted, d.pairs) for d in loop.plan.decisions] == [
         ("early_start", True, 24), ("next_batch", False, 0), ("input", False, 0), ("output", False, 0)]
     assert all(d.reason.startswith("futile before measuring") for d in loop.plan.decisions[1:])
