@@ -103,7 +103,7 @@ class FactorialDesign(PairedRuns):
         self._rng = random.Random(seed)
         self._observed: list[list[float]] = []  # per observed step: REGIONS' values (nan: not reported)
         self._blocks = 0
-        self._slowest: Optional[np.ndarray] = None  # the last look's observations, slowest rank per step
+        self._ranks: Optional[list[np.ndarray]] = None  # the last look's observations, per rank
         self.clocks: dict[str, ClockNoise] = {}  # per region every step reported: its noise at the last look
         self._cycle: list[tuple[bool, ...]] = []  # the first runs' assignments still to draw
         self._add_blocks(warmup_blocks + self.looks[0])
@@ -210,9 +210,11 @@ class FactorialDesign(PairedRuns):
         ones): the other factors' effects taken out of each block's difference, the remainder
         judged as paired increments. ``room``: the measured blocks the design may still be
         widened to (:meth:`widen`), if more than planned: futility is judged against them."""
-        local = torch.tensor(self._observed, dtype=torch.float64).reshape(-1, len(REGIONS))
-        ranks = [g.numpy() for g in gather_ranks(local, group)]
-        slowest = self._slowest = np.stack(ranks).max(axis=0)
+        if self._ranks is None or len(self._ranks[0]) != len(self._observed):  # (a look again: gathered already)
+            local = torch.tensor(self._observed, dtype=torch.float64).reshape(-1, len(REGIONS))
+            self._ranks = [g.numpy() for g in gather_ranks(local, group)]
+        ranks = self._ranks
+        slowest = np.stack(ranks).max(axis=0)
         signs = self._signs()
         first, second = self._runs(slowest, len(signs))
         blocks = len(signs)
@@ -273,10 +275,10 @@ class FactorialDesign(PairedRuns):
         which both were varied (None with fewer than 8): the block sums where they ran together
         or both not, against those where one ran without the other; the interval at the rule's
         confidence (one-sided each, normal)."""
-        if self._slowest is None:
+        if self._ranks is None:
             return None
         signs = self._signs()
-        first, second = self._runs(self._slowest, len(signs))
+        first, second = self._runs(np.stack(self._ranks).max(axis=0), len(signs))
         sums = first[:, 0] + second[:, 0]
         both = (signs[:, j] != 0) & (signs[:, k] != 0)
         together = (signs[:, j] * signs[:, k])[both]
