@@ -20,15 +20,11 @@ import zlib
 from statistics import median
 from typing import TYPE_CHECKING, Any, Optional
 
-import torch.distributed as dist
-
-from lightning_sparselift.cost.calibration import CalibrationProtocol, Measurement
-from lightning_sparselift.cost.decision import KERNEL_REGIONS, bounding_pairs
-from lightning_sparselift.cost.design import (
-    PREDICTION_SLACK, ClockNoise, Factor, FactorialDesign, design_steps, fewest_steps, most_factors, out_of_reach,
-    resolvable_ms,
-)
+from lightning_sparselift.cost.calibration import Measurement
+from lightning_sparselift.cost.decision import bounding_pairs
+from lightning_sparselift.cost.design import PREDICTION_SLACK, Factor, FactorialDesign, most_factors, out_of_reach
 from lightning_sparselift.passes import Candidate, InfeasibleCandidate
+from lightning_sparselift.plan.budget import RoundBudget
 from lightning_sparselift.plan.planner import Planner
 from lightning_sparselift.plan.types import FUTILE_BEFORE_MEASURING, Decision, ExecutionPlan, PlanFingerprint
 
@@ -66,8 +62,7 @@ class PlanningLoop:
         self._calibration_start = 0.0
         self._ran: list[tuple[SparseGraph, float]] = []  # per calibration step: the graph it ran, its wall ms
         self._accepted: dict[str, bool] = {}  # per candidate decided or passed over: whether it was accepted
-        self._clocks: dict[str, ClockNoise] = {}  # per region: its noise at the round's latest look
-        self._beyond: set[str] = set()  # queued candidates no later design could resolve (_judge_later)
+        self.budget = RoundBudget(planner, group)
 
     def propose(self, since: Optional[float] = None) -> None:
         """Propose the candidates (without calibration: apply every feasible one but a sweep's turn,
@@ -75,7 +70,7 @@ class PlanningLoop:
         began (``time.perf_counter()``), if before the call (the plan's ``planning_s`` counts from it)."""
         start = time.perf_counter() if since is None else since
         feasible, rejected = self.planner.propose(self.incumbent)
-        feasible = self._agreed(feasible)
+        feasible = self.planner.agree(self.group, feasible)
         self.plan.decisions.extend(rejected)
         if not self.planner.calibrate:
             for candidate in feasible:
@@ -120,7 +115,7 @@ class PlanningLoop:
         loop no longer waits for more."""
         known = {c.id for c in self._queue} | set(self._accepted)
         feasible, rejected = self.planner.propose(self.incumbent)
-        feasible = self._agreed(feasible)
+        feasible = self.planner.agree(self.group, feasible)
         new = [c for c in feasible if c.id not in known]
         admitted = {c.id for c in new}
         # (the candidates still infeasible get this proposal's reasons: e.g. no longer "none was built")
@@ -165,10 +160,11 @@ class PlanningLoop:
         if not design.done:
             return
         measurements = design.look(self.group)
-        self._clocks.update(design.clocks)
+        self.budget.clocks.update(design.clocks)
         if not self.expecting and any(m is not None and m.estimate.verdict in ("undecided", "futile")
                                       for m in measurements):
-            room = self._room()
+            room = self.budget.room(self._queue, self._round, design, self.plan.calibration_steps,
+                                    self.incumbent)
             if room > design.looks[-1]:
                 if design.widen(room):
                     self.events.append(f"{', '.join(c.id for c in self._round)}: the design may go on to {room} "
@@ -192,7 +188,7 @@ class PlanningLoop:
         fewest of each design still to come."""
         if self.done:
             return None
-        remaining = sum(self._heads(self._round).values())
+        remaining = sum(self.budget.heads(self._queue, self._round).values())
         if self._design is not None:
             remaining += self._design.planned - self._design.recorded
         return self.plan.calibration_steps, self.plan.calibration_steps + remaining
@@ -210,35 +206,6 @@ class PlanningLoop:
             lines.append(f"  measuring  {c.id}: " + (self.planner.evidence(measured) if measured is not None
                                                      else "no look yet"))
         return lines
-
-    def _agreed(self, candidates: list[Candidate]) -> list[Candidate]:
-        """Rank 0's predictions, and its order of ``candidates``, on every rank (a collective over
-        ``group``). A prediction is floating-point arithmetic each rank does itself; should two
-        ranks' last bits differ, near-equal candidates would be ordered (and their designs seeded)
-        differently and the ranks would run different graphs in the same step."""
-        if self.group is None or not dist.is_initialized() or dist.get_world_size(self.group) == 1:
-            return candidates
-        payload = [self.planner.predicted, [c.id for c in candidates]]
-        dist.broadcast_object_list(payload, src=dist.get_global_rank(self.group, 0), group=self.group)
-        self.planner.predicted = payload[0]
-        by_id = {c.id: c for c in candidates}
-        return [by_id[i] for i in payload[1]]
-
-    def _heads(self, members: list[Candidate], own: bool = False) -> dict[str, int]:
-        """The queued candidates (but ``members``, and those :attr:`_beyond` reach) that will start
-        a design of their own, with that design's fewest steps
-        (:func:`~lightning_sparselift.cost.design.fewest_steps`; with ``own``, a design on a
-        kernel clock the steps of its :meth:`_own_blocks`, which it keeps when its turn comes)."""
-        heads: dict[str, int] = {}
-        starters: list[Candidate] = []
-        for c in self._queue:
-            if c not in members and c.id not in self._beyond and not any(self._joins(h, c) for h in starters):
-                starters.append(c)
-                protocol = self.planner.protocol(c)
-                heads[c.id] = (design_steps(self._own_blocks(), protocol.warmup_pairs, protocol.settle_steps)
-                               if own and protocol.region in KERNEL_REGIONS
-                               else fewest_steps(self.planner.rule, protocol.warmup_pairs, protocol.settle_steps))
-        return heads
 
     def abandon(self, why: str) -> None:
         """Stop before every candidate is decided: the incumbent with the factors accepted so far is
@@ -259,17 +226,6 @@ class PlanningLoop:
         if self.planner.model is not None:
             self.plan.step_model = self.planner.model.record(self.plan.graph)
 
-    def _joins(self, head: Candidate, c: Candidate) -> bool:
-        """Whether ``c`` can be a factor of the design that ``head`` starts. A candidate measured on
-        the executor's sparse regions is measured alone: the other candidates' schedules change what
-        those regions hold (on dlrm, merged input collectives measured -3.3 ms there beside an early
-        start, whose lookups run inside them; about nil alone)."""
-        protocols = (self.planner.protocol(head), self.planner.protocol(c))
-        return (c is not head and head.follows is None and c.follows is None
-                and self.planner.stage(head.pass_name) == self.planner.stage(c.pass_name)
-                and protocols[0].settle_steps == protocols[1].settle_steps
-                and "sparse" not in (protocols[0].region, protocols[1].region))
-
     def _next_round(self) -> None:
         """Start the next design: the queue's first candidate, and those after it that can join it
         in every combination."""
@@ -283,9 +239,9 @@ class PlanningLoop:
         head = self._queue[0]
         protocol = self.planner.protocol(head)
         rule = self.planner.rule
-        self._judge_later([head], design_steps(self._own_blocks(), protocol.warmup_pairs,
-                                               protocol.settle_steps))
-        blocks = self._blocks_left([head])
+        spent = self.plan.calibration_steps
+        self.budget.judge_later(self._queue, [head], spent + self.budget.own_steps(protocol), self.incumbent)
+        blocks = self.budget.blocks_left(self._queue, [head], spent)
         if blocks < bounding_pairs(1 - rule.confidence):
             why = f"the round's calibration budget ({rule.max_steps} steps) is spent"
             self.plan.decisions.extend(self.planner.undecided(c, why) for c in self._queue)
@@ -297,14 +253,15 @@ class PlanningLoop:
         for c in self._queue[1:]:
             if len(members) == most_factors(rule, blocks):
                 break
-            if self._joins(head, c) and not self._passed_over(c, record=False):
+            if self.planner.joins(head, c) and not self._passed_over(c, record=False):
                 combined = self._combine(graphs, c)
                 if combined is not None:
                     members.append(c)
                     graphs = combined
                     self.planner.predict(c, self.incumbent, graphs[(False,) * (len(members) - 1) + (True,)])
-        self._agreed([])  # (the predictions just made: the factors' futility reads them)
-        blocks = self._blocks_left(members)  # (the designs still to come, now these are in this one)
+        self.planner.agree(self.group, [])  # (the predictions just made: the factors' futility reads them)
+        # (the designs still to come, now these are in this one)
+        blocks = self.budget.blocks_left(self._queue, members, spent)
         self._round, self._graphs, self._measured = members, graphs, {}
         self._design = FactorialDesign([Factor(self.planner.protocol(c).region,
                                                rule.min_gain_for(self.planner.protocol(c).region),
@@ -317,83 +274,6 @@ class PlanningLoop:
             together = f"; with {len(members) - 1} other candidate(s) in the same steps" if len(members) > 1 else ""
             self.events.append(f"calibrating {c.id} ({steps}"
                                + (f"; predicted {predicted:+.3f} ms" if predicted is not None else "") + together + ")")
-
-    def _own_blocks(self) -> int:
-        """The measured blocks a design keeps however short the round's budget: those in which it
-        can accept a candidate (and never fewer than a bound needs)."""
-        rule = self.planner.rule
-        return max(rule.accept_from_pairs, bounding_pairs(1 - rule.confidence))
-
-    def _blocks_left(self, members: list[Candidate]) -> int:
-        """The measured blocks a design of ``members`` may use: the round's budget left after the
-        fewest steps of the designs still to come (:meth:`_heads`), at most the rule's
-        ``max_pairs``. Where the budget cannot hold them all (a short run's), this design, the
-        queue's most promising, keeps :meth:`_own_blocks` and the later ones get what remains when
-        their turn comes."""
-        protocol, rule = self.planner.protocol(members[0]), self.planner.rule
-        left = rule.max_steps - self.plan.calibration_steps
-        own = design_steps(self._own_blocks(), protocol.warmup_pairs, protocol.settle_steps)
-        left -= min(sum(self._heads(members).values()), max(left - own, 0))
-        return self._blocks_in(protocol, left)
-
-    def _blocks_in(self, protocol: CalibrationProtocol, steps: int) -> int:
-        """The measured blocks a design of ``protocol`` fits in ``steps`` (after its warmup; at most
-        the rule's ``max_pairs``)."""
-        return min(self.planner.rule.max_pairs, steps // (2 * (1 + protocol.settle_steps)) - protocol.warmup_pairs)
-
-    def _room(self) -> int:
-        """The measured blocks the design in progress may use, at a look that left a factor
-        undecided or futile: the round's budget less what the later designs keep, judged at the
-        clocks this look measured. Those out of reach (:meth:`_judge_later`) keep nothing; a
-        kernel clock's design keeps :meth:`_own_blocks` (kernel candidates are never judged out of
-        reach, and on the held-out two-tower the output layouts, last in the queue, found too few
-        steps once a design before them took its own); the others their fewest (reserving their
-        own left dlrm's demo no room: next batch's alone is 52 of its 99 steps). The design is
-        widened to them before its last planned look
-        (:meth:`~lightning_sparselift.cost.design.FactorialDesign.widen`: the demo's first design,
-        early start with the kernels, had 26 of 99 steps while 73 stayed reserved for next batch,
-        merged input and two pipelined buckets, all then futile before measuring), and its
-        futility is judged against them at every look."""
-        design, rule = self._design, self.planner.rule
-        self._judge_later(self._round, design.budget_steps - design.recorded)
-        left = rule.max_steps - self.plan.calibration_steps - sum(self._heads(self._round, own=True).values())
-        return self._blocks_in(self.planner.protocol(self._round[0]), left + design.recorded)
-
-    def _judge_later(self, members: list[Candidate], committed: int) -> None:
-        """Which queued candidates but ``members`` would be out of reach (:meth:`_reach`) even with
-        every step of the round's budget left after ``committed`` more, at the clocks measured so
-        far: no steps are reserved for them (:attr:`_beyond`). Each is still judged, and recorded,
-        when its turn comes, on the incumbent of then."""
-        left = self.planner.rule.max_steps - self.plan.calibration_steps - committed
-        reaches: list[tuple[Candidate, float]] = []
-        for c in self._queue:
-            if c in members:
-                continue
-            reach = self._reach(c, self._blocks_in(self.planner.protocol(c), left))
-            if reach is None:
-                continue
-            try:
-                self.planner.predict(c, self.incumbent, self.planner.apply(self.incumbent, c))
-            except InfeasibleCandidate:
-                continue  # (recorded as such at its turn)
-            reaches.append((c, reach))
-        if reaches:
-            self._agreed([])  # (every rank judges rank 0's predictions)
-        self._beyond = {c.id for c, reach in reaches if self.planner.predict_ms(c) is not None
-                        and out_of_reach(self.planner.predict_ms(c), reach)}
-
-    def _reach(self, candidate: Candidate, blocks: int) -> Optional[float]:
-        """The smallest effect ``blocks`` blocks resolve for ``candidate`` at its region's noise
-        this round; None where the model's prediction cannot be judged against it: the region not
-        measured yet, a kernel clock (:data:`~lightning_sparselift.cost.decision.KERNEL_REGIONS`:
-        the model's kernel terms are 2-10x small there, and those quiet clocks decide at a first
-        look), no model, or too few blocks for a bound."""
-        protocol, rule = self.planner.protocol(candidate), self.planner.rule
-        clock = self._clocks.get(protocol.region)
-        if (clock is None or protocol.region in KERNEL_REGIONS or self.planner.model is None
-                or blocks < bounding_pairs(1 - rule.confidence)):
-            return None
-        return resolvable_ms(rule, blocks, -rule.min_gain_for(protocol.region) * clock.step_ms, clock.spread_ms)
 
     def _combine(self, graphs: dict[tuple[bool, ...], SparseGraph],
                  candidate: Candidate) -> Optional[dict[tuple[bool, ...], SparseGraph]]:
@@ -427,20 +307,20 @@ class PlanningLoop:
         """Whether ``candidate`` is infeasible on the incumbent, or futile before any step is spent
         on it (recorded either way): the round's earlier designs measured its region's noise, and
         at that noise the budget left would not resolve even :data:`PREDICTION_SLACK` times the
-        model's prediction on the incumbent (:meth:`_reach`). That is the design's own futility
-        rule judged on the prediction alone, so only where the model's terms hold within the
-        slack: whole steps and the sparse regions (collectives, overlap, copies), where a futile
+        model's prediction on the incumbent (:meth:`.RoundBudget.reach`). That is the design's own
+        futility rule judged on the prediction alone, so only where the model's terms hold within
+        the slack: whole steps and the sparse regions (collectives, overlap, copies), where a futile
         first look costs 20-50 steps (dlrm: next batch, merged input, two buckets, predicted -0.9
         to 0 ms on a 77 ms step)."""
         applied = self._apply(candidate)
         if applied is None:
             return True
-        blocks = self._blocks_left([candidate])
-        reach = self._reach(candidate, blocks)
+        blocks = self.budget.blocks_left(self._queue, [candidate], self.plan.calibration_steps)
+        reach = self.budget.reach(candidate, blocks)
         if reach is None:
             return False
         self.planner.predict(candidate, self.incumbent, applied)
-        self._agreed([])  # (every rank judges rank 0's prediction)
+        self.planner.agree(self.group, [])  # (every rank judges rank 0's prediction)
         predicted = self.planner.predict_ms(candidate)
         if predicted is None or not out_of_reach(predicted, reach):
             return False
@@ -448,7 +328,7 @@ class PlanningLoop:
         self._accepted[candidate.id] = False
         reason = (f"{FUTILE_BEFORE_MEASURING}: the model predicts {predicted:+.3f} ms; {PREDICTION_SLACK:g}x that does "
                   f"not reach the {reach:+.3f} ms that {blocks} pairs resolve at the {protocol.region} clock's noise "
-                  f"this round ({self._clocks[protocol.region].spread_ms:.3f} ms per pair)")
+                  f"this round ({self.budget.clocks[protocol.region].spread_ms:.3f} ms per pair)")
         self.plan.decisions.append(Decision(candidate.id, candidate.pass_name, candidate.module, candidate.role, True,
                                             [], predicted, None, None, False, reason))
         self.events.append(f"{candidate.id}: rejected, {reason}")

@@ -8,7 +8,9 @@ incumbent plan (or, without calibration, takes every feasible candidate).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch.distributed as dist
 
 from lightning_sparselift.cost.calibration import CalibrationProtocol, Measurement
 from lightning_sparselift.cost.decision import DecisionRule
@@ -96,6 +98,30 @@ class Planner:
         """0 for a pass that runs after no selected pass, else one more than those it runs after."""
         after = [a for a in self.passes[name].runs_after if a in self.passes]
         return 1 + max(self.stage(a) for a in after) if after else 0
+
+    def joins(self, head: Candidate, c: Candidate) -> bool:
+        """Whether ``c`` can be a factor of the design that ``head`` starts. A candidate measured on
+        the executor's sparse regions is measured alone: the other candidates' schedules change what
+        those regions hold (on dlrm, merged input collectives measured -3.3 ms there beside an early
+        start, whose lookups run inside them; about nil alone)."""
+        protocols = (self.protocol(head), self.protocol(c))
+        return (c is not head and head.follows is None and c.follows is None
+                and self.stage(head.pass_name) == self.stage(c.pass_name)
+                and protocols[0].settle_steps == protocols[1].settle_steps
+                and "sparse" not in (protocols[0].region, protocols[1].region))
+
+    def agree(self, group: Any, candidates: list[Candidate]) -> list[Candidate]:
+        """Rank 0's predictions, and its order of ``candidates``, on every rank (a collective over
+        ``group``). A prediction is floating-point arithmetic each rank does itself; should two
+        ranks' last bits differ, near-equal candidates would be ordered (and their designs seeded)
+        differently and the ranks would run different graphs in the same step."""
+        if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+            return candidates
+        payload = [self.predicted, [c.id for c in candidates]]
+        dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
+        self.predicted = payload[0]
+        by_id = {c.id: c for c in candidates}
+        return [by_id[i] for i in payload[1]]
 
     def predict(self, candidate: Candidate, before: SparseGraph, after: SparseGraph) -> Optional[float]:
         """The model's step increment of ``candidate`` applied to ``before`` (giving ``after``),
