@@ -23,7 +23,8 @@ from lightning_sparselift.runtime.codegen.lookup import TableBatchKernel, bucket
 from lightning_sparselift.runtime.codegen.spec import OPTIMIZERS
 
 # dims fbgemm allows (multiples of 4) but not of the 8-float vector, and one of more than 8 vectors of
-# 8 or 16 floats (the forward sums 8 vectors of a row at a time); table 1 is read by two features
+# 8 or 16 floats (the forward sums 8 vectors of a row at a time); table 1 is read by two features, and
+# its 1000 rows are many for its ~80 ids a step: its backward hashes them, the others' ids index their slots
 DIMS, ROWS, FEATURE_TABLE = [8, 4, 12, 276], [50, 1000, 31, 7], [0, 1, 1, 2, 3]
 BATCH = 16
 ROWS_WIDTH = 12  # rows per id (no pooling) have one width
@@ -169,6 +170,28 @@ def test_an_out_of_range_id_is_an_error_when_no_input_check_ran(buckets):
     ids[BATCH * 4 + 2] = ROWS[3]  # one past table 3's last row
     with pytest.raises(IndexError, match=f"id {ROWS[3]} at position {BATCH * 4 + 2}"):
         kernel(KeyedJaggedTensor(keys=[f"f{i}" for i in range(5)], values=ids, lengths=lengths))
+
+
+def test_a_backward_stopped_by_an_out_of_range_id_leaves_the_next_steps_bitwise_fbgemm():
+    reference, ours = _tbe("sgd", "sum"), _tbe("sgd", "sum")
+    kernel = _generated(ours, False, check_ids=True)
+    gen = torch.Generator().manual_seed(3)
+    kjt, ids, offsets, _ = _batch(gen, False, torch.int64)
+    grad = torch.randn(BATCH, sum(DIMS[t] for t in FEATURE_TABLE), generator=gen)
+    # a backward whose last id is one past table 3's rows stops there, after tables 0-2 took their
+    # slots (which the next steps must find free again); a zero gradient leaves the weights as they are
+    bad = kjt.values().clone()
+    bad[-1] = ROWS[3]
+    zero = torch.zeros(BATCH, sum(DIMS[t] for t in FEATURE_TABLE))
+    assert kernel.backward(BATCH, bad, kjt.offsets(), None, zero) == bad.numel() - 1
+    assert torch.equal(reference.weights_host, ours.weights_host)
+    for step in range(2):
+        kjt, ids, offsets, _ = _batch(gen, False, torch.int64)
+        expected = reference(ids, offsets)
+        expected.backward(grad)
+        got = kernel(kjt)
+        got.backward(grad)
+        assert torch.equal(expected, got) and torch.equal(reference.weights_host, ours.weights_host), f"step {step}"
 
 
 def _host_adam(pooling: str, lr: float, **kwargs):
