@@ -64,6 +64,7 @@ class ErrorRow:
     accepted: list[str]
     predicted_ms: float
     verified_ms: Optional[float]
+    verified_interval_ms: Optional[list[float]]
     bench_ms: float
 
     @property
@@ -73,9 +74,19 @@ class ErrorRow:
             return None
         return abs(self.predicted_ms - self.verified_ms) / abs(self.verified_ms)
 
+    @property
+    def inside(self) -> Optional[bool]:
+        """Whether the prediction lies inside the check's confidence interval (None: no interval).
+        The recorded checks' intervals are +-25% to +-170% of their estimates, so a relative error says
+        as much about the check as about the model."""
+        if self.verified_interval_ms is None:
+            return None
+        return self.verified_interval_ms[0] <= self.predicted_ms <= self.verified_interval_ms[1]
+
 
 def error_rows(runs: list[RecordedRun]) -> list[ErrorRow]:
-    return [ErrorRow(r.scenario, r.accepted, r.predicted_ms(), r.verified_ms, r.bench_ms) for r in runs]
+    return [ErrorRow(r.scenario, r.accepted, r.predicted_ms(), r.verified_ms, r.verified_interval_ms, r.bench_ms)
+            for r in runs]
 
 
 def median_error(rows: list[ErrorRow]) -> float:
@@ -84,12 +95,17 @@ def median_error(rows: list[ErrorRow]) -> float:
 
 
 def markdown(rows: list[ErrorRow]) -> str:
-    lines = ["| scenario | plan | predicted ms | steady-state check ms | error | bench side by side ms |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| scenario | plan | predicted ms | steady-state check ms | its interval ms | error "
+             "| bench side by side ms |", "|---|---|---|---|---|---|---|"]
     for row in rows:
         plan = ", ".join(c.split("@")[0] for c in row.accepted) or "identity"
         verified = f"{row.verified_ms:+.2f}" if row.verified_ms is not None else "-"
+        interval = ("-" if row.verified_interval_ms is None else
+                    f"[{row.verified_interval_ms[0]:+.2f}, {row.verified_interval_ms[1]:+.2f}]")
         error = f"{row.error:.0%}" if row.error is not None else "-"
-        lines.append(f"| {row.scenario} | {plan} | {row.predicted_ms:+.2f} | {verified} | {error} | {row.bench_ms:+.2f} |")
-    lines.append(f"\nmedian absolute error against the steady-state check: {median_error(rows):.0%}")
+        lines.append(f"| {row.scenario} | {plan} | {row.predicted_ms:+.2f} | {verified} | {interval} | {error} "
+                     f"| {row.bench_ms:+.2f} |")
+    checked = [row.inside for row in rows if row.inside is not None]
+    lines.append(f"\nmedian absolute error against the steady-state check: {median_error(rows):.0%}; "
+                 f"predictions inside the check's interval: {sum(checked)} of {len(checked)}")
     return "\n".join(lines)

@@ -19,6 +19,9 @@ FIXTURES = Path(__file__).parents[1] / "fixtures" / "step_model"
 # step, -26.2 [-59.4, +17.6], its worst row at 89%), and the sequence model's EmbeddingCollection
 # lookups are predicted ~0.5x what they measure
 MEDIAN_ERROR = 0.25
+# the predictions inside the check's 95% interval, as recorded: all but sequence's second run (its
+# EmbeddingCollection lookups, -4.42 predicted against [-17.50, -10.63])
+INSIDE_THE_CHECK = 7
 
 
 def _runs() -> list[RecordedRun]:
@@ -33,6 +36,7 @@ def test_the_model_predicts_the_chosen_plans_step_change_from_the_recorded_input
     rows = error_rows(_runs())
     print(markdown(rows))
     assert median_error(rows) <= MEDIAN_ERROR
+    assert sum(bool(row.inside) for row in rows) >= INSIDE_THE_CHECK
     for row in rows:
         if not row.accepted:  # the identity plan: nothing changes
             assert row.predicted_ms == 0.0 and row.verified_ms is None
