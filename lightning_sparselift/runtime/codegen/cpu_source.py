@@ -229,6 +229,7 @@ int64_t accumulate_slots(const I* ids, const O* offsets, const float* psw, const
   if (static_cast<int64_t>(s.rows.size()) < n) s.rows.resize(n);
   if (static_cast<int64_t>(s.acc.size()) < n * D) s.acc.resize(n * D);
   int64_t U = 0;
+  const int64_t last = offsets[f1 * B];
   auto done = [&](int64_t result) {
     if constexpr (DIRECT) {
       for (int64_t u = 0; u < U; ++u) s.slot_of[s.rows[u]] = -1;
@@ -246,6 +247,13 @@ int64_t accumulate_slots(const I* ids, const O* offsets, const float* psw, const
         const float* g = ROWS ? grad + p * TOTAL_D : bag;
         const int64_t id = ids[p];
         if (CHECK && (id < 0 || id >= nrows)) return done(-(p + 1));
+        if (p + PREFETCH < last) {  // the slot PREFETCH ids ahead: a random read, as a row is
+          const int64_t ahead = ids[p + PREFETCH];
+          if (ahead >= 0 && ahead < nrows) {
+            if constexpr (DIRECT) __builtin_prefetch(&s.slot_of[ahead], 1, 3);
+            else __builtin_prefetch(&s.entries[(slot_hash(ahead) >> 20) & mask], 1, 3);
+          }
+        }
         int64_t slot;
         bool first;
         if constexpr (DIRECT) {
