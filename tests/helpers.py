@@ -21,6 +21,17 @@ ONE_LOOK = {"calibration_confidence": 0.95, "calibration_max_pairs": 5, "calibra
 # what executor_in_use says once the lifted executor runs: a plan, or a planning round's trial plans
 # (a short run can end while calibrating)
 LIFTED = ("sparselift", "calibrating")
+# examples/own_model.py's default length: room for a cold cache's kernel builds (calibration waits
+# for them, up to kernel_builds.PATIENCE_S), the round's budget and the steady-state check
+FULL = 3700
+
+
+def assert_calibration_finished(decisions: list[dict[str, Any]]) -> None:
+    """The planning round ended inside the run: every feasible candidate decided, or left by the
+    round's calibration budget (a noisy host's), none by training's end."""
+    left = [f"{d['candidate']}: {d['reason']}" for d in decisions
+            if d["feasible"] and not d["decided"] and "the round's calibration budget" not in d["reason"]]
+    assert not left, "calibration did not finish:\n" + "\n".join(left)
 
 
 # what a worker prints when it aborts at interpreter exit (seen intermittently after training

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import FULL, assert_calibration_finished
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +22,7 @@ def test_train_dlrm_example(tmp_path, data_cache):
     assert (tmp_path / "ckpt" / "sparselift.meta.json").exists()
 
 
-@pytest.mark.parametrize("steps", [pytest.param(3700, marks=pytest.mark.slow, id="full"),
+@pytest.mark.parametrize("steps", [pytest.param(FULL, marks=pytest.mark.slow, id="full"),
                                    pytest.param(120, id="short")])
 def test_own_model_example(steps, tmp_path):
     # a user's own LightningModule, EBC, dataset and collate (no lightning_sparselift model or data),
@@ -37,9 +38,9 @@ def test_own_model_example(steps, tmp_path):
     for result in results:
         assert result["executor"] == "sparselift" and result["steps"] == steps and result["world_size"] == 2
         assert any(d["feasible"] for d in result["decisions"])
-        if steps == 3700:
-            assert all(d["decided"] for d in result["decisions"] if d["feasible"]), "calibration did not finish"
-    if steps == 3700:
+        if steps == FULL:
+            assert_calibration_finished(result["decisions"])
+    if steps == FULL:
         assert "latency_hiding:early_start@embeddings" in out.stdout  # the plan explained
     assert results[0]["decisions"] == results[1]["decisions"]
     assert results[0]["dense_checksum"] == results[1]["dense_checksum"]  # data-parallel dense part

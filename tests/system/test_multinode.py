@@ -18,7 +18,7 @@ import pytest
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from helpers import EXIT_ABORT, LIFTED, free_port
+from helpers import EXIT_ABORT, FULL, LIFTED, assert_calibration_finished, free_port
 import lightning_sparselift  # noqa: F401  (registers the strategy names)
 from lightning_sparselift import SparseLiftStrategy
 
@@ -147,7 +147,7 @@ def _stop(run: subprocess.Popen) -> None:
 
 # the example's full length (its default calibration finishes: ranks/test_user_models.py shows the
 # step count that takes), and a short run: every rank on the lifted executor, one plan for the job
-LENGTHS = [pytest.param(3700, marks=pytest.mark.slow, id="full"), pytest.param(120, id="short")]
+LENGTHS = [pytest.param(FULL, marks=pytest.mark.slow, id="full"), pytest.param(120, id="short")]
 HANG_GUARD_S = 1800  # a run that takes longer is stuck (3,700 steps took 140-450 s on 2-core machines)
 
 
@@ -192,8 +192,8 @@ def test_two_torchrun_nodes_train_the_own_model_example(steps, tmp_path):
         assert (report["rank"], report["node_rank"], report["world_size"]) == (rank, rank, 2)
         assert report["cluster_environment"] == "TorchElasticEnvironment"
         assert report["executor"] in LIFTED and report["steps"] == steps
-        if steps == 3700:
-            assert all(d["decided"] for d in report["decisions"] if d["feasible"]), "calibration did not finish"
+        if steps == FULL:
+            assert_calibration_finished(report["decisions"])
     # one plan for the job, and the data-parallel dense weights agree across the nodes
     assert reports[0]["decisions"] == reports[1]["decisions"]
     assert reports[0]["dense_checksum"] == reports[1]["dense_checksum"]
