@@ -123,7 +123,11 @@ class RoundBudget:
         look), no model, or too few blocks for a bound."""
         protocol, rule = self.planner.protocol(candidate), self.planner.rule
         clock = self.clocks.get(protocol.region)
-        if (clock is None or protocol.region in KERNEL_REGIONS or self.planner.model is None
-                or blocks < bounding_pairs(1 - rule.confidence)):
+        if clock is None or not self.judged(candidate) or blocks < bounding_pairs(1 - rule.confidence):
             return None
         return resolvable_ms(rule, blocks, -rule.min_gain_for(protocol.region) * clock.step_ms, clock.spread_ms)
+
+    def judged(self, candidate: Candidate) -> bool:
+        """Whether the model's prediction of ``candidate`` is judged before measuring: a model, and
+        a region whose terms hold within the slack (not a kernel clock, see :meth:`reach`)."""
+        return self.planner.model is not None and self.planner.protocol(candidate).region not in KERNEL_REGIONS

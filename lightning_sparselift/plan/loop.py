@@ -244,8 +244,10 @@ class PlanningLoop:
         blocks = self.budget.blocks_left(self._queue, [head], spent)
         if blocks < bounding_pairs(1 - rule.confidence):
             why = f"the round's calibration budget ({rule.max_steps} steps) is spent"
-            self.plan.decisions.extend(self.planner.undecided(c, why) for c in self._queue)
-            self._queue = []
+            queue, self._queue = self._queue, []
+            for c in queue:  # (those futile at any budget are decided as such)
+                if not (self._passed_over(c) or self._unreachable(c)):
+                    self.plan.decisions.append(self.planner.undecided(c, why))
             self._finish()
             return
         members, graphs = [head], {(False,): self.incumbent, (True,): self._apply(head)}
@@ -311,24 +313,28 @@ class PlanningLoop:
         futility rule judged on the prediction alone, so only where the model's terms hold within
         the slack: whole steps and the sparse regions (collectives, overlap, copies), where a futile
         first look costs 20-50 steps (dlrm: next batch, merged input, two buckets, predicted -0.9
-        to 0 ms on a 77 ms step)."""
+        to 0 ms on a 77 ms step). A prediction of no gain is out of reach before its clock is
+        measured, and when the round's budget is spent (the held-out two-tower's pipelined
+        buckets, predicted +0.5 to +5.5 ms, were left "not calibrated")."""
         applied = self._apply(candidate)
         if applied is None:
             return True
+        if not self.budget.judged(candidate):
+            return False
         blocks = self.budget.blocks_left(self._queue, [candidate], self.plan.calibration_steps)
         reach = self.budget.reach(candidate, blocks)
-        if reach is None:
-            return False
         self.planner.predict(candidate, self.incumbent, applied)
         self.planner.agree(self.group, [])  # (every rank judges rank 0's prediction)
         predicted = self.planner.predict_ms(candidate)
-        if predicted is None or not out_of_reach(predicted, reach):
+        # (a prediction of no gain is out of reach at any noise and any budget)
+        if predicted is None or not (out_of_reach(predicted, reach) if reach is not None else predicted >= 0):
             return False
         protocol = self.planner.protocol(candidate)
         self._accepted[candidate.id] = False
-        reason = (f"{FUTILE_BEFORE_MEASURING}: the model predicts {predicted:+.3f} ms; {PREDICTION_SLACK:g}x that does "
-                  f"not reach the {reach:+.3f} ms that {blocks} pairs resolve at the {protocol.region} clock's noise "
-                  f"this round ({self.budget.clocks[protocol.region].spread_ms:.3f} ms per pair)")
+        reason = f"{FUTILE_BEFORE_MEASURING}: the model predicts {predicted:+.3f} ms; " + (
+            f"{PREDICTION_SLACK:g}x that does not reach the {reach:+.3f} ms that {blocks} pairs resolve at the "
+            f"{protocol.region} clock's noise this round ({self.budget.clocks[protocol.region].spread_ms:.3f} ms per "
+            f"pair)" if reach is not None else "no gain to resolve at any noise")
         self.plan.decisions.append(Decision(candidate.id, candidate.pass_name, candidate.module, candidate.role, True,
                                             [], predicted, None, None, False, reason))
         self.events.append(f"{candidate.id}: rejected, {reason}")

@@ -465,6 +465,28 @@ def test_a_candidate_that_an_accepted_one_made_infeasible_is_recorded_not_applie
     assert loop.plan.graph.module(identity.modules[0].path).schedule.input_issue == "root_forward"  # not a step ahead
 
 
+def test_a_spent_budget_leaves_the_predicted_gains_undecided_and_decides_a_predicted_loss_futile():
+    from dataclasses import replace
+
+    identity = _identity()
+    fingerprint = PlanFingerprint(identity.fingerprint(), "sharding", 2, "gloo", {}, ALL)
+    loop = PlanningLoop(Planner(select_passes(ALL), step_model(identity), True, replace(RULE, max_steps=30)),
+                        fingerprint, identity, None)
+    loop.propose()
+    steps = _Steps()
+    while not loop.done:
+        loop.feedback(*steps(loop.next_graph()))
+    # early start's design takes 26 of the 30 steps; next batch and the merged input (predicted gains) get
+    # none; the merged output, predicted slower on top of the early start, is out of reach at any budget
+    assert [(d.role, d.accepted, d.decided) for d in loop.plan.decisions if d.feasible] == [
+        ("early_start", True, True), ("next_batch", False, False), ("input", False, False), ("output", False, True)]
+    assert [d.reason for d in loop.plan.decisions[1:3]] == ["not calibrated: the round's calibration budget (30 steps) "
+                                                            "is spent"] * 2
+    assert loop.plan.decisions[3].reason == ("futile before measuring: the model predicts +0.031 ms; no gain to "
+                                             "resolve at any noise")
+    assert loop.plan.calibration_steps == 26
+
+
 def _short_round(seed: int) -> PlanningLoop:
     """A round of 99 steps (a 300-step run's third) on noisy steps (sigma 6 ms; the sparse regions
     1 ms) where early start saves 6 ms: the first design keeps its 22 steps at first, the later
