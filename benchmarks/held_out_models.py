@@ -5,9 +5,11 @@ EmbeddingCollection sequence model. Each trains ``--steps`` steps on 2 CPU proce
 strategy's default options, ``executor="sparselift"`` against ``executor="torchrec"`` in
 alternating fits (S T T S ...: drift cancels), and reports per model whether calibration
 finished, the plan, and the ratio of the fits' training wall times (torchrec / sparselift: > 1
-means SparseLift's run was faster over the whole run, calibration included).
+means SparseLift's run was faster over the whole run, calibration included). ``--identity`` adds
+fits of the lifted identity plan (``optimizations=[]``: no priors, calibration or check), in the
+same alternation: what lifting alone costs against TorchRec's path.
 
-    python benchmarks/held_out_models.py [--steps 300] [--repeats 2] [--models deepfm,two_tower,dcn,sequence]
+    python benchmarks/held_out_models.py [--steps 300] [--repeats 2] [--models deepfm,two_tower,dcn,sequence] [--identity]
 """
 
 from __future__ import annotations
@@ -171,7 +173,11 @@ class _Report(L.Callback):
         self.path.write_text(json.dumps(report))
 
 
-def fit(name: str, executor: str, steps: int, cache: Path, out: Path, callbacks: tuple = ()) -> dict:
+# the systems a fit can run: the strategy's options beside the defaults
+SYSTEMS = {"sparselift": {}, "torchrec": {"executor": "torchrec"}, "identity": {"optimizations": []}}
+
+
+def fit(name: str, system: str, steps: int, cache: Path, out: Path, callbacks: tuple = ()) -> dict:
     model_class, rows, pooling = MODELS[name]
     dm = CriteoDataModule(batch_size=512, num_train=512 * 2 * steps, num_val=512, num_test=512,
                           rows_per_feature=rows, pooling_factors=pooling, length_distribution="poisson",
@@ -180,7 +186,7 @@ def fit(name: str, executor: str, steps: int, cache: Path, out: Path, callbacks:
     model = model_class(dm.feature_names, dm.table_sizes)
     trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=steps, limit_val_batches=0, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        strategy=SparseLiftStrategy(executor=executor, start_method="fork"),
+                        strategy=SparseLiftStrategy(start_method="fork", **SYSTEMS[system]),
                         callbacks=[_Report(out), *callbacks])
     trainer.fit(model, dm)
     return json.loads(out.read_text())
@@ -191,22 +197,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=2, help="pairs of fits per executor (S T T S ...)")
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--identity", action="store_true", help="also fit the lifted identity plan")
     parser.add_argument("--json", help="write every fit's report here")
     args = parser.parse_args()
+    systems = ("sparselift", "torchrec") + (("identity",) if args.identity else ())
     results: dict[str, list] = {}
     with tempfile.TemporaryDirectory() as folder:
         cache = Path(folder)
         for name in args.models.split(","):
             runs = []
             for k in range(args.repeats):
-                for executor in (("sparselift", "torchrec") if k % 2 == 0 else ("torchrec", "sparselift")):
-                    runs.append({"system": executor, **fit(name, executor, args.steps, cache, cache / "report.json")})
+                for system in (systems if k % 2 == 0 else systems[::-1]):
+                    runs.append({"system": system, **fit(name, system, args.steps, cache, cache / "report.json")})
             results[name] = runs
-            seconds = {e: [round(r["seconds"], 2) for r in runs if r["system"] == e] for e in ("sparselift", "torchrec")}
+            seconds = {e: [round(r["seconds"], 2) for r in runs if r["system"] == e] for e in systems}
             ratio = statistics.median(seconds["torchrec"]) / statistics.median(seconds["sparselift"])
             lifted = [r for r in runs if r["system"] == "sparselift"]
             print(f"{name}: torchrec / sparselift wall time over {args.steps} steps {ratio:.3f} "
-                  f"(sparselift {seconds['sparselift']} s, torchrec {seconds['torchrec']} s); calibration "
+                  f"(sparselift {seconds['sparselift']} s, torchrec {seconds['torchrec']} s"
+                  + (f"; identity plan {seconds['identity']} s, torchrec / identity "
+                     f"{statistics.median(seconds['torchrec']) / statistics.median(seconds['identity']):.3f}"
+                     if args.identity else "") + "); calibration "
                   f"{[r.get('calibration_steps') for r in lifted]} steps, finished {[r.get('finished') for r in lifted]}; "
                   f"accepted {[r.get('accepted') for r in lifted]}; not calibrated {[r.get('undecided') for r in lifted]}",
                   flush=True)
