@@ -246,7 +246,7 @@ class PlanningLoop:
             why = f"the round's calibration budget ({rule.max_steps} steps) is spent"
             queue, self._queue = self._queue, []
             for c in queue:  # (those futile at any budget are decided as such)
-                if not (self._passed_over(c) or self._unreachable(c)):
+                if not (self._passed_over(c) or self._unreachable(c, budget_spent=True)):
                     self.plan.decisions.append(self.planner.undecided(c, why))
             self._finish()
             return
@@ -305,7 +305,7 @@ class PlanningLoop:
             self.plan.decisions.append(self.planner.undecided(candidate, why))
         return True
 
-    def _unreachable(self, candidate: Candidate) -> bool:
+    def _unreachable(self, candidate: Candidate, budget_spent: bool = False) -> bool:
         """Whether ``candidate`` is infeasible on the incumbent, or futile before any step is spent
         on it (recorded either way): the round's earlier designs measured its region's noise, and
         at that noise the budget left would not resolve even :data:`PREDICTION_SLACK` times the
@@ -313,9 +313,10 @@ class PlanningLoop:
         futility rule judged on the prediction alone, so only where the model's terms hold within
         the slack: whole steps and the sparse regions (collectives, overlap, copies), where a futile
         first look costs 20-50 steps (dlrm: next batch, merged input, two buckets, predicted -0.9
-        to 0 ms on a 77 ms step). A prediction of no gain is out of reach before its clock is
-        measured, and when the round's budget is spent (the held-out two-tower's pipelined
-        buckets, predicted +0.5 to +5.5 ms, were left "not calibrated")."""
+        to 0 ms on a 77 ms step). Before its clock is measured a candidate is measured whatever the
+        prediction; once the round's budget is spent (``budget_spent``) a prediction of no gain,
+        out of reach at any noise, is decided futile rather than left "not calibrated" (the
+        held-out two-tower's pipelined buckets, predicted +0.5 to +5.5 ms)."""
         applied = self._apply(candidate)
         if applied is None:
             return True
@@ -323,10 +324,12 @@ class PlanningLoop:
             return False
         blocks = self.budget.blocks_left(self._queue, [candidate], self.plan.calibration_steps)
         reach = self.budget.reach(candidate, blocks)
+        if reach is None and not budget_spent:
+            return False
         self.planner.predict(candidate, self.incumbent, applied)
         self.planner.agree(self.group, [])  # (every rank judges rank 0's prediction)
         predicted = self.planner.predict_ms(candidate)
-        # (a prediction of no gain is out of reach at any noise and any budget)
+        # (with the budget spent, no reach: a prediction of no gain is out of reach at any noise)
         if predicted is None or not (out_of_reach(predicted, reach) if reach is not None else predicted >= 0):
             return False
         protocol = self.planner.protocol(candidate)
