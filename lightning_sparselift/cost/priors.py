@@ -80,11 +80,9 @@ def probe_sizes(graph_bytes: Sequence[int], most: int = _MOST_PROBES) -> list[in
 
 def measure_priors(group: Any, device: torch.device, sizes: Sequence[int] = _PROBE_BYTES) -> Priors:
     """Fit the priors on this machine: per size (bytes per member, e.g. :func:`probe_sizes` of
-    the graph's collectives), ``_PROBE_REPS`` all-to-alls back to back after a barrier and one
-    all-to-all that aligns the ranks (so a rank's time is the transfer, not its wait for the
-    others: a barrier before each one timed the same alpha here, 0.34 against 0.31 ms, in twice
-    the time, ~120 ms of a lift step), the median per rank and the slowest rank's; and one large
-    copy for the memory bandwidth."""
+    the graph's collectives), ``_PROBE_REPS`` all-to-alls, each after a barrier (so a rank's time is
+    the transfer, not its wait for the others), the median per rank and the slowest rank's; and
+    one large copy for the memory bandwidth."""
     start = time.perf_counter()
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     medians = []
@@ -92,9 +90,9 @@ def measure_priors(group: Any, device: torch.device, sizes: Sequence[int] = _PRO
         send = torch.zeros(max(nbytes // 4 // world, 1) * world, dtype=torch.float32, device=device)
         recv = torch.empty_like(send)
         times = []
-        if world > 1:
-            dist.barrier(group=group)
         for _ in range(_PROBE_REPS + 1):
+            if world > 1:
+                dist.barrier(group=group)
             t0 = time.perf_counter()
             if world > 1:
                 dist.all_to_all_single(recv, send, group=group)
