@@ -213,11 +213,11 @@ def main() -> None:
             seconds = {e: [round(r["seconds"], 2) for r in runs if r["system"] == e] for e in systems}
             ratio = statistics.median(seconds["torchrec"]) / statistics.median(seconds["sparselift"])
             lifted = [r for r in runs if r["system"] == "sparselift"]
+            identity = (f"; identity plan {seconds['identity']} s, torchrec / identity "
+                        f"{statistics.median(seconds['torchrec']) / statistics.median(seconds['identity']):.3f}"
+                        if args.identity else "")
             print(f"{name}: torchrec / sparselift wall time over {args.steps} steps {ratio:.3f} "
-                  f"(sparselift {seconds['sparselift']} s, torchrec {seconds['torchrec']} s"
-                  + (f"; identity plan {seconds['identity']} s, torchrec / identity "
-                     f"{statistics.median(seconds['torchrec']) / statistics.median(seconds['identity']):.3f}"
-                     if args.identity else "") + "); calibration "
+                  f"(sparselift {seconds['sparselift']} s, torchrec {seconds['torchrec']} s{identity}); calibration "
                   f"{[r.get('calibration_steps') for r in lifted]} steps, finished {[r.get('finished') for r in lifted]}; "
                   f"accepted {[r.get('accepted') for r in lifted]}; not calibrated {[r.get('undecided') for r in lifted]}",
                   flush=True)

@@ -145,8 +145,8 @@ def _stop(run: subprocess.Popen) -> None:
     run.wait()
 
 
-# the example's full length (its default calibration finishes: ranks/test_user_models.py shows the
-# step count that takes), and a short run: every rank on the lifted executor, one plan for the job
+# the example's full length (its default calibration finishes: helpers.FULL), and a short run:
+# every rank on the lifted executor, one plan for the job
 LENGTHS = [pytest.param(FULL, marks=pytest.mark.slow, id="full"), pytest.param(120, id="short")]
 HANG_GUARD_S = 1800  # a run that takes longer is stuck (3,700 steps took 140-450 s on 2-core machines)
 
