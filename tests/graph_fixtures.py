@@ -32,16 +32,23 @@ def load(name: str) -> SparseGraph:
 
 
 def generated(graph: SparseGraph) -> SparseGraph:
-    """As the session marks it once every rank built every group's generated kernel."""
+    """As the session marks it once every rank built every group's generated kernel, then the
+    kernels in buckets subgraph parallelism's rungs run."""
+    from lightning_sparselift.passes.subgraph_parallelism import SubgraphParallelism
+
     for module in graph.modules:
         for group in module.groups:
             group.lookup_kernels.append(GENERATED_KERNEL)
+    for path, regions in SubgraphParallelism().kernels_to_build(graph).items():
+        for region in regions:
+            graph.module(path).groups[region.groups[0]].built_buckets.append(region.buckets)
     return graph
 
 
-def four_tables_two_ranks() -> SparseGraph:
+def four_tables_two_ranks(kernels: bool = True) -> SparseGraph:
     """Two ranks of one thread each; g0 (table-wise) holds t0, t1 on rank 0 and t2, t3 on rank 1
-    (t_k's feature brings 4 * (k + 1) ids per step on each rank); g1 stays the column-wise t_c."""
+    (t_k's feature brings 4 * (k + 1) ids per step on each rank); g1 stays the column-wise t_c.
+    ``kernels``: its generated kernels built (as :func:`generated` marks them), else none yet."""
     graph = load("table_and_column_wise_2ranks")
     graph.threads_per_rank = [1, 1]
     module = graph.module(EBC)
@@ -55,7 +62,7 @@ def four_tables_two_ranks() -> SparseGraph:
     group.output_blocks = [[OutputBlock(f"t{k}", 4) for k in (2 * r, 2 * r + 1)] for r in range(2)]
     for stats in module.ids_per_step:
         stats.update({f"f{k}": 4.0 * (k + 1) for k in range(4)})
-    return generated(graph)
+    return generated(graph) if kernels else graph
 
 
 def step_model(identity: SparseGraph, alpha_ms: float = 0.05, beta_ms_per_byte: float = 1e-5,

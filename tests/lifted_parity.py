@@ -278,10 +278,19 @@ def install_forced(model: nn.Module, sharded: Any, capture: Any, world: int, dev
     graph.threads_per_rank = [2] * world
     installed = install(graph, model, dist.group.WORLD, device)
     if any(p.uses_generated_kernels for p in select_passes(list(optimizations))):
-        # built before the run, as a saved plan's are
-        builds: list = [None] * world
-        dist.all_gather_object(builds, installed.build_generated())
-        mark_generated(graph, [KernelBuild(rank=r, **b) for r, bs in enumerate(builds) for b in bs])
+        # built before the run, as the session builds them: the one-bucket kernels, then the
+        # kernels in buckets the passes ask for
+        def built(local: list) -> None:
+            builds: list = [None] * world
+            dist.all_gather_object(builds, local)
+            mark_generated(graph, [KernelBuild(rank=r, **b) for r, bs in enumerate(builds) for b in bs])
+
+        built(installed.build_generated())
+        wanted: dict = {}
+        for optimization in select_passes(list(optimizations)):
+            for path, regions in optimization.kernels_to_build(graph).items():
+                wanted.setdefault(path, []).extend(regions)
+        built(installed.build_lookups(wanted))
     for optimization in select_passes(list(optimizations)):
         for candidate in optimization.candidates(graph):
             if candidate.feasible and optimization.only in (None, {candidate.role}):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lightning_sparselift.kjt import describe_path
-from lightning_sparselift.ir.schedule import bucket_label
+from lightning_sparselift.ir.schedule import bucket_label, describe_buckets
 from lightning_sparselift.ir.steps import CollectiveNode
 from lightning_sparselift.ir.vocab import COLUMN_SHARDED, ROW_SHARDED
 
@@ -133,7 +133,7 @@ def _module(m: "LiftedModule") -> list[str]:
         if r.buckets:
             how = "pipelined" if any(g in split for g in r.groups) else "concurrent"
             lines.append(f"    {r.name} {bucket_label(r.groups)} in {len(r.buckets)} {how} buckets: "
-                         + " | ".join(",".join(b) for b in r.buckets))
+                         + describe_buckets(r.buckets))
     for g in m.groups:
         for name, note in sorted(g.lookup_notes.items()):
             lines.append(f"    g{g.index} has no {name} lookup kernel: {note}")

@@ -59,6 +59,8 @@ class ShardingGroup:
     # runtime built one everywhere), and why another one is not available; probed on the machine
     lookup_kernels: list[str] = field(default_factory=lambda: ["torchrec"])
     lookup_notes: dict[str, str] = field(default_factory=dict)
+    # the tables in buckets (subgraph parallelism's) a generated kernel was built for on every rank
+    built_buckets: list[list[list[str]]] = field(default_factory=list)
     # why this group keeps TorchRec's path ("": the executor runs it): its input distribution,
     # lookup and output distribution are then TorchRec's own modules of the group, called in the
     # executor's step (the layout fields above stay empty; the passes leave the group alone)

@@ -128,6 +128,11 @@ class ModuleSchedule:
         return self.inputs[0].issue if self.inputs else self.lookup_at
 
 
+def describe_buckets(buckets: list[list[str]]) -> str:
+    """A lookup's tables in buckets, as text: ``t0,t1 | t2``."""
+    return " | ".join(",".join(b) for b in buckets)
+
+
 def bucket_process_group(bucket: int) -> str:
     """The name of the process group a pipelined bucket's all-to-alls run on (the runtime
     creates it over the training's ranks when a schedule first names it)."""

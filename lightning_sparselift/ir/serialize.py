@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 # measured, probed on the machine or descriptive: not part of the structure
 _NOT_STRUCTURE = ("ids_per_step", "length_percentiles", "next_batch_note", "consumer_note", "output_kernels",
                   "output_notes", "input_kernels", "input_notes")
-_GROUP_NOT_STRUCTURE = ("lookup_kernels", "lookup_notes")
+_GROUP_NOT_STRUCTURE = ("lookup_kernels", "lookup_notes", "built_buckets")
 
 
 def _structure(module: Any) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from typing import Optional
 
 from lightning_sparselift.cost.calibration import CalibrationProtocol
 from lightning_sparselift.ir import LiftedModule, ScheduleError, SparseGraph, check_schedule
+from lightning_sparselift.ir.schedule import Region
 
 
 class InfeasibleCandidate(ValueError):
@@ -71,6 +72,13 @@ class OptimizationPass(ABC):
                 out.append(Candidate(self.name, f"{role}@{module.path}", module.path, role, not reasons, reasons,
                                      cost_inputs))
         return out
+
+    def kernels_to_build(self, graph: SparseGraph) -> dict[str, list[Region]]:
+        """By module: the generated lookup regions its feasible-but-for-them candidates would run
+        that ``graph`` has no kernel for yet, beyond the ones built from the lift on (a group's
+        one-bucket kernel). The session builds them off the training thread and records them in
+        the graph, after which those candidates are feasible."""
+        return {}
 
     def protocol_for(self, role: str) -> CalibrationProtocol:
         """How a candidate of ``role`` is calibrated (the pass's protocol unless a role needs another)."""

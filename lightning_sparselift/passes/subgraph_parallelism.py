@@ -12,7 +12,9 @@ Feasibility: the device offers the buckets concurrency: on CPU some rank runs mo
 one intra-op thread (``torch.get_num_threads()`` when captured: the buckets run on torch's OpenMP
 team, so with one thread they would run one after the other); on GPUs each bucket's Triton
 launches go to a CUDA stream of a small pool (see the Triton source). A group has a generated kernel
-on every rank (see the codegen pass), some rank holds at least two of its tables, and the workspace
+on every rank (see the codegen pass) and one for the rung's buckets (built off the training thread
+once the first is there: :meth:`SubgraphParallelism.kernels_to_build`, so a trial never waits for a
+compiler), some rank holds at least two of its tables, and the workspace
 the buckets hold at once fits the graph's ``workspace_budget_bytes``: on CPU each thread running a
 bucket keeps its own backward scratch (the generated kernel's, grown to the largest table it
 accumulated: up to 56 B + 4 B x dim per id), so G buckets on T threads hold min(G, T) of them where
@@ -45,7 +47,7 @@ from lightning_sparselift.cost.calibration import CalibrationProtocol
 from lightning_sparselift.ir import LiftedModule, SparseGraph
 from lightning_sparselift.ir.explain import human_bytes
 from lightning_sparselift.ir.graph import ShardingGroup, TableShard
-from lightning_sparselift.ir.schedule import GENERATED_KERNEL, bucket_process_group
+from lightning_sparselift.ir.schedule import GENERATED_KERNEL, Region, bucket_process_group, describe_buckets
 from lightning_sparselift.ir.vocab import ROW_SHARDED
 from lightning_sparselift.passes.base import Candidate, OptimizationPass
 
@@ -247,7 +249,38 @@ class SubgraphParallelism(OptimizationPass):
             reasons.append(f"g{g.index} ({g.sharding_type}): {why}")
         return out, reasons
 
+    def kernels_to_build(self, graph: SparseGraph) -> dict[str, list[Region]]:
+        # (every rung but for its kernels: the buckets of a rung that cannot run are not built)
+        out: dict[str, list[Region]] = {}
+        for module in graph.modules:
+            for role in self.roles:
+                reasons, _, buckets = self._rung(graph, module, role)
+                if reasons:
+                    continue
+                for index, tables in buckets.items():
+                    group = module.groups[index]
+                    wanted = Region("lookup", [index], GENERATED_KERNEL, buckets=tables)
+                    if (tables not in group.built_buckets and bucket_kernel(tables) not in group.lookup_notes
+                            and wanted not in out.get(module.path, [])):
+                        out.setdefault(module.path, []).append(wanted)
+        return out
+
     def check(self, graph: SparseGraph, module: LiftedModule, role: str) -> tuple[list[str], dict[str, float]]:
+        reasons, cost_inputs, buckets = self._rung(graph, module, role)
+        if not reasons:
+            for index, tables in buckets.items():
+                group = module.groups[index]
+                if tables not in group.built_buckets:
+                    reasons.append(f"g{index} ({group.sharding_type}): no generated lookup kernel in these "
+                                   f"{len(tables)} buckets: " + group.lookup_notes.get(
+                                       bucket_kernel(tables), "not built yet (the session builds it off the training "
+                                                              "thread once the group's one-bucket kernel is there)"))
+        return reasons, cost_inputs
+
+    def _rung(self, graph: SparseGraph, module: LiftedModule, role: str
+              ) -> tuple[list[str], dict[str, float], dict[int, list[list[str]]]]:
+        """Why ``role`` cannot apply to ``module`` but for its kernels in buckets, its cost inputs,
+        and per group, its buckets."""
         if _family(role) == PIPELINED:
             return self._check_pipelined(graph, module, _count(role))
         count = _count(role)
@@ -272,10 +305,10 @@ class SubgraphParallelism(OptimizationPass):
                        f"(a scratch per thread running one) than the workspace budget of {human_bytes(budget)} "
                        f"(workspace_budget_mb)"]
         return reasons, {"buckets": float(count), "groups": float(len(buckets)),
-                         "touched_bytes": module.touched_bytes(list(buckets)), "workspace_bytes": max(workspace)}
+                         "touched_bytes": module.touched_bytes(list(buckets)), "workspace_bytes": max(workspace)}, buckets
 
     def _check_pipelined(self, graph: SparseGraph, module: LiftedModule, count: int
-                         ) -> tuple[list[str], dict[str, float]]:
+                         ) -> tuple[list[str], dict[str, float], dict[int, list[list[str]]]]:
         buckets, reasons = self._pipelined(graph, module, count)
         if graph.world_size == 1:
             reasons = ["one rank: no all-to-all to pipeline"]
@@ -296,7 +329,7 @@ class SubgraphParallelism(OptimizationPass):
         exchanged = sum(max(_exchange_bytes(graph, module, module.groups[i])) / 2 for i in buckets)
         return reasons, {"buckets": float(count), "groups": float(len(buckets)),
                          "touched_bytes": module.touched_bytes(list(buckets)), "exchanged_bytes": exchanged,
-                         "workspace_bytes": max(workspace)}
+                         "workspace_bytes": max(workspace)}, buckets
 
     def rewrite(self, graph: SparseGraph, module: LiftedModule, candidate: Candidate) -> str:
         count, family = _count(candidate.role), _family(candidate.role)
@@ -310,6 +343,12 @@ class SubgraphParallelism(OptimizationPass):
                     e.split = [bucket_process_group(b) for b in range(len(groups))] if family == PIPELINED else []
         how = "concurrent buckets" if family == CONCURRENT else "pipelined buckets, each all-to-all on its own process group"
         return f"{module.path}: lookups of " + ", ".join(f"g{i} in {len(b)} {how}" for i, b in buckets.items())
+
+
+def bucket_kernel(buckets: list[list[str]]) -> str:
+    """The name of a group's generated kernel for its tables in ``buckets`` (where the graph's
+    ``lookup_notes`` say why there is none)."""
+    return f"{GENERATED_KERNEL} ({describe_buckets(buckets)})"
 
 
 def _split(module: LiftedModule, group: int) -> bool:

@@ -76,8 +76,9 @@ class Decision:
 @dataclass
 class KernelBuild:
     """One rank's generated lookup kernel for one sharding group (or a module's consumer layout
-    or input kernel): built from the lift on, on a thread of its own, or (its tables in buckets)
-    when the planner first ran a trial with those buckets, between steps."""
+    or input kernel), built on a thread of its own: from the lift on, or (its tables in buckets)
+    once the group's one-bucket kernel was there; a saved plan's kernels in buckets, when it is
+    installed."""
 
     module: str
     group: int  # or a module-wide kernel's: ir.schedule.OUTPUT_KERNEL_GROUP, INPUT_KERNEL_GROUP
@@ -86,6 +87,7 @@ class KernelBuild:
     seconds: float  # compile time (a cache hit: the load)
     cached: bool  # found in the kernel cache: nothing compiled
     buckets: int = 1  # its tables' concurrent buckets (subgraph parallelism)
+    tables: list[list[str]] = field(default_factory=list)  # those buckets' tables (buckets > 1)
 
 
 @dataclass
@@ -184,7 +186,7 @@ class ExecutionPlan:
         if self.step_model is not None:
             lines += self.step_model.explain()
         for when, built in (("from the lift on", [b for b in self.kernel_builds if not b.note and b.buckets == 1]),
-                            ("in buckets, between calibration steps",
+                            ("in buckets",
                              [b for b in self.kernel_builds if not b.note and b.buckets > 1])):
             if not built:
                 continue

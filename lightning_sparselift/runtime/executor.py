@@ -179,18 +179,30 @@ class ModuleExecutor:
         cannot be."""
         if region.kernel != GENERATED_KERNEL:
             return kernel("lookup", region.kernel)
-        key = (group, tuple(tuple(b) for b in region.buckets))
+        if not region.buckets or self._key(group, region.buckets) in self.generated:
+            return self.generated_lookup(group, region.buckets)
+        # (kernels in buckets not built off the training thread: e.g. a saved plan's, installed at once)
+        built = self.generated_lookup(group, region.buckets)
+        self.bucket_builds.append({"module": self.spec.path, "group": group, "buckets": len(region.buckets),
+                                   "tables": region.buckets, "note": "", "seconds": built.build_s,
+                                   "cached": built.cached})
+        return built
+
+    def generated_lookup(self, group: int, buckets: list[list[str]]) -> GeneratedLookup:
+        """Group ``group``'s generated lookup kernel for its tables in ``buckets`` ([]: one bucket),
+        built (or loaded from the cache) on first use and kept; :class:`Unsupported` when it
+        cannot be built. A thread of the session's may build it while training runs."""
+        key = self._key(group, buckets)
         if key not in self.generated:
             # ids are checked in the kernel only when no input check runs before it (never twice)
             checked = any(isinstance(h, InputCheck) for h in self.module._forward_pre_hooks.values())
-            built = self.generated[key] = GeneratedLookup(self.groups[group].lookup, self.spec.weighted,
-                                                          check_ids=not checked, numerics=self.numerics,
-                                                          buckets=region.buckets,
-                                                          buffers=self.buffers)
-            if region.buckets:
-                self.bucket_builds.append({"module": self.spec.path, "group": group, "buckets": len(region.buckets),
-                                           "note": "", "seconds": built.build_s, "cached": built.cached})
+            self.generated[key] = GeneratedLookup(self.groups[group].lookup, self.spec.weighted, check_ids=not checked,
+                                                  numerics=self.numerics, buckets=buckets, buffers=self.buffers)
         return self.generated[key]
+
+    @staticmethod
+    def _key(group: int, buckets: list[list[str]]) -> tuple[int, tuple[tuple[str, ...], ...]]:
+        return group, tuple(tuple(b) for b in buckets)
 
     def pipeline(self, group: int, region: Region, process_groups: list[str]) -> Pipeline:
         """Group ``group``'s lookup (its generated kernel for ``region``'s buckets) and output

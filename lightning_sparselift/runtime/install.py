@@ -16,6 +16,7 @@ from torch import nn
 from lightning_sparselift.kjt import resolve_features
 from lightning_sparselift.cost.calibration import RegionClock
 from lightning_sparselift.ir import SparseGraph
+from lightning_sparselift.ir.schedule import Region
 from lightning_sparselift.runtime.executor import ModuleExecutor
 from lightning_sparselift.runtime.update_guard import UpdateCheck
 
@@ -67,17 +68,25 @@ class InstalledExecutor:
         module's input kernel, before any plan uses one: per kernel, ``{"module", "group",
         "note"}`` ("" when built, else why not; ``group``: the sharding group, or
         ``OUTPUT_KERNEL_GROUP`` / ``INPUT_KERNEL_GROUP``), ``"seconds"`` and ``"cached"``."""
-        from lightning_sparselift.ir.schedule import GENERATED_KERNEL, INPUT_KERNEL_GROUP, OUTPUT_KERNEL_GROUP, Region
+        from lightning_sparselift.ir.schedule import INPUT_KERNEL_GROUP, OUTPUT_KERNEL_GROUP
 
         out = []
         for path, executor in self.executors.items():
-            builds = [(g.index, lambda i=g.index: executor.lookup_kernel(i, Region("lookup", [i], GENERATED_KERNEL)))
+            builds = [(g.index, lambda i=g.index: executor.generated_lookup(i, []))
                       for g in executor.spec.lifted_groups]
             if executor.spec.consumer is not None:
                 builds.append((OUTPUT_KERNEL_GROUP, lambda: executor.layout_kernel().built))
             builds.append((INPUT_KERNEL_GROUP, lambda: executor.input_kernel().built))
             out += [dict(module=path, group=group, **_built(make)) for group, make in builds]
         return out
+
+    def build_lookups(self, regions: dict[str, list[Region]]) -> list[dict[str, Any]]:
+        """Build (or load from the cache) the generated kernels of ``regions`` (by module: lookup
+        regions in buckets) on this rank: per kernel, as :meth:`build_generated`'s, with
+        ``"buckets"`` and ``"tables"`` (the region's buckets)."""
+        return [dict(module=path, group=r.groups[0], buckets=len(r.buckets), tables=r.buckets,
+                     **_built(lambda e=self.executors[path], r=r: e.generated_lookup(r.groups[0], r.buckets)))
+                for path, wanted in regions.items() for r in wanted]
 
     def torchrec_calls(self) -> int:
         """Calls of the lifted modules that ran TorchRec's path (the ranks' batch sizes differed)."""

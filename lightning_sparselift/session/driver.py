@@ -40,6 +40,7 @@ from lightning_sparselift.session.verify import PlanCheck, VerificationResult
 
 if TYPE_CHECKING:
     from lightning_sparselift.ir import SparseGraph
+    from lightning_sparselift.ir.schedule import Region
 
 # ``capture``: TorchRec's path, captured; ``plan``: a planning round calibrates on the lifted
 # executor; ``verify``: the installed plan is measured against the identity plan; ``done``: a plan
@@ -82,7 +83,8 @@ class SparseLiftSession:
         self.fallback_reason: Optional[str] = None
         self.lift_seconds, self.plan_reused = 0.0, False
         self.kernel_builds: list[KernelBuild] = []  # the generated kernels built since the lift, every rank's
-        self._builds: Optional[KernelBuilds] = None  # while they are being built
+        self.kernel_build_wait_s = 0.0  # the training thread's time spent waiting for them
+        self._builds: Optional[KernelBuilds] = None  # those being built (one batch at a time)
         self.kernel_wait_steps = 0  # training steps a planning round waited on for them (not calibration steps)
         self.time = CompilerTime()
         self.steps = 0  # training steps ended since the session began
@@ -238,14 +240,15 @@ class SparseLiftSession:
         self.installed.observe(self._observe)
         self.installed.guard_updates(self.before_update)
         if any(p.uses_generated_kernels for p in self.passes):
-            self._builds = KernelBuilds(self.installed)
+            self._builds = KernelBuilds(self.installed.build_generated)
         self.identity = graph
         self.events += lifting.describe(graph, self.options.capture_steps)
 
     def _admit_builds(self, wait_s: Optional[float]) -> None:
         """When every rank's kernel builds finished (waiting up to ``wait_s`` for this rank's; None:
-        until they finish): record them in the lifted graph and let a planning round in progress
-        propose their candidates. A collective: every rank calls it at the same step."""
+        until they finish): record them in the lifted graph, let a planning round in progress
+        propose their candidates and start the builds those imply (kernels in buckets). A
+        collective: every rank calls it at the same step."""
         if self._builds is None:
             return
         if not self._builds.ready(self.group, wait_s):
@@ -255,14 +258,33 @@ class SparseLiftSession:
                                   f"they arrive before it ends)")
             return
         builds, self._builds = self._builds, None
-        self.kernel_builds = builds.collect(self.group)
-        lifting.mark_generated(self.identity, self.kernel_builds)
-        self.events += lifting.describe_builds(self.kernel_builds, self.world, builds.waited_s)
-        self.metrics["sparselift/kernel_build_wait_s"] = builds.waited_s
+        built = builds.collect(self.group)
+        self.kernel_builds = self.kernel_builds + built
+        self.kernel_build_wait_s += builds.waited_s
+        lifting.mark_generated(self.identity, built)
+        self.events += lifting.describe_builds(built, self.world, builds.waited_s)
+        self.metrics["sparselift/kernel_build_wait_s"] = self.kernel_build_wait_s
         if self.loop is not None:
-            lifting.mark_generated(self.loop.incumbent, self.kernel_builds)
+            lifting.mark_generated(self.loop.incumbent, built)
             self.loop.plan.kernel_builds = self.kernel_builds
             self.loop.admit()
+            self._build_buckets()
+
+    def _build_buckets(self) -> None:
+        """Start building the lookup kernels in buckets the passes' candidates would run on the
+        graph being planned (unless a batch of builds is running, or none is wanted): the
+        candidates join the round once every rank has them, and no trial waits for a compiler."""
+        graph = self.identity if self.loop is None else self.loop.incumbent
+        wanted: dict[str, list[Region]] = {}
+        for optimization in self.passes:
+            for path, regions in optimization.kernels_to_build(graph).items():
+                wanted.setdefault(path, []).extend(r for r in regions if r not in wanted.get(path, []))
+        if self._builds is not None or not wanted:
+            return
+        installed = self.installed
+        self._builds = KernelBuilds(lambda: installed.build_lookups(wanted), awaited=False)
+        self.events.append(f"building {sum(map(len, wanted.values()))} generated lookup kernel(s) in buckets on a "
+                           f"thread of their own: their candidates join the round once every rank has them")
 
     # ------------------------------------------------------------------ plan
     def plan_again(self, reason: str, trigger: Optional[DriftEvent] = None) -> None:
@@ -328,10 +350,13 @@ class SparseLiftSession:
         # (from a warm cache the kernels load while the priors are measured: admitted now, the
         # first proposal has them and none is proposed again)
         self._admit_builds(0.0)
+        if not self.options.calibrate:  # (a round without calibration applies its buckets at once: built first)
+            self._build_buckets()
+            self._admit_builds(None)
         planner = Planner(self.passes, model, self.options.calibrate, self._round_rule())
         self.loop = PlanningLoop(planner, fingerprint, self.identity, self.group, self.events)
         self.loop.plan.kernel_builds = self.kernel_builds
-        self.loop.expecting = self._builds is not None
+        self.loop.expecting = self._builds is not None and self._builds.awaited
         if self.loop.expecting:
             self.events.append("the generated kernels are still building, on a thread of their own: calibration "
                                "starts once every rank has them (training goes on meanwhile)")
@@ -340,6 +365,7 @@ class SparseLiftSession:
         if self.loop.done:
             self._finish()
             return True
+        self._build_buckets()
         return False
 
     def _round_rule(self) -> DecisionRule:

@@ -1,18 +1,18 @@
-"""The generated kernels a lifted graph implies, built on a thread of their own from the lift on:
-a compiler process does not hold the GIL, so training goes on with the reference kernels
-meanwhile, and the planner admits the kernel candidates once every rank has its kernels."""
+"""The generated kernels a lifted graph implies, built on a thread of their own: from the lift on
+(every group's lookup, every module's layouts), then the lookups in buckets the passes' candidates
+would run. A compiler process does not hold the GIL, so training goes on with the reference
+kernels meanwhile, and the planner admits the kernel candidates once every rank has their kernels."""
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from lightning_sparselift.plan.types import KernelBuild
-from lightning_sparselift.runtime import InstalledExecutor
 from lightning_sparselift.session.ranks import gather
 
 # steps between two checks whether every rank's builds finished (one small all-reduce each)
@@ -24,11 +24,15 @@ PATIENCE_S = 120.0
 
 
 class KernelBuilds:
-    """Every generated kernel of ``installed`` (lookups, consumer layouts, input sides), built or
-    loaded from the cache on a background thread started here."""
+    """The generated kernels ``build`` builds or loads from the cache (its records, as
+    :meth:`~lightning_sparselift.runtime.InstalledExecutor.build_generated`'s), on a background
+    thread started here."""
 
-    def __init__(self, installed: InstalledExecutor) -> None:
-        self.installed = installed
+    def __init__(self, build: Callable[[], list[dict[str, Any]]], awaited: bool = True) -> None:
+        self.build = build
+        # a planning round waits for them before calibrating (the lift's: their candidates are
+        # the large ones), or calibrates meanwhile (kernels in buckets: a sweep's later rungs)
+        self.awaited = awaited
         self.started = time.perf_counter()
         self.waited_s = 0.0  # the training thread's time spent waiting for them
         self.seconds: Optional[float] = None  # from start to this rank's last build
@@ -40,7 +44,7 @@ class KernelBuilds:
 
     def _build(self) -> None:
         try:
-            self._local = self.installed.build_generated()
+            self._local = self.build()
         except BaseException as error:  # (raised on the training thread by collect())
             self._error = error
         self.seconds = time.perf_counter() - self.started

@@ -85,31 +85,42 @@ def bucket_builds(installed: InstalledExecutor, group: Any) -> list[KernelBuild]
 
 def describe_builds(builds: list[KernelBuild], world: int, waited_s: float) -> list[str]:
     built = [b for b in builds if not b.note]
-    return [f"generated kernels (lookups, output layouts, input sides): {len(built)} built on {world} rank(s), "
+    what = ("lookups in buckets" if all(b.tables for b in builds)
+            else "lookups, output layouts, input sides")
+    return [f"generated kernels ({what}): {len(built)} built on {world} rank(s), "
             f"{sum(b.cached for b in built)} from the cache, {max(b.seconds for b in built):.2f} s at most per "
             f"kernel, on a thread of their own; training waited {waited_s:.2f} s for them"] if built else []
 
 
 def mark_generated(graph: SparseGraph, builds: list[KernelBuild]) -> None:
-    """Record in ``graph`` which groups have a generated lookup kernel, and which modules a consumer
-    layout kernel and an input kernel, on every rank (``builds``: all ranks'), and why the others
-    have none."""
+    """Record in ``graph`` which groups have a generated lookup kernel (and in which buckets), and
+    which modules a consumer layout kernel and an input kernel, on every rank (``builds``: all
+    ranks'), and why the others have none."""
     from lightning_sparselift.ir.schedule import CONSUMER_KERNEL, GENERATED_KERNEL, INPUT_KERNEL_GROUP, \
         OUTPUT_KERNEL_GROUP
+    from lightning_sparselift.passes.subgraph_parallelism import bucket_kernel
 
-    def record(module_path: str, group: int, name: str, kernels: list[str], notes: dict[str, str]) -> None:
-        ranks = [b for b in builds if b.module == module_path and b.group == group]
+    def record(module_path: str, group: int, tables: list[list[str]], name: str, kernels: list[Any],
+               notes: dict[str, str], kernel: Any) -> None:
+        ranks = [b for b in builds if b.module == module_path and b.group == group and b.tables == tables]
         failed = [f"rank {b.rank}: {b.note}" for b in ranks if b.note]
         if failed:
             notes[name] = "; ".join(failed)
-        elif ranks and name not in kernels:
-            kernels.append(name)
+        elif ranks and kernel not in kernels:
+            kernels.append(kernel)
 
     for module in graph.modules:
-        record(module.path, OUTPUT_KERNEL_GROUP, CONSUMER_KERNEL, module.output_kernels, module.output_notes)
-        record(module.path, INPUT_KERNEL_GROUP, GENERATED_KERNEL, module.input_kernels, module.input_notes)
+        record(module.path, OUTPUT_KERNEL_GROUP, [], CONSUMER_KERNEL, module.output_kernels, module.output_notes,
+               CONSUMER_KERNEL)
+        record(module.path, INPUT_KERNEL_GROUP, [], GENERATED_KERNEL, module.input_kernels, module.input_notes,
+               GENERATED_KERNEL)
         for group in module.lifted_groups:
-            record(module.path, group.index, GENERATED_KERNEL, group.lookup_kernels, group.lookup_notes)
+            record(module.path, group.index, [], GENERATED_KERNEL, group.lookup_kernels, group.lookup_notes,
+                   GENERATED_KERNEL)
+            for tables in {tuple(map(tuple, b.tables)): b.tables for b in builds
+                           if b.module == module.path and b.group == group.index and b.tables}.values():
+                record(module.path, group.index, tables, bucket_kernel(tables), group.built_buckets,
+                       group.lookup_notes, tables)
 
 
 def describe(graph: SparseGraph, capture_steps: int) -> list[str]:

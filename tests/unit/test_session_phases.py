@@ -225,25 +225,37 @@ def test_the_strategy_says_calibrating_until_its_executor_runs_a_plan():
     assert strategy.executor_in_use == "sparselift"
 
 
-def _planning_while_building(optimizations: tuple[str, ...], release: Any) -> SparseLiftSession:
-    """A session in its planning round whose kernel builds take until ``release`` is set."""
+def _planning_while_building(optimizations: tuple[str, ...], release: Any, identity: Any = None,
+                             buckets_release: Any = None) -> SparseLiftSession:
+    """A session in its planning round whose kernel builds take until ``release`` is set (its
+    kernels in buckets: until ``buckets_release`` is)."""
     from lightning_sparselift.plan import Planner
     from lightning_sparselift.plan.loop import PlanningLoop
     from lightning_sparselift.session.kernel_builds import KernelBuilds
 
-    identity = load("table_and_column_wise_2ranks")
+    identity = identity or load("table_and_column_wise_2ranks")
 
     class Building(_FakeExecutor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bucket_requests: list[dict] = []
+
         def build_generated(self) -> list:
             release.wait(30)
             return [{"module": m.path, "group": g.index, "note": "", "seconds": 5.0, "cached": False}
                     for m in identity.modules for g in m.lifted_groups]
 
+        def build_lookups(self, regions: dict) -> list:
+            self.bucket_requests.append(regions)
+            buckets_release.wait(30)
+            return [{"module": path, "group": r.groups[0], "buckets": len(r.buckets), "tables": r.buckets, "note": "",
+                     "seconds": 5.0, "cached": False} for path, wanted in regions.items() for r in wanted]
+
     options = SessionOptions(optimizations=optimizations, verify_steps=0)
     session = SparseLiftSession(nn.Linear(1, 1), None, [], None, torch.device("cpu"), options)
     session.capture, session.identity = None, identity
     session.installed = Building()
-    session._builds = KernelBuilds(session.installed)
+    session._builds = KernelBuilds(session.installed.build_generated)
     session.loop = PlanningLoop(Planner(session.passes, None, True, options.decision_rule),
                                 unmeasured_plan(identity, []).fingerprint, identity, None, session.events)
     session.loop.expecting = True
@@ -286,6 +298,46 @@ def test_kernel_candidates_join_the_round_once_every_ranks_background_builds_are
         session.end_step()
     assert {d.candidate.split("@")[0] for d in session.plan.decisions if d.feasible} == {
         "latency_hiding:early_start", "codegen:lookup"}
+
+
+def test_kernels_in_buckets_are_built_off_the_training_thread_and_their_candidates_join_when_every_rank_has_them():
+    """Pipelined buckets run a kernel of their own: built on the session's thread once the group's
+    one-bucket kernel is there, while the round calibrates the rest; no trial waits for a compiler."""
+    import threading
+
+    from graph_fixtures import EBC, four_tables_two_ranks
+    from lightning_sparselift.session.kernel_builds import CHECK_EVERY
+
+    release, buckets_release = threading.Event(), threading.Event()
+    release.set()
+    session = _planning_while_building(("codegen:lookup", "subgraph_parallelism:pipelined2"), release,
+                                       four_tables_two_ranks(kernels=False), buckets_release)
+    (pipelined,) = [d for d in session.loop.plan.decisions if ":pipelined2@" in d.candidate]
+    assert any("none was built" in r for r in pipelined.reasons)
+    session._builds._thread.join(5)
+    while not session.loop.trials:  # (the one-bucket kernels admitted at the next check)
+        session.begin_step()
+        session.end_step()
+    # the buckets' kernel is building; the round calibrates the lookup kernel meanwhile
+    (wanted,) = session.installed.bucket_requests
+    assert [(r.groups, r.buckets) for r in wanted[EBC]] == [([0], [["t0", "t2"], ["t1", "t3"]])]
+    assert any(e.startswith("building 1 generated lookup kernel(s) in buckets") for e in session.events)
+    (pipelined,) = [d for d in session.loop.plan.decisions if ":pipelined2@" in d.candidate]
+    assert not pipelined.feasible and pipelined.reasons == [
+        "g0 (table_wise): no generated lookup kernel in these 2 buckets: not built yet (the session builds it off "
+        "the training thread once the group's one-bucket kernel is there)"]
+    assert [c.id.split("@")[0] for c in session.loop.trials] == ["codegen:lookup"]
+    buckets_release.set()
+    session._builds._thread.join(5)
+    for _ in range(CHECK_EVERY):
+        session.begin_step()
+        session.end_step()
+    assert session._builds is None
+    assert session.identity.module(EBC).groups[0].built_buckets == [[["t0", "t2"], ["t1", "t3"]]]
+    assert any(e.startswith("admitted 1 candidate(s) now feasible: subgraph_parallelism:pipelined2@")
+               for e in session.events)
+    assert [b.tables for b in session.kernel_builds if b.buckets > 1] == [[["t0", "t2"], ["t1", "t3"]]]
+    assert session.metrics["sparselift/kernel_build_wait_s"] < 1.0
 
 
 def test_a_round_stops_waiting_for_builds_past_the_patience_and_admits_them_when_they_come(monkeypatch):

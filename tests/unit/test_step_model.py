@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from graph_fixtures import EBC, ITEM, USER, four_tables_two_ranks, load, step_model
+from graph_fixtures import EBC, ITEM, USER, four_tables_two_ranks, generated, load, step_model
 from lightning_sparselift.ir import SparseGraph
 from lightning_sparselift.ir.graph import TableShard
 from lightning_sparselift.ir.schedule import GENERATED_KERNEL, INPUT_REGIONS
@@ -72,10 +72,9 @@ def _eight_tables(threads: int) -> SparseGraph:
     group.features_per_rank = [8]
     group.embedding_dims = [4] * 8
     group.embedding_names = [f"t{k}" for k in range(8)]
-    group.lookup_kernels.append(GENERATED_KERNEL)
     module.ids_per_step = [{f"f{k}": 100.0 for k in range(8)}]
     graph.threads_per_rank = [threads]
-    return graph
+    return generated(graph)
 
 
 @pytest.mark.parametrize("cores, threads, expected", [(1.0, 4, 1.0), (4.0, 4, 2.0), (4.0, 1, 1.0), (8.0, 8, 2.0)])

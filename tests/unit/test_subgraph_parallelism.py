@@ -332,3 +332,32 @@ def test_with_one_thread_per_rank_the_pipelined_rungs_are_measured_on_whole_step
     assert "every rank runs 1 intra-op thread" in decisions["buckets2"].reason
     assert not loop.plan.graph.module(EBC).schedule.outputs[0].split
     assert "reject     subgraph_parallelism:pipelined2" in loop.plan.explain()
+
+
+def test_the_kernels_in_buckets_are_asked_for_the_rungs_that_can_run_and_a_failed_build_says_why():
+    from lightning_sparselift.passes.subgraph_parallelism import bucket_kernel
+    from lightning_sparselift.session.lifting import mark_generated
+    from lightning_sparselift.plan.types import KernelBuild
+
+    sweep = SubgraphParallelism()
+    graph = four_tables_two_ranks(kernels=False)
+    assert sweep.kernels_to_build(graph) == {}  # (no one-bucket kernel yet: no rung can run)
+    for group in graph.module(EBC).groups:
+        group.lookup_kernels.append(GENERATED_KERNEL)
+    # one thread per rank: only the pipelined rungs; four tables over two ranks make two buckets at any G
+    wanted = sweep.kernels_to_build(graph)
+    assert [(r.groups, r.buckets) for r in wanted[EBC]] == [([0], [["t0", "t2"], ["t1", "t3"]])]
+    pipelined = [c for c in sweep.candidates(graph) if c.role == "pipelined2"][0]
+    assert not pipelined.feasible and "not built yet" in pipelined.reasons[0]
+    tables = wanted[EBC][0].buckets
+    built = graph.copy()
+    mark_generated(built, [KernelBuild(EBC, 0, r, "", 1.0, False, 2, tables) for r in range(2)])
+    assert built.module(EBC).groups[0].built_buckets == [tables] and sweep.kernels_to_build(built) == {}
+    assert [c for c in sweep.candidates(built) if c.role == "pipelined2"][0].feasible
+    mark_generated(graph, [KernelBuild(EBC, 0, 0, "", 1.0, False, 2, tables),
+                           KernelBuild(EBC, 0, 1, "the compiler failed", 0.0, False, 2, tables)])
+    assert graph.module(EBC).groups[0].lookup_notes[bucket_kernel(tables)] == "rank 1: the compiler failed"
+    assert sweep.kernels_to_build(graph) == {}  # (not asked again)
+    pipelined = [c for c in sweep.candidates(graph) if c.role == "pipelined2"][0]
+    assert pipelined.reasons == ["g0 (table_wise): no generated lookup kernel in these 2 buckets: "
+                                 "rank 1: the compiler failed"]
