@@ -13,7 +13,9 @@ one intra-op thread (``torch.get_num_threads()`` when captured: the buckets run 
 team, so with one thread they would run one after the other); on GPUs each bucket's Triton
 launches go to a CUDA stream of a small pool (see the Triton source). A group has a generated kernel
 on every rank (see the codegen pass) and one for the rung's buckets (built off the training thread
-once the first is there: :meth:`SubgraphParallelism.kernels_to_build`, so a trial never waits for a
+for the sweep's next rung once the first is there, and only for a rung the step-time model
+predicts a gain: :meth:`SubgraphParallelism.kernels_to_build`,
+:func:`lightning_sparselift.session.kernel_builds.buckets_to_build`; so a trial never waits for a
 compiler), some rank holds at least two of its tables, and the workspace
 the buckets hold at once fits the graph's ``workspace_budget_bytes``: on CPU each thread running a
 bucket keeps its own backward scratch (the generated kernel's, grown to the largest table it
@@ -255,7 +257,7 @@ class SubgraphParallelism(OptimizationPass):
         for module in graph.modules:
             for role in self.roles:
                 reasons, _, buckets = self._rung(graph, module, role)
-                if reasons:
+                if reasons or (self.only is not None and role not in self.only):
                     continue
                 for index, tables in buckets.items():
                     group = module.groups[index]
@@ -274,7 +276,8 @@ class SubgraphParallelism(OptimizationPass):
                     reasons.append(f"g{index} ({group.sharding_type}): no generated lookup kernel in these "
                                    f"{len(tables)} buckets: " + group.lookup_notes.get(
                                        bucket_kernel(tables), "not built yet (the session builds it off the training "
-                                                              "thread once the group's one-bucket kernel is there)"))
+                                                              "thread for a sweep's next rung, once the group's one-bucket "
+                                                              "kernel is there)"))
         return reasons, cost_inputs
 
     def _rung(self, graph: SparseGraph, module: LiftedModule, role: str

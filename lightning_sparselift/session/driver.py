@@ -36,11 +36,11 @@ from lightning_sparselift.runtime.update_guard import UpdateCheck, no_check
 from lightning_sparselift.session import drift, kernel_builds, lifting, plan_store
 from lightning_sparselift.session.compiler_time import CompilerTime
 from lightning_sparselift.session.kernel_builds import KernelBuilds
+from lightning_sparselift.session.ranks import gather
 from lightning_sparselift.session.verify import PlanCheck, VerificationResult
 
 if TYPE_CHECKING:
     from lightning_sparselift.ir import SparseGraph
-    from lightning_sparselift.ir.schedule import Region
 
 # ``capture``: TorchRec's path, captured; ``plan``: a planning round calibrates on the lifted
 # executor; ``verify``: the installed plan is measured against the identity plan; ``done``: a plan
@@ -85,6 +85,7 @@ class SparseLiftSession:
         self.kernel_builds: list[KernelBuild] = []  # the generated kernels built since the lift, every rank's
         self.kernel_build_wait_s = 0.0  # the training thread's time spent waiting for them
         self._builds: Optional[KernelBuilds] = None  # those being built (one batch at a time)
+        self._buckets_asked_on: Optional[SparseGraph] = None  # the graph kernels in buckets were last asked for
         self.kernel_wait_steps = 0  # training steps a planning round waited on for them (not calibration steps)
         self.time = CompilerTime()
         self.steps = 0  # training steps ended since the session began
@@ -171,8 +172,9 @@ class SparseLiftSession:
                 return False
             self.kernel_wait_steps += self.loop.waiting
             self.loop.feedback(**regions)
-            if self._builds is not None and self.steps % kernel_builds.CHECK_EVERY == 0:
+            if self.steps % kernel_builds.CHECK_EVERY == 0:
                 self._admit_builds(0.0)
+                self._build_buckets()  # (a rung accepted: the next one's kernel)
             if self.loop.done:
                 self._finish()
                 return True
@@ -271,20 +273,34 @@ class SparseLiftSession:
             self._build_buckets()
 
     def _build_buckets(self) -> None:
-        """Start building the lookup kernels in buckets the passes' candidates would run on the
-        graph being planned (unless a batch of builds is running, or none is wanted): the
-        candidates join the round once every rank has them, and no trial waits for a compiler."""
+        """Start building the lookup kernels in buckets the passes' candidates would run next on
+        the graph being planned (see :func:`.kernel_builds.buckets_to_build`; rank 0's choice on
+        every rank), unless a batch of builds runs or that graph was asked already: the
+        candidates join the round once every rank has them, so no trial waits for a compiler. A
+        collective: every rank calls it at the same step."""
+        from lightning_sparselift.passes.subgraph_parallelism import bucket_kernel
+
         graph = self.identity if self.loop is None else self.loop.incumbent
-        wanted: dict[str, list[Region]] = {}
-        for optimization in self.passes:
-            for path, regions in optimization.kernels_to_build(graph).items():
-                wanted.setdefault(path, []).extend(r for r in regions if r not in wanted.get(path, []))
-        if self._builds is not None or not wanted:
+        if self._builds is not None or graph is self._buckets_asked_on:
             return
-        installed = self.installed
-        self._builds = KernelBuilds(lambda: installed.build_lookups(wanted), awaited=False)
-        self.events.append(f"building {sum(map(len, wanted.values()))} generated lookup kernel(s) in buckets on a "
-                           f"thread of their own: their candidates join the round once every rank has them")
+        self._buckets_asked_on = graph
+        wanted = kernel_builds.buckets_asked(self.passes, graph)
+        if not wanted:  # (the same on every rank: no collective)
+            return
+        model = None if self.loop is None else self.loop.planner.model
+        accepted = set() if self.loop is None else {d.candidate for d in self.loop.plan.accepted}
+        wanted, declined = gather(kernel_builds.buckets_to_build(self.passes, graph, wanted, model, accepted),
+                                  self.group)[0]
+        for path, region, why in declined:
+            for marked in {id(g): g for g in (self.identity, graph)}.values():
+                marked.module(path).groups[region.groups[0]].lookup_notes[bucket_kernel(region.buckets)] = why
+        if declined and self.phase == "plan":
+            self.loop.admit()  # (proposed already: those rungs' reasons now say why)
+        if wanted:
+            installed = self.installed
+            self._builds = KernelBuilds(lambda: installed.build_lookups(wanted), awaited=False)
+            self.events.append(f"building {sum(map(len, wanted.values()))} generated lookup kernel(s) in buckets on "
+                               f"a thread of their own: their candidates join the round once every rank has them")
 
     # ------------------------------------------------------------------ plan
     def plan_again(self, reason: str, trigger: Optional[DriftEvent] = None) -> None:
@@ -360,12 +376,12 @@ class SparseLiftSession:
         if self.loop.expecting:
             self.events.append("the generated kernels are still building, on a thread of their own: calibration "
                                "starts once every rank has them (training goes on meanwhile)")
+        self._build_buckets()  # (before the first proposal: the rungs it declines say why there)
         self.phase = "plan"
         self.loop.propose(since=start)
         if self.loop.done:
             self._finish()
             return True
-        self._build_buckets()
         return False
 
     def _round_rule(self) -> DecisionRule:

@@ -12,6 +12,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_sparselift.cost.step_model import StepModel
+from lightning_sparselift.ir import SparseGraph
+from lightning_sparselift.ir.schedule import Region
+from lightning_sparselift.passes import InfeasibleCandidate, OptimizationPass
 from lightning_sparselift.plan.types import KernelBuild
 from lightning_sparselift.session.ranks import gather
 
@@ -75,3 +79,66 @@ class KernelBuilds:
         if errors:
             raise RuntimeError(f"building the generated kernels failed: {'; '.join(errors)}") from self._error
         return [KernelBuild(rank=rank, **b) for rank, (local, _) in enumerate(outcomes) for b in local]
+
+
+def buckets_asked(passes: list[OptimizationPass], graph: SparseGraph) -> dict[str, list[Region]]:
+    """The kernels in buckets ``passes`` ask for on ``graph``, by module (the same on every rank:
+    the graph is)."""
+    wanted: dict[str, list[Region]] = {}
+    for optimization in passes:
+        for path, regions in optimization.kernels_to_build(graph).items():
+            wanted.setdefault(path, []).extend(r for r in regions if r not in wanted.get(path, []))
+    return wanted
+
+
+def buckets_to_build(passes: list[OptimizationPass], graph: SparseGraph, wanted: dict[str, list[Region]],
+                     model: Optional[StepModel], accepted: set[str]
+                     ) -> tuple[dict[str, list[Region]], list[tuple[str, Region, str]]]:
+    """Of ``wanted`` (:func:`buckets_asked`), the kernels a candidate would run next: a sweep's
+    first rung, or the rung after an accepted one (``accepted``: candidate ids), predicted a gain
+    by ``model`` (without a model, every one: a round without calibration applies them at once).
+    And the others predicted no gain: (module, region, why it is not built). A build costs
+    seconds of CPU per rank beside training (two ranks on two cores: a two-tower run of 9.7 s took
+    14.9 with its four kernels in buckets compiling), so no kernel is built for a rung the model
+    expects to lose; the rung is then infeasible with that reason."""
+    if model is None:
+        return wanted, []
+    built = graph.copy()  # (as if every kernel asked for were there: the rungs that run them apply)
+    for path, regions in wanted.items():
+        for region in regions:
+            built.module(path).groups[region.groups[0]].built_buckets.append(region.buckets)
+    best: dict[tuple[str, int], tuple[float, str]] = {}  # per asked kernel: the best rung's increment
+    for optimization in passes:
+        # (predicted on top of what the pass builds on, e.g. the generated kernel in one bucket:
+        # the rung's own effect, not that kernel's as well)
+        base = built
+        for before in passes:
+            if before.name in optimization.runs_after:
+                for c in before.candidates(base):
+                    if c.feasible and c.follows is None:
+                        try:
+                            base = before.apply(base, c)
+                        except InfeasibleCandidate:
+                            pass
+        candidates = [c for c in optimization.candidates(base)
+                      if optimization.only is None or c.role in optimization.only]
+        selected = {c.id for c in candidates}  # (a rung selected without the one before it stands alone)
+        for c in candidates:
+            if not c.feasible or (c.follows in selected and c.follows not in accepted) or c.module not in wanted:
+                continue
+            after = optimization.apply(base, c)
+            runs = [k for k, r in enumerate(wanted[c.module]) if r in after.module(c.module).schedule.regions]
+            if runs:
+                increment = model.increment_ms(base, after)
+                for k in runs:
+                    if (c.module, k) not in best or increment < best[(c.module, k)][0]:
+                        best[(c.module, k)] = (increment, c.id)
+    build: dict[str, list[Region]] = {}
+    declined = []
+    for (path, k), (increment, candidate) in sorted(best.items()):
+        if increment < 0:
+            build.setdefault(path, []).append(wanted[path][k])
+        else:
+            declined.append((path, wanted[path][k], f"not built: the step-time model predicts {increment:+.3f} ms for "
+                                                    f"{candidate} (a kernel in buckets is built for a predicted gain)"))
+    return build, declined

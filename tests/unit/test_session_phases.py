@@ -325,7 +325,7 @@ def test_kernels_in_buckets_are_built_off_the_training_thread_and_their_candidat
     (pipelined,) = [d for d in session.loop.plan.decisions if ":pipelined2@" in d.candidate]
     assert not pipelined.feasible and pipelined.reasons == [
         "g0 (table_wise): no generated lookup kernel in these 2 buckets: not built yet (the session builds it off "
-        "the training thread once the group's one-bucket kernel is there)"]
+        "the training thread for a sweep's next rung, once the group's one-bucket kernel is there)"]
     assert [c.id.split("@")[0] for c in session.loop.trials] == ["codegen:lookup"]
     buckets_release.set()
     session._builds._thread.join(5)

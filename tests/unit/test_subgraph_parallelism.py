@@ -361,3 +361,28 @@ def test_the_kernels_in_buckets_are_asked_for_the_rungs_that_can_run_and_a_faile
     pipelined = [c for c in sweep.candidates(graph) if c.role == "pipelined2"][0]
     assert pipelined.reasons == ["g0 (table_wise): no generated lookup kernel in these 2 buckets: "
                                  "rank 1: the compiler failed"]
+
+
+def test_a_kernel_in_buckets_is_built_for_the_next_rung_of_a_sweep_and_only_for_a_predicted_gain():
+    import types
+
+    from lightning_sparselift.session.kernel_builds import buckets_asked, buckets_to_build
+
+    graph = _eight_tables()
+    graph.threads_per_rank = [2]
+    graph.module(EBC).groups[0].built_buckets.clear()  # (the one-bucket kernel built, none in buckets yet)
+    passes = select_passes(["codegen", "subgraph_parallelism:buckets2", "subgraph_parallelism:buckets4"])
+    gains = types.SimpleNamespace(increment_ms=lambda before, after: -1.0)
+    wanted, declined = buckets_to_build(passes, graph, buckets_asked(passes, graph), gains, accepted=set())
+    # the sweep starts at two buckets: four are tried only after two were accepted
+    assert [len(r.buckets) for r in wanted[EBC]] == [2] and declined == []
+    wanted, _ = buckets_to_build(passes, graph, buckets_asked(passes, graph), gains,
+                                 accepted={f"subgraph_parallelism:buckets2@{EBC}"})
+    assert [len(r.buckets) for r in wanted[EBC]] == [2, 4]
+    loses = types.SimpleNamespace(increment_ms=lambda before, after: 0.5)
+    wanted, declined = buckets_to_build(passes, graph, buckets_asked(passes, graph), loses, accepted=set())
+    assert wanted == {} and [(path, len(r.buckets), why) for path, r, why in declined] == [
+        (EBC, 2, f"not built: the step-time model predicts +0.500 ms for subgraph_parallelism:buckets2@{EBC} (a kernel "
+                 f"in buckets is built for a predicted gain)")]
+    # without a model (a round without calibration applies every rung at once): every rung's
+    assert [len(r.buckets) for r in buckets_asked(passes, graph)[EBC]] == [2, 4]
