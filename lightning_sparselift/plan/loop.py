@@ -95,6 +95,12 @@ class PlanningLoop:
         return self._design is None and not self.done
 
     @property
+    def graphs(self) -> list[SparseGraph]:
+        """The incumbent and the graphs of the design in progress (one of which becomes the
+        incumbent): what records a fact of the machine in the graph (e.g. kernels built) marks."""
+        return [self.incumbent, *self._graphs.values()]
+
+    @property
     def trials(self) -> list[Candidate]:
         """The candidates the design in progress varies."""
         return list(self._round)

@@ -267,7 +267,8 @@ class SparseLiftSession:
         self.events += lifting.describe_builds(built, self.world, builds.waited_s)
         self.metrics["sparselift/kernel_build_wait_s"] = self.kernel_build_wait_s
         if self.loop is not None:
-            lifting.mark_generated(self.loop.incumbent, built)
+            for graph in self.loop.graphs:
+                lifting.mark_generated(graph, built)
             self.loop.plan.kernel_builds = self.kernel_builds
             self.loop.admit()
             self._build_buckets()
@@ -292,7 +293,7 @@ class SparseLiftSession:
         wanted, declined = gather(kernel_builds.buckets_to_build(self.passes, graph, wanted, model, accepted),
                                   self.group)[0]
         for path, region, why in declined:
-            for marked in {id(g): g for g in (self.identity, graph)}.values():
+            for marked in {id(g): g for g in [self.identity, *([] if self.loop is None else self.loop.graphs)]}.values():
                 marked.module(path).groups[region.groups[0]].lookup_notes[bucket_kernel(region.buckets)] = why
         if declined and self.phase == "plan":
             self.loop.admit()  # (proposed already: those rungs' reasons now say why)

@@ -312,6 +312,13 @@ def test_kernels_in_buckets_are_built_off_the_training_thread_and_their_candidat
     release.set()
     session = _planning_while_building(("codegen:lookup", "subgraph_parallelism:pipelined2"), release,
                                        four_tables_two_ranks(kernels=False), buckets_release)
+    # a step that runs the generated lookup takes 5 ms, others 10: the lookup kernel is accepted
+    # from a design that was running when the kernels in buckets arrived
+    generated = lambda: any(r.kernel == "generated" for m in session.installed.used[-1].modules  # noqa: E731
+                            for r in m.schedule.regions if r.name == "lookup")
+    type(session.installed).clock = property(lambda self: types.SimpleNamespace(start_step=lambda: None, end_step=lambda: {
+        k: 5.0 if generated() else 10.0 for k in ("step_ms", "sparse_ms", "lookup_ms", "lookup_wall_ms", "step_cpu_ms",
+                                                  "input_ms", "exchange_cpu_ms")}))
     (pipelined,) = [d for d in session.loop.plan.decisions if ":pipelined2@" in d.candidate]
     assert any("none was built" in r for r in pipelined.reasons)
     session._builds._thread.join(5)
@@ -338,6 +345,13 @@ def test_kernels_in_buckets_are_built_off_the_training_thread_and_their_candidat
                for e in session.events)
     assert [b.tables for b in session.kernel_builds if b.buckets > 1] == [[["t0", "t2"], ["t1", "t3"]]]
     assert session.metrics["sparselift/kernel_build_wait_s"] < 1.0
+    while session.phase == "plan":
+        session.begin_step()
+        session.end_step()
+    decisions = {d.candidate.split("@")[0]: d for d in session.plan.decisions}
+    assert decisions["codegen:lookup"].accepted
+    # (measured on the incumbent the lookup kernel's design became, which has the kernels too)
+    assert decisions["subgraph_parallelism:pipelined2"].measured_ms is not None
 
 
 def test_a_round_stops_waiting_for_builds_past_the_patience_and_admits_them_when_they_come(monkeypatch):
