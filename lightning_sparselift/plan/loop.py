@@ -114,11 +114,11 @@ class PlanningLoop:
         in that step (the incumbent while the loop waits for candidates)."""
         return self.incumbent if self._design is None else self._graphs[self._design.next_assignment()]
 
-    def admit(self) -> None:
+    def admit(self, more: bool = False) -> None:
         """Propose again on the incumbent (the graph now holds what new candidates need, e.g. built
         kernels): feasible candidates not proposed feasible before join the queue (their earlier
         infeasible decisions dropped), those still infeasible keep the new proposal's reasons; the
-        loop no longer waits for more."""
+        loop waits for more (:attr:`expecting`) when ``more`` says they are coming."""
         known = {c.id for c in self._queue} | set(self._accepted)
         feasible, rejected = self.planner.propose(self.incumbent)
         feasible = self.planner.agree(self.group, feasible)
@@ -131,7 +131,7 @@ class PlanningLoop:
         self._queue += new
         if new:
             self.events.append(f"admitted {len(new)} candidate(s) now feasible: {', '.join(sorted(admitted))}")
-        self.expecting = False
+        self.expecting = more
         if self._design is None and not self.done:
             self._next_round()
 

@@ -174,7 +174,8 @@ class SparseLiftSession:
             self.loop.feedback(**regions)
             if self.steps % kernel_builds.CHECK_EVERY == 0:
                 self._admit_builds(0.0)
-                self._build_buckets()  # (a rung accepted: the next one's kernel)
+                if self.loop is not None and self._build_buckets():  # (a rung accepted: the next one's kernel)
+                    self.loop.admit(more=self.loop.expecting)
             if self.loop.done:
                 self._finish()
                 return True
@@ -270,24 +271,28 @@ class SparseLiftSession:
             for graph in self.loop.graphs:
                 lifting.mark_generated(graph, built)
             self.loop.plan.kernel_builds = self.kernel_builds
-            self.loop.admit()
-            self._build_buckets()
+            self._build_buckets(awaited=builds.awaited)
+            self.loop.admit(more=self._builds is not None and self._builds.awaited)
 
-    def _build_buckets(self) -> None:
+    def _build_buckets(self, awaited: bool = False) -> bool:
         """Start building the lookup kernels in buckets the passes' candidates would run next on
         the graph being planned (see :func:`.kernel_builds.buckets_to_build`; rank 0's choice on
         every rank), unless a batch of builds runs or that graph was asked already: the
-        candidates join the round once every rank has them, so no trial waits for a compiler. A
-        collective: every rank calls it at the same step."""
+        candidates join the round once every rank has them, so no trial waits for a compiler.
+        ``awaited``: the round waits for them, as for the lift's (a compile beside a design's
+        steps made the demo's early start undecided: 10.3 ms of noise per pair against 8.9);
+        a sweep's later rung is built while the round goes on. True when rungs were declined
+        (a round that proposed already proposes again: their reasons say why). A collective:
+        every rank calls it at the same step."""
         from lightning_sparselift.passes.subgraph_parallelism import bucket_kernel
 
         graph = self.identity if self.loop is None else self.loop.incumbent
         if self._builds is not None or graph is self._buckets_asked_on:
-            return
+            return False
         self._buckets_asked_on = graph
         wanted = kernel_builds.buckets_asked(self.passes, graph)
         if not wanted:  # (the same on every rank: no collective)
-            return
+            return False
         model = None if self.loop is None else self.loop.planner.model
         accepted = set() if self.loop is None else {d.candidate for d in self.loop.plan.accepted}
         wanted, declined = gather(kernel_builds.buckets_to_build(self.passes, graph, wanted, model, accepted),
@@ -295,13 +300,12 @@ class SparseLiftSession:
         for path, region, why in declined:
             for marked in {id(g): g for g in [self.identity, *([] if self.loop is None else self.loop.graphs)]}.values():
                 marked.module(path).groups[region.groups[0]].lookup_notes[bucket_kernel(region.buckets)] = why
-        if declined and self.phase == "plan":
-            self.loop.admit()  # (proposed already: those rungs' reasons now say why)
         if wanted:
             installed = self.installed
-            self._builds = KernelBuilds(lambda: installed.build_lookups(wanted), awaited=False)
+            self._builds = KernelBuilds(lambda: installed.build_lookups(wanted), awaited=awaited)
             self.events.append(f"building {sum(map(len, wanted.values()))} generated lookup kernel(s) in buckets on "
                                f"a thread of their own: their candidates join the round once every rank has them")
+        return bool(declined)
 
     # ------------------------------------------------------------------ plan
     def plan_again(self, reason: str, trigger: Optional[DriftEvent] = None) -> None:
@@ -368,16 +372,16 @@ class SparseLiftSession:
         # first proposal has them and none is proposed again)
         self._admit_builds(0.0)
         if not self.options.calibrate:  # (a round without calibration applies its buckets at once: built first)
-            self._build_buckets()
+            self._build_buckets(awaited=True)
             self._admit_builds(None)
         planner = Planner(self.passes, model, self.options.calibrate, self._round_rule())
         self.loop = PlanningLoop(planner, fingerprint, self.identity, self.group, self.events)
         self.loop.plan.kernel_builds = self.kernel_builds
+        self._build_buckets(awaited=True)  # (before the first proposal: the rungs it declines say why there)
         self.loop.expecting = self._builds is not None and self._builds.awaited
         if self.loop.expecting:
             self.events.append("the generated kernels are still building, on a thread of their own: calibration "
                                "starts once every rank has them (training goes on meanwhile)")
-        self._build_buckets()  # (before the first proposal: the rungs it declines say why there)
         self.phase = "plan"
         self.loop.propose(since=start)
         if self.loop.done:

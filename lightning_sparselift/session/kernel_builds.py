@@ -35,7 +35,8 @@ class KernelBuilds:
     def __init__(self, build: Callable[[], list[dict[str, Any]]], awaited: bool = True) -> None:
         self.build = build
         # a planning round waits for them before calibrating (the lift's: their candidates are
-        # the large ones), or calibrates meanwhile (kernels in buckets: a sweep's later rungs)
+        # the large ones; a sweep's first rungs: a compile beside a design's steps adds to its
+        # noise), or calibrates meanwhile (a sweep's later rungs)
         self.awaited = awaited
         self.started = time.perf_counter()
         self.waited_s = 0.0  # the training thread's time spent waiting for them
