@@ -135,7 +135,10 @@ class ExecutorReport(L.Callback):
                   "decisions": [[d.candidate, d.accepted, d.decided or not d.feasible]
                                 for d in plan.decisions]
                   if plan else None,
-                  "measured": [d.candidate for d in plan.decisions if d.measured_ms is not None] if plan else None}
+                  "measured": [d.candidate for d in plan.decisions if d.measured_ms is not None] if plan else None,
+                  # (as assert_calibration_finished reads them: the feasible candidates left undecided, why)
+                  "left": [{"candidate": d.candidate, "reason": d.reason, "feasible": d.feasible, "decided": d.decided}
+                           for d in plan.decisions if d.feasible and not d.decided] if plan else None}
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / f"report{trainer.global_rank}.json").write_text(json.dumps(report))
 
