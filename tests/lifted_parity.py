@@ -264,6 +264,7 @@ def install_forced(model: nn.Module, sharded: Any, capture: Any, world: int, dev
     from lightning_sparselift.plan.types import KernelBuild
     from lightning_sparselift.runtime import install
     from lightning_sparselift.session import mark_generated
+    from lightning_sparselift.session.kernel_builds import buckets_asked
 
     dmp = sharded.dmp
     captured = gather_captures(capture.result())
@@ -286,11 +287,7 @@ def install_forced(model: nn.Module, sharded: Any, capture: Any, world: int, dev
             mark_generated(graph, [KernelBuild(rank=r, **b) for r, bs in enumerate(builds) for b in bs])
 
         built(installed.build_generated())
-        wanted: dict = {}
-        for optimization in select_passes(list(optimizations)):
-            for path, regions in optimization.kernels_to_build(graph).items():
-                wanted.setdefault(path, []).extend(regions)
-        built(installed.build_lookups(wanted))
+        built(installed.build_lookups(buckets_asked(select_passes(list(optimizations)), graph)))
     for optimization in select_passes(list(optimizations)):
         for candidate in optimization.candidates(graph):
             if candidate.feasible and optimization.only in (None, {candidate.role}):

@@ -264,15 +264,19 @@ class SparseLiftSession:
         built = builds.collect(self.group)
         self.kernel_builds = self.kernel_builds + built
         self.kernel_build_wait_s += builds.waited_s
-        lifting.mark_generated(self.identity, built)
+        for graph in self._marked_graphs():
+            lifting.mark_generated(graph, built)
         self.events += lifting.describe_builds(built, self.world, builds.waited_s)
         self.metrics["sparselift/kernel_build_wait_s"] = self.kernel_build_wait_s
         if self.loop is not None:
-            for graph in self.loop.graphs:
-                lifting.mark_generated(graph, built)
             self.loop.plan.kernel_builds = self.kernel_builds
             self._build_buckets(awaited=builds.awaited)
             self.loop.admit(more=self._builds is not None and self._builds.awaited)
+
+    def _marked_graphs(self) -> list[SparseGraph]:
+        """The graphs that record what this machine built: the lifted graph and the planning
+        round's (its incumbent may be the lifted graph: marking is idempotent)."""
+        return [self.identity, *([] if self.loop is None else self.loop.graphs)]
 
     def _build_buckets(self, awaited: bool = False) -> bool:
         """Start building the lookup kernels in buckets the passes' candidates would run next on
@@ -298,7 +302,7 @@ class SparseLiftSession:
         wanted, declined = gather(kernel_builds.buckets_to_build(self.passes, graph, wanted, model, accepted),
                                   self.group)[0]
         for path, region, why in declined:
-            for marked in {id(g): g for g in [self.identity, *([] if self.loop is None else self.loop.graphs)]}.values():
+            for marked in self._marked_graphs():
                 marked.module(path).groups[region.groups[0]].lookup_notes[bucket_kernel(region.buckets)] = why
         if wanted:
             installed = self.installed
